@@ -1,0 +1,45 @@
+# Two commands do everything on a fresh machine: `make test` and `make demo`.
+# Prerequisites: Python >= 3.10, Java 17+, Maven (see README.md).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+AGL := $(BIN)/agl-stream
+
+.PHONY: venv jars test lint typecheck demo bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Resolves the Apache Kafka server jars from Maven Central with Maven (cached).
+jars: venv
+	$(AGL) kafka jars
+
+# The test suite starts its own broker on free ports in a temporary folder and stops it
+# (tests/conftest.py); set AGL_KAFKA_BOOTSTRAP to run it against an existing cluster.
+test: venv jars
+	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/pytest -q -p no:cacheprovider
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+# The main job: starts a local stack in .agl/demo, runs it, stops everything it started.
+demo: venv jars
+	$(AGL) --data-dir .agl/demo demo
+
+bench: venv jars
+	$(BIN)/python benchmarks/pipeline.py
+
+clean:
+	rm -rf $(VENV) .agl .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,3 @@
+from agl_stream.cli import main
+
+main()

@@ -1,0 +1,71 @@
+"""The ``agl-stream`` command. Each role or tool is a sub-command; see ``agl-stream --help``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from agl_stream.config import Settings, load_settings
+from agl_stream.errors import AglError
+from agl_stream.logs import configure_logging
+
+app = typer.Typer(
+    name="agl-stream",
+    help=(
+        "Agent Lightning as an event-sourced pipeline over Apache Kafka.\n\n"
+        "Every setting can also come from an AGL_* environment variable (see the README's "
+        "Settings table); flags win over the environment."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Local state folder (env AGL_DATA_DIR).")] = None,  # noqa: UP045
+    bootstrap: Annotated[Optional[str], typer.Option(help="Use this Kafka cluster instead of the local broker (env AGL_KAFKA_BOOTSTRAP).")] = None,  # noqa: UP045
+    topic_prefix: Annotated[Optional[str], typer.Option(help="Topic name prefix (env AGL_TOPIC_PREFIX).")] = None,  # noqa: UP045
+    clickhouse_url: Annotated[Optional[str], typer.Option(help="ClickHouse server URL; unset = embedded chDB (env AGL_CLICKHOUSE_URL).")] = None,  # noqa: UP045
+    log_level: Annotated[Optional[str], typer.Option(help="DEBUG, INFO, WARNING or ERROR (env AGL_LOG_LEVEL).")] = None,  # noqa: UP045
+    log_format: Annotated[Optional[str], typer.Option(help="console or json (env AGL_LOG_FORMAT).")] = None,  # noqa: UP045
+) -> None:
+    try:
+        settings = load_settings(
+            data_dir=data_dir,
+            kafka_bootstrap=bootstrap,
+            topic_prefix=topic_prefix,
+            clickhouse_url=clickhouse_url,
+            log_level=log_level,
+            log_format=log_format,
+        )
+    except Exception as exc:  # pydantic's ValidationError lists every bad field
+        raise typer.BadParameter(str(exc)) from exc
+    configure_logging(settings.log_level, settings.log_format)
+    ctx.obj = settings
+
+
+def settings_of(ctx: typer.Context) -> Settings:
+    """The settings the root command built from flags and environment."""
+    obj = ctx.find_root().obj
+    assert isinstance(obj, Settings)
+    return obj
+
+
+def _register() -> None:
+    # Imported here so each sub-command module can import `app`/`settings_of` from this one.
+    from agl_stream.cli import commands
+
+    commands.register(app)
+
+
+def main() -> None:
+    _register()
+    try:
+        app()
+    except AglError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise SystemExit(1) from exc

@@ -1,0 +1,54 @@
+"""Typed errors. Every error a caller can act on says what to do about it."""
+
+from __future__ import annotations
+
+
+class AglError(Exception):
+    """Base class of every error agl-stream raises on purpose."""
+
+
+class ConfigError(AglError):
+    """A setting is missing or invalid."""
+
+
+class PrerequisiteError(AglError):
+    """A tool the local stack needs (Java, Maven) is missing or too old."""
+
+
+class BrokerError(AglError):
+    """The local Kafka broker could not be started, reached or stopped."""
+
+
+class CodecError(AglError):
+    """Bytes could not be decoded into a known record, or a record could not be encoded."""
+
+
+class NotSingleObjectEncodedError(CodecError):
+    """The bytes do not start with the Avro single-object marker (C3 01)."""
+
+
+class UnknownFingerprintError(CodecError):
+    """The writer schema's fingerprint is not in the schema registry."""
+
+    def __init__(self, fingerprint: int) -> None:
+        self.fingerprint = fingerprint
+        super().__init__(
+            f"unknown writer schema fingerprint {fingerprint:#018x}: the producer used a schema "
+            "this reader does not know; upgrade agl-stream or add the schema to schemas/history"
+        )
+
+
+class MalformedRecordError(CodecError):
+    """The body is truncated or is not valid Avro for its writer schema."""
+
+
+class RecordTypeError(CodecError):
+    """The record decoded fine but is not of the type the caller expected."""
+
+
+class SchemaCompatibilityError(AglError):
+    """A schema change would break readers or writers of existing data."""
+
+
+class TopicError(AglError):
+    """Topic declarations are invalid, or the cluster disagrees with them."""

@@ -1,0 +1,1 @@
+"""agl-stream consumers (see DESIGN.md's layout table)."""

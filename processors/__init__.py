@@ -1,0 +1,1 @@
+"""agl-stream processors (see DESIGN.md's layout table)."""

@@ -1,0 +1,1 @@
+"""agl-stream producers (see DESIGN.md's layout table)."""
