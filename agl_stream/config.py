@@ -35,49 +35,76 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AGL_", extra="forbid", frozen=True)
 
     # -- local state -------------------------------------------------------------------------
-    data_dir: Path = Field(default_factory=_default_data_dir, description="Local state: broker data, embedded ClickHouse, pid files.")
+    data_dir: Path = Field(
+        default_factory=_default_data_dir, description="Local state: broker data, embedded ClickHouse, pid files."
+    )
 
     # -- Kafka -------------------------------------------------------------------------------
-    kafka_bootstrap: str | None = Field(None, description="Bootstrap servers of an existing cluster. When set, agl-stream starts no broker.")
+    kafka_bootstrap: str | None = Field(
+        None, description="Bootstrap servers of an existing cluster. When set, agl-stream starts no broker."
+    )
     kafka_host: str = Field("127.0.0.1", description="Address the local broker binds to.")
     kafka_port: int = Field(9092, ge=1, le=65535, description="Client port of the local broker.")
     kafka_controller_port: int = Field(9093, ge=1, le=65535, description="KRaft controller port of the local broker.")
     kafka_heap: str = Field("512m", description="JVM heap (-Xmx) of the local broker.")
-    kafka_libs_dir: Path = Field(default_factory=_default_kafka_libs_dir, description="Where Maven puts the Kafka server jars.")
-    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field("PLAINTEXT", description="Security protocol for every Kafka client.")
-    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"] | None = Field(None, description="SASL mechanism.")
+    kafka_libs_dir: Path = Field(
+        default_factory=_default_kafka_libs_dir, description="Where Maven puts the Kafka server jars."
+    )
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="Security protocol for every Kafka client."
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"] | None = Field(
+        None, description="SASL mechanism."
+    )
     kafka_sasl_username: str | None = Field(None, description="SASL user name.")
     kafka_sasl_password: SecretStr | None = Field(None, description="SASL password.")
     kafka_ssl_cafile: Path | None = Field(None, description="CA bundle that signs the brokers' certificates.")
     kafka_ssl_certfile: Path | None = Field(None, description="Client certificate (mutual TLS).")
     kafka_ssl_keyfile: Path | None = Field(None, description="Client private key (mutual TLS).")
     kafka_ssl_password: SecretStr | None = Field(None, description="Password of the client private key.")
-    topic_prefix: str = Field("agl", pattern=r"^[A-Za-z0-9._-]+$", description="Prefix of every topic name, so projects can share a cluster.")
-    replication_factor: int | None = Field(None, ge=1, description="Replication of created topics; default: the declaration's, capped at the broker count.")
+    topic_prefix: str = Field(
+        "agl", pattern=r"^[A-Za-z0-9._-]+$", description="Prefix of every topic name, so projects can share a cluster."
+    )
+    replication_factor: int | None = Field(
+        None, ge=1, description="Replication of created topics; default: the declaration's, capped at the broker count."
+    )
 
     # -- producer tuning (passed to aiokafka) ----------------------------------------------------
     producer_linger_ms: int = Field(5, ge=0, description="How long the producer waits to fill a batch.")
-    producer_max_batch_size: int = Field(1 << 20, ge=1024, description="Largest producer batch per partition, in bytes.")
-    producer_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field("lz4", description="Producer compression codec.")
+    producer_max_batch_size: int = Field(
+        1 << 20, ge=1024, description="Largest producer batch per partition, in bytes."
+    )
+    producer_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        "lz4", description="Producer compression codec."
+    )
     producer_max_request_size: int = Field(4 << 20, ge=1024, description="Largest produce request, in bytes.")
 
     # -- ClickHouse --------------------------------------------------------------------------
-    clickhouse_url: str | None = Field(None, description="http(s)://host:port of a ClickHouse server. Unset: the embedded engine (chDB) under data_dir.")
+    clickhouse_url: str | None = Field(
+        None,
+        description="http(s)://host:port of a ClickHouse server. Unset: the embedded engine (chDB) under data_dir.",
+    )
     clickhouse_user: str = Field("default", description="ClickHouse user (server only).")
     clickhouse_password: SecretStr | None = Field(None, description="ClickHouse password (server only).")
-    clickhouse_database: str = Field("agl", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Database holding agl-stream's tables.")
+    clickhouse_database: str = Field(
+        "agl", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Database holding agl-stream's tables."
+    )
     clickhouse_verify_tls: bool = Field(True, description="Verify the server certificate on https.")
     clickhouse_ca_cert: Path | None = Field(None, description="CA bundle for the ClickHouse server certificate.")
 
     # -- logging -----------------------------------------------------------------------------
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
-    log_format: Literal["console", "json"] = Field("console", description="Log rendering: console for people, json for log pipelines.")
+    log_format: Literal["console", "json"] = Field(
+        "console", description="Log rendering: console for people, json for log pipelines."
+    )
 
     @field_validator("clickhouse_url")
     @classmethod
     def _check_clickhouse_url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError("AGL_CLICKHOUSE_URL must start with http:// or https:// (unset it for the embedded engine)")
+            raise ValueError(
+                "AGL_CLICKHOUSE_URL must start with http:// or https:// (unset it for the embedded engine)"
+            )
         return value
 
     # -- derived values ----------------------------------------------------------------------
@@ -100,6 +127,18 @@ class Settings(BaseSettings):
     @property
     def uses_embedded_clickhouse(self) -> bool:
         return self.clickhouse_url is None
+
+    def as_env(self) -> dict[str, str]:
+        """These settings as AGL_* variables, so a child process sees the same configuration."""
+        env = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            env[f"AGL_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+        return env
 
     def topic(self, name: str) -> str:
         """Full topic name: ``topic("rollouts")`` -> ``agl.rollouts``."""
@@ -126,7 +165,9 @@ class Settings(BaseSettings):
         }
         if self.kafka_security_protocol.startswith("SASL"):
             if self.kafka_sasl_mechanism is None:
-                raise ConfigError(f"AGL_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs AGL_KAFKA_SASL_MECHANISM")
+                raise ConfigError(
+                    f"AGL_KAFKA_SECURITY_PROTOCOL={self.kafka_security_protocol} needs AGL_KAFKA_SASL_MECHANISM"
+                )
             options["sasl_mechanism"] = self.kafka_sasl_mechanism
             options["sasl_plain_username"] = self.kafka_sasl_username
             options["sasl_plain_password"] = (

@@ -27,21 +27,39 @@ app = typer.Typer(
 def _root(
     ctx: typer.Context,
     data_dir: Annotated[Optional[Path], typer.Option(help="Local state folder (env AGL_DATA_DIR).")] = None,  # noqa: UP045
-    bootstrap: Annotated[Optional[str], typer.Option(help="Use this Kafka cluster instead of the local broker (env AGL_KAFKA_BOOTSTRAP).")] = None,  # noqa: UP045
+    bootstrap: Annotated[
+        str | None,
+        typer.Option(help="Use this Kafka cluster instead of the local broker (env AGL_KAFKA_BOOTSTRAP)."),
+    ] = None,
     topic_prefix: Annotated[Optional[str], typer.Option(help="Topic name prefix (env AGL_TOPIC_PREFIX).")] = None,  # noqa: UP045
-    clickhouse_url: Annotated[Optional[str], typer.Option(help="ClickHouse server URL; unset = embedded chDB (env AGL_CLICKHOUSE_URL).")] = None,  # noqa: UP045
+    clickhouse_url: Annotated[
+        str | None, typer.Option(help="ClickHouse server URL; unset = embedded chDB (env AGL_CLICKHOUSE_URL).")
+    ] = None,
     log_level: Annotated[Optional[str], typer.Option(help="DEBUG, INFO, WARNING or ERROR (env AGL_LOG_LEVEL).")] = None,  # noqa: UP045
     log_format: Annotated[Optional[str], typer.Option(help="console or json (env AGL_LOG_FORMAT).")] = None,  # noqa: UP045
+    set_: Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option(
+            "--set", metavar="NAME=VALUE", help="Any other setting, e.g. --set producer_linger_ms=20 (repeatable)."
+        ),
+    ] = None,
 ) -> None:
+    extra: dict[str, str] = {}
+    for item in set_ or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set expects NAME=VALUE, got {item!r}")
+        extra[name.strip().lower().removeprefix("agl_")] = value
     try:
-        settings = load_settings(
-            data_dir=data_dir,
-            kafka_bootstrap=bootstrap,
-            topic_prefix=topic_prefix,
-            clickhouse_url=clickhouse_url,
-            log_level=log_level,
-            log_format=log_format,
-        )
+        named = {
+            "data_dir": data_dir,
+            "kafka_bootstrap": bootstrap,
+            "topic_prefix": topic_prefix,
+            "clickhouse_url": clickhouse_url,
+            "log_level": log_level,
+            "log_format": log_format,
+        }
+        settings = load_settings(**{**extra, **{k: v for k, v in named.items() if v is not None}})
     except Exception as exc:  # pydantic's ValidationError lists every bad field
         raise typer.BadParameter(str(exc)) from exc
     configure_logging(settings.log_level, settings.log_format)

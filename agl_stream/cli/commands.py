@@ -6,4 +6,16 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    from agl_stream.cli.kafka_cmd import kafka_app
+
+    app.add_typer(kafka_app, name="kafka", help="The local Kafka broker: jars, start, stop, status")
+
+    from agl_stream.cli.clickhouse_cmd import clickhouse_app
+    from agl_stream.cli.demo_cmd import demo
+    from agl_stream.cli.roles_cmd import sink
+    from agl_stream.cli.topics_cmd import topics_app
+
+    app.add_typer(topics_app, name="topics", help="Create the declared topics and report drift")
+    app.add_typer(clickhouse_app, name="clickhouse", help="ClickHouse schema migrations")
+    app.command("sink")(sink)
+    app.command("demo")(demo)

@@ -1,0 +1,32 @@
+"""``agl-stream clickhouse``: schema migrations and a quick look at the tables."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+from agl_stream.cli import settings_of
+from agl_stream.clickhouse.client import get_client
+from agl_stream.clickhouse.migrations import migrate
+
+clickhouse_app = typer.Typer(no_args_is_help=True)
+console = Console()
+
+
+@clickhouse_app.command("migrate")
+def migrate_cmd(ctx: typer.Context) -> None:
+    """Apply pending DDL migrations from infra/clickhouse (idempotent).
+
+    With the embedded engine this process must be the only one that has the data dir open:
+    stop the sink / gateway first.
+    """
+    settings = settings_of(ctx)
+    client = get_client(settings)
+    try:
+        applied = migrate(client, settings.clickhouse_database)
+    finally:
+        client.close()
+    if not applied:
+        console.print("[dim]up to date[/]")
+    for migration in applied:
+        console.print(f"[green]applied[/] {migration.version:03d}_{migration.name}")

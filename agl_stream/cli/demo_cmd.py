@@ -1,0 +1,123 @@
+"""``agl-stream demo``: the main job on a local stack.
+
+Today it is the smoke pipeline: start the broker (unless AGL_KAFKA_BOOTSTRAP is set), create
+the topics, run the ClickHouse sink, produce synthetic spans, wait until the sink has applied
+all of them (an offset fence, not a sleep), stop everything it started, then show counts and
+SQL results from ClickHouse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from agl_stream.cli import settings_of
+from agl_stream.clickhouse.client import get_client
+from agl_stream.config import Settings
+from agl_stream.kafka import admin, broker
+from agl_stream.kafka.offsets import wait_for_group
+from agl_stream.processes import start_role, stop_role
+
+console = Console()
+
+SMOKE_QUERIES = {
+    "spans per name": (
+        "SELECT SpanName, count() AS spans, round(quantile(0.5)(Duration) / 1e6, 1) AS p50_ms, "
+        "round(quantile(0.95)(Duration) / 1e6, 1) AS p95_ms FROM {db}.otel_traces "
+        "GROUP BY SpanName ORDER BY spans DESC"
+    ),
+    "top rollouts by output tokens": (
+        "SELECT RolloutId, count() AS spans, "
+        "sum(toUInt64OrZero(SpanAttributes['gen_ai.usage.output_tokens'])) AS output_tokens "
+        "FROM {db}.otel_traces GROUP BY RolloutId ORDER BY output_tokens DESC, RolloutId LIMIT 5"
+    ),
+}
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
+async def _smoke(settings: Settings, spans: int) -> float:
+    synthetic = importlib.import_module("producers.synthetic_spans")
+    plan = await admin.apply(settings)
+    console.print(f"topics: {len(plan.create)} created, {len(plan.unchanged)} already there")
+    sink = start_role(settings, "sink", log_path=settings.data_dir / "logs" / "sink.log")
+    started = time.monotonic()
+    try:
+        with _progress() as progress:
+            produced = progress.add_task("produce spans", total=spans, rate="")
+            sunk = progress.add_task("sink into ClickHouse", total=spans, rate="")
+
+            def on_produced(n: int) -> None:
+                done = progress.tasks[produced].completed + n
+                progress.update(produced, completed=done, rate=f"{done / (time.monotonic() - started):,.0f}/s")
+
+            def on_sunk(done: int, total: int) -> None:
+                progress.update(sunk, completed=done, rate=f"{done / (time.monotonic() - started):,.0f}/s")
+
+            ends = await synthetic.produce_spans(settings, spans, on_progress=on_produced)
+            # Fence on the sink's committed offsets: they pass ours only after the INSERT.
+            await wait_for_group(
+                settings, f"{settings.topic_prefix}.sink.clickhouse-spans", ends, timeout=300, on_progress=on_sunk
+            )
+        return time.monotonic() - started
+    finally:
+        if stop_role(sink) != 0:
+            console.print(f"[red]the sink exited with an error; see {settings.data_dir / 'logs' / 'sink.log'}[/]")
+
+
+def _show_results(settings: Settings) -> None:
+    client = get_client(settings, readonly=True)
+    db = settings.clickhouse_database
+    try:
+        total = client.command(f"SELECT count() FROM {db}.otel_traces")
+        rollouts = client.command(f"SELECT uniqExact(RolloutId) FROM {db}.otel_traces")
+        console.print(f"\n[bold]otel_traces:[/] {total} spans from {rollouts} rollouts\n")
+        for title, sql in SMOKE_QUERIES.items():
+            result = client.query(sql.format(db=db))
+            table = Table(*result.column_names, title=title)
+            for row in result.result_rows:
+                table.add_row(*(str(v) for v in row))
+            console.print(f"[dim]{sql.format(db=db)}[/]")
+            console.print(table)
+    finally:
+        client.close()
+
+
+def demo(
+    ctx: typer.Context,
+    spans: Annotated[int, typer.Option(min=1, help="How many synthetic spans to push through.")] = 5_000,
+    keep_broker: Annotated[bool, typer.Option(help="Leave the local broker running afterwards.")] = False,
+) -> None:
+    """Run the main job on a local stack and stop everything it started."""
+    settings = settings_of(ctx)
+    started_broker = False
+    if settings.uses_local_broker:
+        info = broker.start(settings)
+        started_broker = True
+        console.print(f"broker: {info.bootstrap} (data in {settings.kafka_dir})")
+    else:
+        console.print(f"broker: using {settings.bootstrap_servers} (AGL_KAFKA_BOOTSTRAP)")
+    try:
+        elapsed = asyncio.run(_smoke(settings, spans))
+        console.print(f"{spans:,} spans produced and sunk in {elapsed:.1f}s ({spans / elapsed:,.0f} spans/s)")
+        _show_results(settings)
+    finally:
+        if started_broker and not keep_broker:
+            broker.stop(settings)
+            console.print("broker stopped")

@@ -1,0 +1,113 @@
+"""``agl-stream kafka ...``: the local Apache Kafka broker (jars, start, stop, status)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+
+from agl_stream.cli import settings_of
+from agl_stream.config import Settings
+from agl_stream.kafka import broker
+
+kafka_app = typer.Typer(
+    help=(
+        "The local single-node Kafka broker (KRaft) under <data-dir>/kafka. Needs Java 17+ "
+        "and, once, Maven to fetch the jars. Not needed when --bootstrap / AGL_KAFKA_BOOTSTRAP "
+        "points at an existing cluster."
+    ),
+    no_args_is_help=True,
+)
+
+_console = Console()
+
+
+def _with_overrides(settings: Settings, **overrides: Any) -> Settings:
+    # Settings is frozen; flags given on this command win over the environment. model_copy
+    # does not validate: the options carry their own ranges and start() checks the heap.
+    update = {key: value for key, value in overrides.items() if value is not None}
+    return settings.model_copy(update=update) if update else settings
+
+
+@kafka_app.command("jars")
+def jars(ctx: typer.Context) -> None:
+    """Fetch the Kafka server jars from Maven Central into the cache (once; `start` does it too)."""
+    settings = settings_of(ctx)
+    libs = broker.ensure_jars(settings)
+    _console.print(f"Kafka jars ready in [bold]{libs}[/bold]")
+
+
+@kafka_app.command("start")
+def start(
+    ctx: typer.Context,
+    port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="Client port (env AGL_KAFKA_PORT, default 9092).", min=1, max=65535),
+    ] = None,
+    controller_port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            help="KRaft controller port (env AGL_KAFKA_CONTROLLER_PORT, default 9093).",
+            min=1,
+            max=65535,
+        ),
+    ] = None,
+    heap: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="JVM heap, e.g. 512m or 2g (env AGL_KAFKA_HEAP, default 512m)."),
+    ] = None,
+    wait: Annotated[
+        float, typer.Option(help="Seconds to wait for the broker to answer before giving up.")
+    ] = 60.0,
+) -> None:
+    """Start the broker in the background and wait until it answers; a no-op if it runs."""
+    settings = _with_overrides(
+        settings_of(ctx), kafka_port=port, kafka_controller_port=controller_port, kafka_heap=heap
+    )
+    info = broker.start(settings, wait_timeout=wait)
+    if info.external:
+        _console.print(
+            f"Using the existing cluster [bold]{info.bootstrap}[/bold] "
+            "(AGL_KAFKA_BOOTSTRAP is set); no local broker started."
+        )
+        return
+    verb = f"started in {info.seconds:.1f} s" if info.started else "already running"
+    _console.print(f"Kafka broker {verb}: bootstrap [bold]{info.bootstrap}[/bold], pid {info.pid}")
+    _console.print(f"  data {info.data_dir}\n  log  {info.log_file}")
+
+
+@kafka_app.command("stop")
+def stop(
+    ctx: typer.Context,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for a clean shutdown before SIGKILL.")
+    ] = 30.0,
+) -> None:
+    """Stop the broker of this data dir (clean shutdown, SIGKILL after --timeout)."""
+    settings = settings_of(ctx)
+    if broker.stop(settings, timeout=timeout):
+        _console.print(f"Kafka broker stopped ({settings.kafka_dir}).")
+    else:
+        _console.print(f"No Kafka broker was running for {settings.kafka_dir}.")
+
+
+@kafka_app.command("status")
+def status(ctx: typer.Context) -> None:
+    """Show whether the broker of this data dir runs and answers; exit code 1 if it doesn't run."""
+    settings = settings_of(ctx)
+    state = broker.status(settings)
+    if settings.kafka_bootstrap is not None:
+        _console.print(
+            f"Clients use the existing cluster {settings.kafka_bootstrap} (AGL_KAFKA_BOOTSTRAP); "
+            "below is the local broker only."
+        )
+    if not state.running:
+        _console.print(f"Kafka broker: [red]not running[/red] ({state.data_dir})")
+        raise typer.Exit(1)
+    answer = "[green]answering[/green]" if state.answering else "[yellow]not answering yet[/yellow]"
+    _console.print(f"Kafka broker: [green]running[/green], {answer}")
+    _console.print(
+        f"  bootstrap {state.bootstrap}\n  pid       {state.pid}\n"
+        f"  data      {state.data_dir}\n  log       {state.log_file}"
+    )

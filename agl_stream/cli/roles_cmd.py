@@ -1,0 +1,27 @@
+"""Long-running roles. Each lives in its own top-level package and is loaded by module name,
+so the library never imports the roles (DESIGN.md, dependency direction)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Annotated
+
+import typer
+
+from agl_stream.cli import settings_of
+
+
+def sink(
+    ctx: typer.Context,
+    batch_size: Annotated[int, typer.Option(min=1, help="Most rows per INSERT.")] = 10_000,
+    flush_ms: Annotated[int, typer.Option(min=1, help="Longest wait to fill a batch, in ms.")] = 200,
+    group_id: Annotated[
+        str | None, typer.Option(help="Consumer group (default: <prefix>.sink.clickhouse-spans).")
+    ] = None,
+) -> None:
+    """Run the ClickHouse sink: agl.spans -> otel_traces, until SIGTERM or Ctrl-C.
+
+    With the embedded engine this process owns the ClickHouse data dir.
+    """
+    module = importlib.import_module("consumers.clickhouse_sink")
+    module.main(settings_of(ctx), batch_size=batch_size, flush_ms=flush_ms, group_id=group_id)

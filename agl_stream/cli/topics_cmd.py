@@ -1,0 +1,67 @@
+"""``agl-stream topics``: create the declared topics and report drift."""
+
+from __future__ import annotations
+
+import asyncio
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agl_stream.cli import settings_of
+from agl_stream.kafka import admin
+from agl_stream.topics import TopicPlan, load_topic_specs
+
+topics_app = typer.Typer(no_args_is_help=True)
+console = Console()
+
+
+def _show(plan: TopicPlan, *, applied: bool) -> None:
+    for topic in plan.create:
+        verb = "created" if applied else "would create"
+        console.print(f"[green]{verb}[/] {topic.name} partitions={topic.partitions} replication={topic.replication}")
+    for name in plan.unchanged:
+        console.print(f"[dim]ok[/] {name}")
+    for drift in plan.drift:
+        console.print(f"[yellow]drift[/] {drift}")
+    if plan.drift:
+        console.print(
+            "[yellow]Drift is reported, never changed automatically: changing partitions breaks key "
+            "ordering. Fix the topic by hand or the declaration in topics/topics.toml.[/]"
+        )
+
+
+@topics_app.command("apply")
+def apply_cmd(ctx: typer.Context) -> None:
+    """Create missing topics from topics/topics.toml; report drift (exit 2 when there is drift)."""
+    plan = asyncio.run(admin.apply(settings_of(ctx)))
+    _show(plan, applied=True)
+    if plan.drift:
+        raise typer.Exit(2)
+
+
+@topics_app.command("plan")
+def plan_cmd(ctx: typer.Context) -> None:
+    """Show what `apply` would do, changing nothing."""
+    plan = asyncio.run(admin.plan(settings_of(ctx)))
+    _show(plan, applied=False)
+    if plan.drift:
+        raise typer.Exit(2)
+
+
+@topics_app.command("list")
+def list_cmd(ctx: typer.Context) -> None:
+    """List the declared topics with their key, schema and retention."""
+    settings = settings_of(ctx)
+    table = Table("topic", "key", "value schema", "partitions", "cleanup", "retention ms", "what")
+    for spec in load_topic_specs():
+        table.add_row(
+            spec.full_name(settings.topic_prefix),
+            spec.key,
+            spec.value_schema,
+            str(spec.partitions),
+            spec.cleanup_policy,
+            str(spec.retention_ms),
+            spec.doc,
+        )
+    console.print(table)

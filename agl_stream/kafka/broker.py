@@ -1,0 +1,754 @@
+"""The local Apache Kafka broker: fetch its jars, format its storage, start, stop, inspect.
+
+One single-node KRaft broker (broker and controller in one JVM) per data dir, under
+``<data_dir>/kafka``:
+
+- ``server.properties``  rewritten on every start, so changed ports apply
+- ``data/``              Kafka's log.dirs (topic data and the metadata log, meta.properties)
+- ``cluster.id``         the id the data dir was formatted with
+- ``broker.pid``         pid of the running JVM
+- ``broker.out``         the JVM's stdout/stderr: warnings, errors, crashes
+- ``server.log``         Kafka's INFO log (infra/kafka/log4j2.properties)
+
+Nothing here runs when ``AGL_KAFKA_BOOTSTRAP`` names an existing cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from agl_stream.config import KAFKA_VERSION, Settings
+from agl_stream.errors import BrokerError, ConfigError, PrerequisiteError
+from agl_stream.logs import get_logger
+from agl_stream.resources import resource_path
+
+log = get_logger(__name__)
+
+MIN_JAVA = 17
+KAFKA_MAIN = "kafka.Kafka"
+_JARS_MARKER = ".agl-complete"
+_POLL_S = 0.05
+_TAIL_LINES = 40
+
+_JAVA_HINT = (
+    "install a Java 17+ JDK, e.g. `apt-get install openjdk-17-jdk-headless` "
+    "(macOS: `brew install openjdk@17`), or set JAVA_HOME to one"
+)
+_MAVEN_HINT = "install Apache Maven, e.g. `apt-get install maven` (macOS: `brew install maven`)"
+_EXTERNAL_HINT = "or set AGL_KAFKA_BOOTSTRAP to use an existing Kafka cluster instead"
+
+# Broker JVMs this Python process launched. Keeping the Popen objects lets stop() reap them:
+# an unreaped child stays a zombie, which os.kill(pid, 0) still reports as alive.
+_children: dict[int, subprocess.Popen[bytes]] = {}
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+class BrokerInfo(BaseModel):
+    """What start() did and where clients should connect."""
+
+    model_config = ConfigDict(frozen=True)
+
+    bootstrap: str
+    external: bool  # AGL_KAFKA_BOOTSTRAP was set: nothing local was started
+    started: bool  # this call launched the JVM (False: external, or already running)
+    pid: int | None = None
+    data_dir: Path | None = None
+    log_file: Path | None = None
+    seconds: float = 0.0  # how long start() took
+
+
+class BrokerStatus(BaseModel):
+    """The local broker of one data dir, as seen from outside."""
+
+    model_config = ConfigDict(frozen=True)
+
+    running: bool  # a JVM of ours is alive for this data dir
+    answering: bool  # it answers a Metadata request with at least one live broker
+    pid: int | None
+    bootstrap: str
+    data_dir: Path
+    log_file: Path
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """The tools check_prerequisites() found."""
+
+    java: Path
+    java_version: int
+    mvn: Path | None
+
+
+@dataclass(frozen=True)
+class _Paths:
+    kafka_dir: Path
+    config: Path
+    data: Path
+    cluster_id: Path
+    pid_file: Path
+    console_log: Path
+    server_log: Path
+    lock: Path
+
+    @classmethod
+    def of(cls, settings: Settings) -> _Paths:
+        # Absolute, because the config path in the JVM's command line identifies our process.
+        root = settings.kafka_dir.expanduser().resolve()
+        return cls(
+            kafka_dir=root,
+            config=root / "server.properties",
+            data=root / "data",
+            cluster_id=root / "cluster.id",
+            pid_file=root / "broker.pid",
+            console_log=root / "broker.out",
+            server_log=root / "server.log",
+            lock=root / "agl.lock",
+        )
+
+
+# -- prerequisites --------------------------------------------------------------------------
+
+
+def _find_java() -> Path:
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home:
+        candidate = Path(java_home) / "bin" / "java"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+        raise PrerequisiteError(
+            f"JAVA_HOME={java_home} has no executable bin/java: point JAVA_HOME at a Java "
+            f"{MIN_JAVA}+ JDK or unset it to use `java` from PATH"
+        )
+    found = shutil.which("java")
+    if found is None:
+        raise PrerequisiteError(
+            f"the local Kafka broker needs Java {MIN_JAVA}+ but `java` is not on PATH: "
+            f"{_JAVA_HINT}; {_EXTERNAL_HINT}"
+        )
+    return Path(found)
+
+
+def java_major_version(java: Path) -> int:
+    """Major version from ``java -version`` (``"1.8.0_292"`` -> 8, ``"17.0.15"`` -> 17)."""
+    try:
+        out = subprocess.run(
+            [str(java), "-version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise PrerequisiteError(f"could not run `{java} -version` ({exc}): {_JAVA_HINT}") from exc
+    text = out.stderr + out.stdout  # the version goes to stderr
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
+    if match is None:
+        raise PrerequisiteError(
+            f"could not read the Java version from `{java} -version` "
+            f"(got {text.strip()[:200]!r}): {_JAVA_HINT}"
+        )
+    major = int(match.group(1))
+    if major == 1 and match.group(2):  # pre-9 scheme: 1.8 is Java 8
+        major = int(match.group(2))
+    return major
+
+
+def _find_maven() -> Path:
+    found = shutil.which("mvn")
+    if found is None:
+        raise PrerequisiteError(
+            f"fetching the Kafka server jars needs Apache Maven but `mvn` is not on PATH: "
+            f"{_MAVEN_HINT}; {_EXTERNAL_HINT}"
+        )
+    return Path(found)
+
+
+def check_prerequisites(*, maven: bool = True) -> Toolchain:
+    """Java 17+ (JAVA_HOME first, then PATH) and, unless ``maven=False``, ``mvn`` on PATH."""
+    java = _find_java()
+    major = java_major_version(java)
+    if major < MIN_JAVA:
+        raise PrerequisiteError(
+            f"{java} is Java {major}; the Kafka {KAFKA_VERSION} broker needs Java {MIN_JAVA}+: "
+            f"{_JAVA_HINT}"
+        )
+    return Toolchain(java=java, java_version=major, mvn=_find_maven() if maven else None)
+
+
+# -- jars -----------------------------------------------------------------------------------
+
+
+def _pom_digest(pom: Path) -> str:
+    return hashlib.sha256(pom.read_bytes()).hexdigest()
+
+
+def _jars_complete(libs: Path, digest: str) -> bool:
+    """The marker is written last, names the pom it came from and every jar copied."""
+    try:
+        marker = json.loads((libs / _JARS_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    jars = marker.get("jars") if isinstance(marker, dict) else None
+    return (
+        marker.get("pom_sha256") == digest
+        and isinstance(jars, list)
+        and bool(jars)
+        and all((libs / str(name)).is_file() for name in jars)
+    )
+
+
+def _tail(text: str, lines: int = _TAIL_LINES) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def ensure_jars(settings: Settings) -> Path:
+    """Resolve the Kafka server jars with Maven into ``settings.kafka_libs_dir`` (cached)."""
+    pom = resource_path("infra/kafka/pom.xml")
+    digest = _pom_digest(pom)
+    libs = settings.kafka_libs_dir.expanduser().resolve()
+    if _jars_complete(libs, digest):
+        return libs
+    tools = check_prerequisites()
+    assert tools.mvn is not None
+    libs.parent.mkdir(parents=True, exist_ok=True)
+    # Copy into a private folder and rename it into place when complete: an interrupted copy
+    # leaves no half-filled libs dir behind, and two processes resolving at once don't mix.
+    staging = libs.parent / f".{libs.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    log.info("resolving kafka jars with maven", libs=str(libs), pom=str(pom))
+    try:
+        result = subprocess.run(
+            [
+                str(tools.mvn),
+                "-q",
+                "-B",
+                "-Dstyle.color=never",
+                "-f",
+                str(pom),
+                "dependency:copy-dependencies",
+                f"-DoutputDirectory={staging}",
+                "-DincludeScope=runtime",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=libs.parent,
+        )
+        if result.returncode != 0:
+            raise BrokerError(
+                f"Maven could not resolve the Kafka jars (exit {result.returncode}); is Maven "
+                f"Central reachable (or a mirror in ~/.m2/settings.xml)? Last lines:\n"
+                f"{_tail(result.stdout + result.stderr)}"
+            )
+        jars = sorted(p.name for p in staging.glob("*.jar"))
+        if not any(name.startswith("kafka_2.13-") for name in jars):
+            raise BrokerError(f"Maven finished but copied no Kafka server jar into {staging}")
+        (staging / _JARS_MARKER).write_text(json.dumps({"pom_sha256": digest, "jars": jars}))
+        if libs.exists() and not _jars_complete(libs, digest):
+            shutil.rmtree(libs)  # an older or half-finished copy
+        try:
+            staging.rename(libs)
+        except OSError:
+            if not _jars_complete(libs, digest):  # no concurrent resolver won: a real error
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("kafka jars ready", libs=str(libs), seconds=round(time.monotonic() - started, 1))
+    return libs
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    """The argv of a process, or None when it is gone or unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        if Path("/proc/self").exists():
+            return None
+        # No procfs (macOS): ask ps. Arguments with spaces can't be told apart here, which
+        # _is_ours tolerates by matching on the joined line.
+        out = subprocess.run(
+            ["ps", "-ww", "-o", "args=", "-p", str(pid)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return out.stdout.split() if out.returncode == 0 and out.stdout.strip() else None
+    except OSError:
+        return None
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # "pid (comm) S ...": comm may contain spaces and parentheses, the state follows the last ')'.
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
+
+
+def _is_alive(pid: int) -> bool:
+    child = _children.get(pid)
+    if child is not None:
+        return child.poll() is None  # poll() also reaps it once it has exited
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    return not _is_zombie(pid)
+
+
+def _is_ours(pid: int, paths: _Paths) -> bool:
+    """A java kafka.Kafka process started with this data dir's config (never a reused pid)."""
+    argv = _cmdline(pid)
+    if not argv:
+        return False
+    config = str(paths.config)
+    return (
+        Path(argv[0]).name.startswith("java")
+        and KAFKA_MAIN in argv
+        and (config in argv or config in " ".join(argv))
+    )
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    child = _children.get(pid)
+    if child is not None:
+        try:
+            child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        _children.pop(pid, None)
+        return True
+    deadline = time.monotonic() + timeout
+    while _is_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def _running_pid(paths: _Paths, *, clean: bool = True) -> int | None:
+    """The pid of our live broker for this data dir; removes a stale pid file if ``clean``."""
+    try:
+        text = paths.pid_file.read_text().strip()
+    except FileNotFoundError:
+        return None
+    pid = int(text) if text.isdigit() else None
+    if pid is not None and _is_alive(pid) and _is_ours(pid, paths):
+        return pid
+    if clean:
+        log.info("removing stale kafka pid file", pid_file=str(paths.pid_file), pid=text)
+        paths.pid_file.unlink(missing_ok=True)
+    return None
+
+
+@contextlib.contextmanager
+def _locked(paths: _Paths) -> Iterator[None]:
+    """Serialise start/stop on one data dir across processes."""
+    paths.kafka_dir.mkdir(parents=True, exist_ok=True)
+    with open(paths.lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _log_tail(paths: _Paths) -> str:
+    """The JVM's console (warnings, errors, JVM failures), or server.log when that is empty."""
+    for path in (paths.console_log, paths.server_log):
+        with contextlib.suppress(OSError):
+            text = path.read_text(errors="replace")
+            if text.strip():
+                return f"Last lines of {path} (full log: {paths.server_log}):\n{_tail(text, 25)}"
+    return f"(nothing in {paths.console_log} or {paths.server_log})"
+
+
+# -- ports and probing ----------------------------------------------------------------------
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports free right now (all held open while choosing, so no repeats)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on ``host`` (for tests)."""
+    return free_ports(1, host)[0]
+
+
+def _check_port_free(host: str, port: int, what: str, option: str) -> None:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # Like the JVM's server sockets: connections in TIME_WAIT from a previous run don't
+        # count as "in use", a listener does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            reason = "already in use" if exc.errno == errno.EADDRINUSE else str(exc)
+            raise BrokerError(
+                f"cannot start the local Kafka broker: {what} {host}:{port} is {reason} "
+                f"(another broker or program listens there). Choose another port "
+                f"({option}), stop that program, or set AGL_KAFKA_BOOTSTRAP to use a running "
+                f"cluster"
+            ) from exc
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("connection closed mid-response")
+        data += chunk
+    return bytes(data)
+
+
+def is_answering(host: str, port: int, *, timeout: float = 1.0) -> bool:
+    """Whether a broker at host:port answers Metadata listing at least one unfenced broker.
+
+    A plain PLAINTEXT request, so it works from sync code and inside a running event loop.
+    A broker accepts requests shortly before the controller unfences it, and only unfenced
+    brokers are listed; waiting for one means topics can be created right away.
+    """
+    client_id = b"agl-probe"
+    # Request header v1 (api_key 3 = Metadata, version 4: the oldest Kafka 4 still serves),
+    # then the v4 body: an empty topic array, allow_auto_topic_creation = false.
+    body = struct.pack(">hhih", 3, 4, 1, len(client_id)) + client_id + struct.pack(">ib", 0, 0)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(struct.pack(">i", len(body)) + body)
+            (size,) = struct.unpack(">i", _recv_exact(sock, 4))
+            # correlation id, throttle_time_ms, then the broker array's length
+            correlation, _throttle, brokers = struct.unpack(">iii", _recv_exact(sock, 12))
+            _recv_exact(sock, size - 12)
+    except (OSError, struct.error):
+        return False
+    return correlation == 1 and brokers > 0
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def _server_properties(settings: Settings, paths: _Paths) -> str:
+    host, port, cport = settings.kafka_host, settings.kafka_port, settings.kafka_controller_port
+    props = {
+        # One JVM is both the KRaft controller and the broker; a single static voter.
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@{host}:{cport}",
+        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{cport}",
+        "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "inter.broker.listener.name": "PLAINTEXT",
+        # Kafka calls its data "logs"; this is topic data plus the metadata log.
+        "log.dirs": str(paths.data),
+        # One broker: internal topics cannot have more replicas than that.
+        "offsets.topic.replication.factor": "1",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        # Consumer groups form at once instead of waiting 3 s for more members.
+        "group.initial.rebalance.delay.ms": "0",
+        # Topics come from topic declarations (agl-stream's topic tool), never from a typo.
+        "auto.create.topics.enable": "false",
+        "num.partitions": "1",
+        # Retention stays at Kafka's defaults (7 days); each declared topic sets its own.
+    }
+    header = (
+        "# Written by agl-stream (agl_stream/kafka/broker.py) on every start; edits are lost.\n"
+        "# Change ports with AGL_KAFKA_PORT / AGL_KAFKA_CONTROLLER_PORT or `agl-stream kafka start"
+        " --port`.\n"
+    )
+    return header + "".join(f"{key}={value}\n" for key, value in props.items())
+
+
+def _configured_bootstrap(paths: _Paths) -> str | None:
+    """host:port the broker was last started with (from its server.properties)."""
+    try:
+        text = paths.config.read_text()
+    except OSError:
+        return None
+    match = re.search(r"^advertised\.listeners=PLAINTEXT://(\S+)$", text, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def _new_cluster_id() -> str:
+    # Kafka's Uuid.toString(): 16 random bytes, URL-safe base64 without padding (22 chars).
+    # Kafka never hands out ids starting with '-', which command lines mistake for options.
+    while True:
+        value = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not value.startswith("-"):
+            return value
+
+
+def _java_options(paths: _Paths, heap: str | None) -> list[str]:
+    options = [
+        "-XX:+UseG1GC",
+        "-XX:MaxGCPauseMillis=20",
+        "-XX:+ExitOnOutOfMemoryError",  # a broker out of memory is better dead than wedged
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={resource_path('infra/kafka/log4j2.properties')}",
+        f"-Dkafka.logs.dir={paths.kafka_dir}",
+    ]
+    return ([f"-Xmx{heap}"] if heap else []) + options
+
+
+def _format_storage(java: Path, libs: Path, paths: _Paths) -> None:
+    """Format the data dir once; later starts reuse it (and its topics)."""
+    if (paths.data / "meta.properties").exists():
+        return
+    # Reuse an id written by an earlier, interrupted attempt so the files on disk agree.
+    cluster_id = paths.cluster_id.read_text().strip() if paths.cluster_id.exists() else ""
+    if len(cluster_id) != 22:
+        cluster_id = _new_cluster_id()
+        paths.cluster_id.write_text(cluster_id + "\n")
+    result = subprocess.run(
+        [
+            str(java),
+            *_java_options(paths, "256m"),
+            "-cp",
+            f"{libs}/*",
+            "kafka.tools.StorageTool",
+            "format",
+            "-t",
+            cluster_id,
+            "-c",
+            str(paths.config),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=paths.kafka_dir,
+    )
+    if result.returncode != 0:
+        raise BrokerError(
+            f"formatting the Kafka storage in {paths.data} failed (exit {result.returncode}):\n"
+            f"{_tail(result.stdout + result.stderr)}"
+        )
+    log.info("formatted kafka storage", data=str(paths.data), cluster_id=cluster_id)
+
+
+# -- start / stop / status ------------------------------------------------------------------
+
+
+def _wait_until_answering(pid: int, settings: Settings, paths: _Paths, timeout: float) -> None:
+    host, port = settings.kafka_host, settings.kafka_port
+    deadline = time.monotonic() + timeout
+    while True:
+        if not _is_alive(pid):
+            child = _children.pop(pid, None)
+            code = f" with exit code {child.returncode}" if child is not None else ""
+            raise BrokerError(
+                f"the local Kafka broker (pid {pid}) exited during start-up{code}.\n"
+                f"{_log_tail(paths)}"
+            )
+        remaining = deadline - time.monotonic()
+        if is_answering(host, port, timeout=max(0.1, min(1.0, remaining))):
+            return
+        if time.monotonic() >= deadline:
+            raise BrokerError(
+                f"the local Kafka broker (pid {pid}) did not answer on {host}:{port} within "
+                f"{timeout:g} s (raise the timeout on a slow machine).\n"
+                f"{_log_tail(paths)}"
+            )
+        time.sleep(_POLL_S)
+
+
+def _settings_from_config(settings: Settings, paths: _Paths) -> Settings:
+    """Settings pointing at the host:port a running broker was started with."""
+    bootstrap = _configured_bootstrap(paths)
+    if bootstrap is None or bootstrap == settings.bootstrap_servers:
+        return settings
+    host, _, port = bootstrap.rpartition(":")
+    log.warning(
+        "a local kafka broker is already running on other ports; stop it to change them",
+        running=bootstrap,
+        requested=settings.bootstrap_servers,
+    )
+    return settings.model_copy(update={"kafka_host": host, "kafka_port": int(port)})
+
+
+def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
+    """Start the local broker for ``settings.data_dir`` and wait until it serves requests.
+
+    Idempotent: returns the running broker when there is one. Starts nothing when
+    ``settings.kafka_bootstrap`` names an existing cluster.
+    """
+    began = time.monotonic()
+    if settings.kafka_bootstrap is not None:
+        return BrokerInfo(bootstrap=settings.kafka_bootstrap, external=True, started=False)
+    if settings.kafka_port == settings.kafka_controller_port:
+        raise ConfigError(
+            f"the client and controller ports (--port, --controller-port / AGL_KAFKA_PORT, "
+            f"AGL_KAFKA_CONTROLLER_PORT) are both {settings.kafka_port}; "
+            "the broker needs two different ports"
+        )
+    if not re.fullmatch(r"\d+[kKmMgG]?", settings.kafka_heap):
+        raise ConfigError(
+            f"kafka heap {settings.kafka_heap!r} (--heap / AGL_KAFKA_HEAP): "
+            "use a JVM size like 512m or 2g"
+        )
+    paths = _Paths.of(settings)
+    with _locked(paths):
+        pid = _running_pid(paths)
+        if pid is not None:
+            settings = _settings_from_config(settings, paths)
+            _wait_until_answering(pid, settings, paths, wait_timeout)  # it may still be starting
+            return _info(settings, paths, pid, started=False, began=began)
+
+        # Fail fast and clearly, before Maven or the JVM run.
+        _check_port_free(
+            settings.kafka_host, settings.kafka_port, "the client port", "--port / AGL_KAFKA_PORT"
+        )
+        _check_port_free(
+            settings.kafka_host,
+            settings.kafka_controller_port,
+            "the controller port",
+            "--controller-port / AGL_KAFKA_CONTROLLER_PORT",
+        )
+        tools = check_prerequisites(maven=False)  # ensure_jars asks for Maven if it needs it
+        libs = ensure_jars(settings)
+        paths.data.mkdir(parents=True, exist_ok=True)
+        paths.config.write_text(_server_properties(settings, paths))
+        _format_storage(tools.java, libs, paths)
+
+        command = [
+            str(tools.java),
+            *_java_options(paths, settings.kafka_heap),
+            "-cp",
+            f"{libs}/*",
+            KAFKA_MAIN,
+            str(paths.config),
+        ]
+        with open(paths.console_log, "wb") as console:
+            child = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                cwd=paths.kafka_dir,
+                start_new_session=True,  # outlives this process and its terminal's Ctrl-C
+                close_fds=True,
+            )
+        _children[child.pid] = child
+        paths.pid_file.write_text(f"{child.pid}\n")
+        log.info("starting local kafka broker", pid=child.pid, bootstrap=settings.bootstrap_servers)
+        try:
+            _wait_until_answering(child.pid, settings, paths, wait_timeout)
+        except BaseException:
+            # Never leave a half-started JVM behind (timeout, Ctrl-C). Only signal it while it
+            # is unreaped: once reaped, its pid may already belong to another process.
+            if child.poll() is None:
+                log.warning("stopping the kafka broker that did not start", pid=child.pid)
+                _terminate(child.pid, timeout=10.0)
+            _children.pop(child.pid, None)
+            paths.pid_file.unlink(missing_ok=True)
+            raise
+        info = _info(settings, paths, child.pid, started=True, began=began)
+        log.info(
+            "local kafka broker ready",
+            pid=child.pid,
+            bootstrap=info.bootstrap,
+            seconds=info.seconds,
+        )
+        return info
+
+
+def _info(
+    settings: Settings, paths: _Paths, pid: int, *, started: bool, began: float
+) -> BrokerInfo:
+    return BrokerInfo(
+        bootstrap=settings.bootstrap_servers,
+        external=False,
+        started=started,
+        pid=pid,
+        data_dir=paths.kafka_dir,
+        log_file=paths.server_log,
+        seconds=round(time.monotonic() - began, 2),
+    )
+
+
+def _terminate(pid: int, timeout: float) -> None:
+    """SIGTERM (Kafka shuts down cleanly), then SIGKILL when it takes longer than ``timeout``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    if _wait_exit(pid, timeout):
+        return
+    log.warning("kafka broker ignored SIGTERM; killing it", pid=pid, timeout=timeout)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    if not _wait_exit(pid, 10.0):
+        raise BrokerError(f"the local Kafka broker (pid {pid}) survived SIGKILL")
+
+
+def stop(settings: Settings, *, timeout: float = 30.0) -> bool:
+    """Stop the local broker of ``settings.data_dir``; True if one was running.
+
+    Only a process whose command line is ``java ... kafka.Kafka <our server.properties>`` is
+    signalled, so a pid reused by another program is never killed.
+    """
+    paths = _Paths.of(settings)
+    if not paths.kafka_dir.exists():
+        return False
+    with _locked(paths):
+        pid = _running_pid(paths)
+        if pid is None:
+            return False
+        log.info("stopping local kafka broker", pid=pid)
+        began = time.monotonic()
+        _terminate(pid, timeout)
+        paths.pid_file.unlink(missing_ok=True)
+        log.info("local kafka broker stopped", pid=pid, seconds=round(time.monotonic() - began, 2))
+        return True
+
+
+def status(settings: Settings) -> BrokerStatus:
+    """Whether the local broker of ``settings.data_dir`` runs and answers. Changes nothing."""
+    paths = _Paths.of(settings)
+    pid = _running_pid(paths, clean=False)
+    local = f"{settings.kafka_host}:{settings.kafka_port}"
+    # A running broker keeps the ports it was started with, whatever the settings say now.
+    bootstrap = (_configured_bootstrap(paths) or local) if pid is not None else local
+    host, _, port = bootstrap.rpartition(":")
+    return BrokerStatus(
+        running=pid is not None,
+        answering=pid is not None and is_answering(host, int(port)),
+        pid=pid,
+        bootstrap=bootstrap,
+        data_dir=paths.kafka_dir,
+        log_file=paths.server_log,
+    )

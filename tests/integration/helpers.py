@@ -1,0 +1,75 @@
+"""Helpers for integration tests: role subprocesses, reading topics, the embedded ClickHouse."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from clickhouse_connect.driver.client import Client
+
+from agl_stream import processes
+from agl_stream.clickhouse.client import get_client
+from agl_stream.config import Settings
+from agl_stream.kafka.offsets import committed_offsets
+from agl_stream.processes import stop_role
+
+__all__ = ["clickhouse", "read_topic", "start_role", "stop_role", "wait_committed_at_least"]
+
+
+def start_role(settings: Settings, *args: str, log_name: str = "role") -> subprocess.Popen[bytes]:
+    """Start `python -m agl_stream <args>`, logging to the test's data dir."""
+    return processes.start_role(settings, *args, log_path=Path(settings.data_dir) / f"{log_name}.log")
+
+
+async def wait_committed_at_least(settings: Settings, group: str, total: int, *, timeout: float = 60.0) -> int:
+    """Wait until the group's committed offsets add up to at least `total`; return the sum."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = sum((await committed_offsets(settings, group)).values())
+        if done >= total:
+            return done
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"group {group} committed {done} < {total} after {timeout}s")
+        await asyncio.sleep(0.02)
+
+
+async def read_topic(settings: Settings, topic: str, count: int, *, timeout: float = 30.0) -> list[Any]:
+    """Read exactly `count` records from the start of `topic` (fails if fewer arrive in time)."""
+    consumer = AIOKafkaConsumer(
+        topic,
+        **settings.kafka_client_options(),
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while len(records) < count and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=200)
+            for messages in batch.values():
+                records.extend(messages)
+    finally:
+        await consumer.stop()
+    assert len(records) >= count, f"only {len(records)} of {count} records arrived on {topic}"
+    return records
+
+
+@contextmanager
+def clickhouse(settings: Settings) -> Iterator[Client]:
+    """The embedded engine for this test's data dir; closed after, so a child process can open it."""
+    client = get_client(settings)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def partitions_total(offsets: dict[TopicPartition, int]) -> int:
+    return sum(offsets.values())
