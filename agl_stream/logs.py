@@ -29,9 +29,13 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=[
-            structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer,
-        ])
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                renderer,
+            ],
+        )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

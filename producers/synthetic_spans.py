@@ -13,6 +13,9 @@ from agl_stream.config import Settings
 from agl_stream.kafka.io import make_producer
 
 _WORDS = ("plan", "search", "tool", "answer", "digit", "reward", "think", "call", "agent", "step")
+# Prompt text is cut from one long deterministic string: generating text per span would cost
+# more than everything the benchmarks measure.
+_TEXT = " ".join(random.Random(7).choice(_WORDS) for _ in range(20_000))
 
 
 def rollout_id_of(i: int) -> str:
@@ -29,7 +32,8 @@ def synthetic_span(index: int, *, rollouts: int = 100, text_bytes: int = 1200, s
     rollout = index % rollouts
     sequence = index // rollouts + 1
     start = 1_767_225_600.0 + index * 0.01
-    prompt = " ".join(rng.choice(_WORDS) for _ in range(text_bytes // 6))[:text_bytes]
+    begin = rng.randrange(0, len(_TEXT) - text_bytes) if text_bytes < len(_TEXT) else 0
+    prompt = _TEXT[begin : begin + text_bytes]
     span_id = f"{rng.getrandbits(64):016x}"
     return {
         "rollout_id": rollout_id_of(rollout),

@@ -19,3 +19,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(clickhouse_app, name="clickhouse", help="ClickHouse schema migrations")
     app.command("sink")(sink)
     app.command("demo")(demo)
+
+    from agl_stream.cli.schemas_cmd import schemas_app
+
+    app.add_typer(schemas_app, name="schemas", help="Snapshot schema versions; check compatibility")

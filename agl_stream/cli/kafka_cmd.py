@@ -57,9 +57,7 @@ def start(
         Optional[str],  # noqa: UP045
         typer.Option(help="JVM heap, e.g. 512m or 2g (env AGL_KAFKA_HEAP, default 512m)."),
     ] = None,
-    wait: Annotated[
-        float, typer.Option(help="Seconds to wait for the broker to answer before giving up.")
-    ] = 60.0,
+    wait: Annotated[float, typer.Option(help="Seconds to wait for the broker to answer before giving up.")] = 60.0,
 ) -> None:
     """Start the broker in the background and wait until it answers; a no-op if it runs."""
     settings = _with_overrides(
@@ -80,9 +78,7 @@ def start(
 @kafka_app.command("stop")
 def stop(
     ctx: typer.Context,
-    timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for a clean shutdown before SIGKILL.")
-    ] = 30.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean shutdown before SIGKILL.")] = 30.0,
 ) -> None:
     """Stop the broker of this data dir (clean shutdown, SIGKILL after --timeout)."""
     settings = settings_of(ctx)

@@ -15,13 +15,10 @@ def sink(
     ctx: typer.Context,
     batch_size: Annotated[int, typer.Option(min=1, help="Most rows per INSERT.")] = 10_000,
     flush_ms: Annotated[int, typer.Option(min=1, help="Longest wait to fill a batch, in ms.")] = 200,
-    group_id: Annotated[
-        str | None, typer.Option(help="Consumer group (default: <prefix>.sink.clickhouse-spans).")
-    ] = None,
 ) -> None:
     """Run the ClickHouse sink: agl.spans -> otel_traces, until SIGTERM or Ctrl-C.
 
     With the embedded engine this process owns the ClickHouse data dir.
     """
     module = importlib.import_module("consumers.clickhouse_sink")
-    module.main(settings_of(ctx), batch_size=batch_size, flush_ms=flush_ms, group_id=group_id)
+    module.main(settings_of(ctx), batch_size=batch_size, flush_ms=flush_ms)

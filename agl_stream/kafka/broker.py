@@ -143,8 +143,7 @@ def _find_java() -> Path:
     found = shutil.which("java")
     if found is None:
         raise PrerequisiteError(
-            f"the local Kafka broker needs Java {MIN_JAVA}+ but `java` is not on PATH: "
-            f"{_JAVA_HINT}; {_EXTERNAL_HINT}"
+            f"the local Kafka broker needs Java {MIN_JAVA}+ but `java` is not on PATH: {_JAVA_HINT}; {_EXTERNAL_HINT}"
         )
     return Path(found)
 
@@ -152,17 +151,14 @@ def _find_java() -> Path:
 def java_major_version(java: Path) -> int:
     """Major version from ``java -version`` (``"1.8.0_292"`` -> 8, ``"17.0.15"`` -> 17)."""
     try:
-        out = subprocess.run(
-            [str(java), "-version"], capture_output=True, text=True, timeout=30, check=False
-        )
+        out = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PrerequisiteError(f"could not run `{java} -version` ({exc}): {_JAVA_HINT}") from exc
     text = out.stderr + out.stdout  # the version goes to stderr
     match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
     if match is None:
         raise PrerequisiteError(
-            f"could not read the Java version from `{java} -version` "
-            f"(got {text.strip()[:200]!r}): {_JAVA_HINT}"
+            f"could not read the Java version from `{java} -version` (got {text.strip()[:200]!r}): {_JAVA_HINT}"
         )
     major = int(match.group(1))
     if major == 1 and match.group(2):  # pre-9 scheme: 1.8 is Java 8
@@ -186,8 +182,7 @@ def check_prerequisites(*, maven: bool = True) -> Toolchain:
     major = java_major_version(java)
     if major < MIN_JAVA:
         raise PrerequisiteError(
-            f"{java} is Java {major}; the Kafka {KAFKA_VERSION} broker needs Java {MIN_JAVA}+: "
-            f"{_JAVA_HINT}"
+            f"{java} is Java {major}; the Kafka {KAFKA_VERSION} broker needs Java {MIN_JAVA}+: {_JAVA_HINT}"
         )
     return Toolchain(java=java, java_version=major, mvn=_find_maven() if maven else None)
 
@@ -326,11 +321,7 @@ def _is_ours(pid: int, paths: _Paths) -> bool:
     if not argv:
         return False
     config = str(paths.config)
-    return (
-        Path(argv[0]).name.startswith("java")
-        and KAFKA_MAIN in argv
-        and (config in argv or config in " ".join(argv))
-    )
+    return Path(argv[0]).name.startswith("java") and KAFKA_MAIN in argv and (config in argv or config in " ".join(argv))
 
 
 def _wait_exit(pid: int, timeout: float) -> bool:
@@ -572,10 +563,7 @@ def _wait_until_answering(pid: int, settings: Settings, paths: _Paths, timeout: 
         if not _is_alive(pid):
             child = _children.pop(pid, None)
             code = f" with exit code {child.returncode}" if child is not None else ""
-            raise BrokerError(
-                f"the local Kafka broker (pid {pid}) exited during start-up{code}.\n"
-                f"{_log_tail(paths)}"
-            )
+            raise BrokerError(f"the local Kafka broker (pid {pid}) exited during start-up{code}.\n{_log_tail(paths)}")
         remaining = deadline - time.monotonic()
         if is_answering(host, port, timeout=max(0.1, min(1.0, remaining))):
             return
@@ -619,8 +607,7 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
         )
     if not re.fullmatch(r"\d+[kKmMgG]?", settings.kafka_heap):
         raise ConfigError(
-            f"kafka heap {settings.kafka_heap!r} (--heap / AGL_KAFKA_HEAP): "
-            "use a JVM size like 512m or 2g"
+            f"kafka heap {settings.kafka_heap!r} (--heap / AGL_KAFKA_HEAP): use a JVM size like 512m or 2g"
         )
     paths = _Paths.of(settings)
     with _locked(paths):
@@ -631,9 +618,7 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
             return _info(settings, paths, pid, started=False, began=began)
 
         # Fail fast and clearly, before Maven or the JVM run.
-        _check_port_free(
-            settings.kafka_host, settings.kafka_port, "the client port", "--port / AGL_KAFKA_PORT"
-        )
+        _check_port_free(settings.kafka_host, settings.kafka_port, "the client port", "--port / AGL_KAFKA_PORT")
         _check_port_free(
             settings.kafka_host,
             settings.kafka_controller_port,
@@ -688,9 +673,7 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
         return info
 
 
-def _info(
-    settings: Settings, paths: _Paths, pid: int, *, started: bool, began: float
-) -> BrokerInfo:
+def _info(settings: Settings, paths: _Paths, pid: int, *, started: bool, began: float) -> BrokerInfo:
     return BrokerInfo(
         bootstrap=settings.bootstrap_servers,
         external=False,

@@ -8,16 +8,16 @@ commit past them) and the consumer keeps going.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.structs import OffsetAndMetadata, RecordMetadata
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.errors import CodecError
+from agl_stream.errors import CodecError, RecordTypeError
 from agl_stream.logs import get_logger
 from agl_stream.models import AglModel, DlqRecord
 
@@ -78,17 +78,49 @@ def _key_bytes(key: str | None) -> bytes | None:
     return None if key is None else key.encode()
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class Decoded:
-    """One consumed record whose value decoded: ``value`` is the codec's fast-path dict."""
+class Fetched(Generic[T]):
+    """One consumed record and what ``prepare`` made of it (a decoded dict, an Avro body, ...)."""
 
     topic: str
     partition: int
     offset: int
     key: bytes | None
-    schema: str
-    value: dict[str, Any]
+    value: T
+    raw: bytes
     timestamp_ms: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A record that must go to the DLQ, with where it came from and why."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    raw: bytes
+    error: Exception
+
+    @classmethod
+    def of(cls, record: ConsumerRecord[bytes, bytes] | Fetched[Any], error: Exception) -> Rejected:
+        raw = record.raw if isinstance(record, Fetched) else (record.value or b"")
+        return cls(record.topic, record.partition, record.offset, record.key, raw, error)
+
+
+def decode_as(codec: Codec, avro_name: str | None = None) -> Callable[[bytes], dict[str, Any]]:
+    """A ``prepare`` function: the codec's fast-path dict, checking the record type if given."""
+
+    def prepare(data: bytes) -> dict[str, Any]:
+        name, value = codec.decode_dict(data)
+        if avro_name is not None and name != avro_name:
+            raise RecordTypeError(f"expected a {avro_name} record, got {name}")
+        return value
+
+    return prepare
 
 
 class DeadLetters:
@@ -103,84 +135,77 @@ class DeadLetters:
         self.codec = codec or Codec.default()
         self.count = 0
 
-    async def send_many(self, rejected: list[tuple[ConsumerRecord[bytes, bytes], Exception]]) -> None:
+    async def send_many(self, rejected: list[Rejected]) -> None:
         """Send and wait for every DLQ record, so the caller may then commit past them."""
         futures = []
-        for message, error in rejected:
+        for item in rejected:
             record = DlqRecord(
-                source_topic=message.topic,
-                source_partition=message.partition,
-                source_offset=message.offset,
-                key=message.key,
-                value=message.value or b"",
-                reason=str(error),
-                error_type=type(error).__name__,
+                source_topic=item.topic,
+                source_partition=item.partition,
+                source_offset=item.offset,
+                key=item.key,
+                value=item.raw,
+                reason=str(item.error),
+                error_type=type(item.error).__name__,
                 processor=self.processor,
                 time=time.time(),
             )
-            futures.append(await self.producer.send(self.topic, self.codec.encode(record), key=message.topic.encode()))
+            futures.append(await self.producer.send(self.topic, self.codec.encode(record), key=item.topic.encode()))
             log.warning(
                 "record sent to the DLQ",
-                topic=message.topic,
-                partition=message.partition,
-                offset=message.offset,
-                error=type(error).__name__,
-                reason=str(error)[:200],
+                topic=item.topic,
+                partition=item.partition,
+                offset=item.offset,
+                error=type(item.error).__name__,
+                reason=str(item.error)[:200],
             )
         for future in futures:
             await future
         self.count += len(rejected)
 
 
-class BatchConsumer:
-    """Fetches batches, decodes them, dead-letters what does not decode, commits explicitly."""
+class BatchConsumer(Generic[T]):
+    """Fetches batches, prepares each record, dead-letters what fails, commits explicitly.
 
-    def __init__(
-        self,
-        consumer: AIOKafkaConsumer,
-        dead_letters: DeadLetters,
-        codec: Codec | None = None,
-        expected_schema: str | None = None,
-    ) -> None:
+    ``prepare`` turns a record's bytes into what the caller works with and raises
+    :class:`CodecError` for input that must go to the DLQ.
+    """
+
+    def __init__(self, consumer: AIOKafkaConsumer, dead_letters: DeadLetters, prepare: Callable[[bytes], T]) -> None:
         self.consumer = consumer
         self.dead_letters = dead_letters
-        self.codec = codec or Codec.default()
-        self.expected_schema = expected_schema
+        self.prepare = prepare
 
-    async def next_batch(self, *, max_records: int, timeout_ms: int) -> tuple[list[Decoded], dict[TopicPartition, int]]:
-        """Decoded records, and per partition the next offset to commit once they are applied.
+    async def next_batch(
+        self, *, max_records: int, timeout_ms: int
+    ) -> tuple[list[Fetched[T]], dict[TopicPartition, int]]:
+        """Prepared records, and per partition the next offset to commit once they are applied.
 
         The offsets cover dead-lettered records too: they are durable in the DLQ already.
         """
         fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
-        decoded: list[Decoded] = []
-        rejected: list[tuple[ConsumerRecord[bytes, bytes], Exception]] = []
+        prepared: list[Fetched[T]] = []
+        rejected: list[Rejected] = []
         next_offsets: dict[TopicPartition, int] = {}
+        prepare = self.prepare
         for tp, messages in fetched.items():
             for message in messages:
+                raw = message.value or b""
                 try:
-                    schema, value = self.codec.decode_dict(message.value or b"")
-                    if self.expected_schema is not None and schema != self.expected_schema:
-                        raise CodecError(f"expected a {self.expected_schema} record on {message.topic}, got {schema}")
+                    value = prepare(raw)
                 except CodecError as error:
-                    rejected.append((message, error))
+                    rejected.append(Rejected.of(message, error))
                     continue
-                decoded.append(
-                    Decoded(
-                        message.topic,
-                        message.partition,
-                        message.offset,
-                        message.key,
-                        schema,
-                        value,
-                        message.timestamp,
+                prepared.append(
+                    Fetched(
+                        message.topic, message.partition, message.offset, message.key, value, raw, message.timestamp
                     )
                 )
             if messages:
                 next_offsets[tp] = messages[-1].offset + 1
         if rejected:
             await self.dead_letters.send_many(rejected)
-        return decoded, next_offsets
+        return prepared, next_offsets
 
     async def commit(self, next_offsets: Mapping[TopicPartition, int]) -> None:
         if next_offsets:

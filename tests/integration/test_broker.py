@@ -24,9 +24,7 @@ from agl_stream.config import Settings
 from agl_stream.errors import BrokerError, PrerequisiteError
 from agl_stream.kafka import broker
 
-needs_java = pytest.mark.skipif(
-    shutil.which("java") is None and not os.environ.get("JAVA_HOME"), reason="no Java here"
-)
+needs_java = pytest.mark.skipif(shutil.which("java") is None and not os.environ.get("JAVA_HOME"), reason="no Java here")
 
 
 def _local(data_dir: Path, **overrides: object) -> Settings:
@@ -250,9 +248,7 @@ def test_missing_java_says_what_to_install(tmp_path: Path, monkeypatch: pytest.M
     assert "JAVA_HOME" in message
 
 
-def test_missing_maven_says_what_to_install(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_missing_maven_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("JAVA_HOME", raising=False)
     _fake_java(tmp_path, 'openjdk version "17.0.15" 2025-04-15')
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -261,9 +257,7 @@ def test_missing_maven_says_what_to_install(
         broker.check_prerequisites()
 
 
-def test_java_home_wins_and_old_java_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_java_home_wins_and_old_java_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_java(tmp_path / "path", 'openjdk version "21.0.2" 2024-01-16')
     _fake_java(tmp_path / "jdk8" / "bin", 'java version "1.8.0_292"')
     monkeypatch.setenv("PATH", str(tmp_path / "path"))

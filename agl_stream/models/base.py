@@ -1,0 +1,80 @@
+"""Shared pieces of the wire records: the base class, statuses and JSON payload types."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, TypeAlias
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+
+RolloutStatus: TypeAlias = Literal["queuing", "preparing", "running", "succeeded", "failed", "cancelled", "requeuing"]
+"""queuing (initial) -> preparing -> running -> succeeded, failed, cancelled; requeuing: retry."""
+
+AttemptStatus: TypeAlias = Literal["preparing", "running", "succeeded", "failed", "unresponsive", "timeout"]
+WorkerStatus: TypeAlias = Literal["idle", "busy", "unknown"]
+RolloutMode: TypeAlias = Literal["train", "val", "test"]
+StatusCode: TypeAlias = Literal["UNSET", "OK", "ERROR"]
+
+QUEUING_STATUSES: frozenset[str] = frozenset({"queuing", "requeuing"})
+RUNNING_STATUSES: frozenset[str] = frozenset({"preparing", "running"})
+TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+
+JsonValue: TypeAlias = Any
+"""Any JSON value (dict, list, str, int, float, bool, None); JSON text on the wire."""
+JsonObject: TypeAlias = dict[str, Any]
+"""A JSON object; JSON text on the wire."""
+
+TYPE_KEY = "-type"
+"""In the dict form, the key naming the Avro record of a value inside a union of several
+records (fastavro's own convention, which its writer understands)."""
+
+AVRO_CONTEXT: dict[str, bool] = {"avro": True}
+"""Serialization context that makes union members add :data:`TYPE_KEY` (see UnionMember)."""
+
+
+class AglModel(BaseModel):
+    """Base of every wire record. ``avro_name`` is the full name of the mirrored Avro schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    avro_name: ClassVar[str]
+
+
+class UnionMember(AglModel):
+    """A record that appears in an Avro union together with other records.
+
+    Dumped with ``context=AVRO_CONTEXT`` it carries ``"-type": avro_name`` so the Avro writer
+    picks the right branch; validation accepts (and checks) that key from decoded dicts.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strip_type_tag(cls, data: Any) -> Any:
+        if isinstance(data, dict) and TYPE_KEY in data:
+            tag = data[TYPE_KEY]
+            if tag != cls.avro_name:
+                raise ValueError(f"record tagged {tag!r} cannot be a {cls.avro_name}")
+            data = {k: v for k, v in data.items() if k != TYPE_KEY}
+        return data
+
+    @model_serializer(mode="wrap")
+    def _add_type_tag(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        out = handler(self)
+        context = info.context
+        if isinstance(out, dict) and isinstance(context, dict) and context.get("avro"):
+            out[TYPE_KEY] = self.avro_name
+        return out
+
+
+def union_tag(value: Any) -> str | None:
+    """Pydantic discriminator for unions of UnionMember: the model's or the dict's Avro name."""
+    if isinstance(value, dict):
+        tag = value.get(TYPE_KEY)
+        return tag if isinstance(tag, str) else None
+    return getattr(value, "avro_name", None)

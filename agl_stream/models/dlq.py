@@ -1,0 +1,25 @@
+"""Dead letters: input that could not be processed, kept with the reason (topic agl.dlq)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from agl_stream.models.base import AglModel
+
+
+class DlqRecord(AglModel):
+    """The original bytes of a rejected message, where they came from and why."""
+
+    avro_name: ClassVar[str] = "agl.DlqRecord"
+
+    source_topic: str
+    source_partition: int = Field(ge=-(2**31), le=2**31 - 1)
+    source_offset: int
+    key: bytes | None = None
+    value: bytes
+    reason: str
+    error_type: str
+    processor: str
+    time: float

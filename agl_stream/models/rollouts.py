@@ -1,0 +1,76 @@
+"""Rollouts, attempts and workers."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from agl_stream.models.base import (
+    AglModel,
+    AttemptStatus,
+    JsonObject,
+    JsonValue,
+    RolloutMode,
+    RolloutStatus,
+    WorkerStatus,
+)
+
+
+class RolloutConfig(AglModel):
+    """Retry and liveness policy of a rollout."""
+
+    avro_name: ClassVar[str] = "agl.RolloutConfig"
+
+    timeout_seconds: float | None = None
+    unresponsive_seconds: float | None = None
+    max_attempts: int = Field(default=1, ge=1, le=2**31 - 1)
+    retry_condition: list[AttemptStatus] = Field(default_factory=list)
+
+
+class Rollout(AglModel):
+    """A task to run."""
+
+    avro_name: ClassVar[str] = "agl.Rollout"
+
+    rollout_id: str
+    input: JsonValue
+    start_time: float
+    end_time: float | None = None
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    status: RolloutStatus = "queuing"
+    config: RolloutConfig = Field(default_factory=RolloutConfig)
+    metadata: JsonObject | None = None
+
+
+class Attempt(AglModel):
+    """One execution of a rollout."""
+
+    avro_name: ClassVar[str] = "agl.Attempt"
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int = Field(ge=1)
+    start_time: float
+    end_time: float | None = None
+    status: AttemptStatus = "preparing"
+    worker_id: str | None = None
+    last_heartbeat_time: float | None = None
+    metadata: JsonObject | None = None
+
+
+class Worker(AglModel):
+    """A runner's liveness and current assignment (topic agl.workers)."""
+
+    avro_name: ClassVar[str] = "agl.Worker"
+
+    worker_id: str
+    status: WorkerStatus = "unknown"
+    heartbeat_stats: JsonObject | None = None
+    last_heartbeat_time: float | None = None
+    last_dequeue_time: float | None = None
+    last_busy_time: float | None = None
+    last_idle_time: float | None = None
+    current_rollout_id: str | None = None
+    current_attempt_id: str | None = None

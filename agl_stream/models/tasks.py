@@ -1,0 +1,36 @@
+"""Work items for runners and task requests from external systems."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from agl_stream.models.base import AglModel, JsonObject, JsonValue, RolloutMode
+from agl_stream.models.rollouts import Rollout, RolloutConfig
+
+
+class TaskItem(AglModel):
+    """One attempt to run (topic agl.tasks, key rollout_id)."""
+
+    avro_name: ClassVar[str] = "agl.TaskItem"
+
+    task_id: str
+    rollout: Rollout
+    attempt_sequence_id: int
+    enqueue_time: float
+
+
+class TaskRequest(AglModel):
+    """A task from an external system (topic agl.task-requests): the public contract.
+
+    See ``schemas/TaskRequest.avsc`` for the meaning of every field.
+    """
+
+    avro_name: ClassVar[str] = "agl.TaskRequest"
+
+    request_id: str
+    input: JsonValue
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    config: RolloutConfig | None = None
+    metadata: JsonObject | None = None
+    request_time: float | None = None

@@ -1,0 +1,51 @@
+"""Training data: triplets, per-attempt triplet records, batches."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from agl_stream.models.base import AglModel, JsonObject
+
+
+class Triplet(AglModel):
+    """One LLM call turned into a training sample."""
+
+    avro_name: ClassVar[str] = "agl.Triplet"
+
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float] | None = None
+    reward: float | None = None
+    metadata: JsonObject = Field(default_factory=dict)
+    prompt_extra: JsonObject | None = None
+    response_extra: JsonObject | None = None
+
+
+class TripletRecord(AglModel):
+    """The triplets of one finished attempt (topic agl.triplets, key rollout_id)."""
+
+    avro_name: ClassVar[str] = "agl.TripletRecord"
+
+    rollout_id: str
+    attempt_id: str
+    group_id: str
+    resources_id: str | None = None
+    policy_version: int | None = None
+    triplets: list[Triplet] = Field(default_factory=list)
+    final_reward: float | None = None
+    finish_time: float
+
+
+class TripletBatch(AglModel):
+    """A training batch (topic agl.triplet-batches, key batch_id)."""
+
+    avro_name: ClassVar[str] = "agl.TripletBatch"
+
+    batch_id: str
+    records: list[TripletRecord] = Field(default_factory=list)
+    created_time: float
+    min_policy_version: int | None = None
+    max_policy_version: int | None = None
+    n_tokens: int = 0

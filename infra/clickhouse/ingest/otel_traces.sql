@@ -1,0 +1,42 @@
+-- How one agl.Span envelope (kafka_partition, kafka_offset, record) becomes an otel_traces row.
+-- The sink wraps this SELECT in a materialized view from a Null table named after the writer
+-- schema's fingerprint (agl_stream/clickhouse/avro_ingest.py), so ClickHouse decodes the Avro.
+-- Attribute values are stored as the OpenTelemetry Collector exporter stores them: strings as
+-- they are, everything else (numbers, booleans, arrays) as JSON text.
+SELECT
+    toDateTime64(ifNull(record.start_time, 0), 9) AS Timestamp,
+    record.trace_id AS TraceId,
+    record.span_id AS SpanId,
+    ifNull(record.parent_id, '') AS ParentSpanId,
+    if(isNull(record.context), '',
+       arrayStringConcat(arrayMap((k, v) -> concat(k, '=', v),
+                                  mapKeys(assumeNotNull(record.context).trace_state),
+                                  mapValues(assumeNotNull(record.context).trace_state)), ',')) AS TraceState,
+    record.name AS SpanName,
+    concat('SPAN_KIND_', upper(record.kind)) AS SpanKind,
+    ResourceAttributes['service.name'] AS ServiceName,
+    mapApply((k, v) -> (k, if(variantType(v) = 'String', variantElement(v, 'String'), toJSONString(v))),
+             record.resource.attributes) AS ResourceAttributes,
+    record.scope_name AS ScopeName,
+    record.scope_version AS ScopeVersion,
+    mapApply((k, v) -> (k, if(variantType(v) = 'String', variantElement(v, 'String'), toJSONString(v))),
+             record.attributes) AS SpanAttributes,
+    if(isNull(record.end_time) OR isNull(record.start_time), 0,
+       toUInt64(greatest(0, round((assumeNotNull(record.end_time) - assumeNotNull(record.start_time)) * 1e9)))) AS Duration,
+    concat('STATUS_CODE_', toString(record.status.status_code)) AS StatusCode,
+    ifNull(record.status.description, '') AS StatusMessage,
+    arrayMap(e -> toDateTime64(ifNull(e.timestamp, 0), 9), record.events) AS `Events.Timestamp`,
+    arrayMap(e -> e.name, record.events) AS `Events.Name`,
+    arrayMap(e -> mapApply((k, v) -> (k, if(variantType(v) = 'String', variantElement(v, 'String'), toJSONString(v))),
+                           e.attributes), record.events) AS `Events.Attributes`,
+    arrayMap(l -> l.context.trace_id, record.links) AS `Links.TraceId`,
+    arrayMap(l -> l.context.span_id, record.links) AS `Links.SpanId`,
+    arrayMap(l -> arrayStringConcat(arrayMap((k, v) -> concat(k, '=', v), mapKeys(l.context.trace_state),
+                                             mapValues(l.context.trace_state)), ','), record.links) AS `Links.TraceState`,
+    arrayMap(l -> mapApply((k, v) -> (k, if(variantType(v) = 'String', variantElement(v, 'String'), toJSONString(v))),
+                           l.attributes), record.links) AS `Links.Attributes`,
+    record.rollout_id AS RolloutId,
+    record.attempt_id AS AttemptId,
+    toUInt64(record.sequence_id) AS SequenceId,
+    toUInt32(kafka_partition) AS KafkaPartition,
+    toUInt64(kafka_offset) AS KafkaOffset
