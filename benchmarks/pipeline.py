@@ -41,14 +41,14 @@ from producers.synthetic_spans import synthetic_span
 STAGES = ("raw", "codec", "codec_sink")
 
 
-def _spans(count: int, text_bytes: int) -> list[dict[str, Any]]:
-    return [synthetic_span(i, rollouts=1000, text_bytes=text_bytes) for i in range(count)]
+def _spans(count: int, text_bytes: int, start: int = 0) -> list[dict[str, Any]]:
+    return [synthetic_span(i, rollouts=1000, text_bytes=text_bytes) for i in range(start, start + count)]
 
 
-async def produce(settings: Settings, stage: str, count: int, text_bytes: int) -> tuple[float, float]:
+async def produce(settings: Settings, stage: str, count: int, text_bytes: int, start: int = 0) -> tuple[float, float]:
     """Produce the stage's messages; returns wall-clock times of the first send and the last ack."""
     codec = Codec.default()
-    spans = _spans(count, text_bytes)
+    spans = _spans(count, text_bytes, start)
     prebuilt = [(s["rollout_id"].encode(), codec.encode_dict("agl.Span", s)) for s in spans] if stage == "raw" else None
     topic = settings.topic("spans")
     producer = make_producer(settings)
@@ -119,8 +119,8 @@ async def stage_sequential(settings: Settings, stage: str, count: int, text_byte
     return {"produce_per_s": count / (produce_done - produce_started), "consume_per_s": count / (last - first)}
 
 
-async def stage_pipelined(settings: Settings, stage: str, count: int, text_bytes: int) -> float:
-    """Producer process and consumer at the same time; N / (first send -> last record consumed)."""
+async def stage_pipelined(settings: Settings, stage: str, count: int, text_bytes: int, producers: int) -> float:
+    """Producer processes and the consumer at the same time; N / (first send -> last record)."""
     await admin.apply(settings)
     if stage == "codec_sink":
         # Open the engine and create tables first: part of starting a sink, not of its throughput.
@@ -130,21 +130,36 @@ async def stage_pipelined(settings: Settings, stage: str, count: int, text_bytes
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
     env.update(settings.as_env())
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # noqa: ASYNC240 - once per stage
-    # Started before the consumer so both run at once; Popen returns immediately.
-    producer = subprocess.Popen(  # noqa: ASYNC220
-        [sys.executable, __file__, "--produce-only", stage, "--spans", str(count), "--text-bytes", str(text_bytes)],
-        env=env,
-        stdout=subprocess.PIPE,
-    )
+    share = count // producers
+    # Started before the consumer so they all run at once; Popen returns immediately.
+    processes = [
+        subprocess.Popen(  # noqa: ASYNC220
+            [
+                sys.executable,
+                __file__,
+                "--produce-only",
+                stage,
+                "--text-bytes",
+                str(text_bytes),
+                "--spans",
+                str(share if i < producers - 1 else count - share * i),
+                "--start",
+                str(share * i),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+        )
+        for i in range(producers)
+    ]
     try:
         _, last = await consume(settings, stage, count)
     finally:
-        out, _ = producer.communicate(timeout=120)
-    started = json.loads(out.decode().strip().splitlines()[-1])["started"]
+        outputs = [p.communicate(timeout=120)[0] for p in processes]
+    started = min(json.loads(out.decode().strip().splitlines()[-1])["started"] for out in outputs)
     return count / (last - started)
 
 
-async def run(base: Settings, count: int, text_bytes: int) -> dict[str, Any]:
+async def run(base: Settings, count: int, text_bytes: int, producers: int) -> dict[str, Any]:
     codec = Codec.default()
     sample = [codec.encode_dict("agl.Span", s) for s in _spans(min(count, 1000), text_bytes)]
     results: dict[str, Any] = {"spans": count, "mean_span_bytes": round(sum(map(len, sample)) / len(sample))}
@@ -166,10 +181,12 @@ def main() -> None:
     parser.add_argument("--spans", type=int, default=100_000)
     parser.add_argument("--text-bytes", type=int, default=1200, help="prompt text per span (sets the span size)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline.json"))
-    parser.add_argument("--produce-only", choices=STAGES, help=argparse.SUPPRESS)  # the pipelined producer
+    parser.add_argument("--producers", type=int, default=1, help="producer processes in the pipelined runs")
+    parser.add_argument("--produce-only", choices=STAGES, help=argparse.SUPPRESS)  # a pipelined producer
+    parser.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.produce_only:
-        started, done = asyncio.run(produce(Settings(), args.produce_only, args.spans, args.text_bytes))
+        started, done = asyncio.run(produce(Settings(), args.produce_only, args.spans, args.text_bytes, args.start))
         print(json.dumps({"started": started, "done": done}))
         return
     with tempfile.TemporaryDirectory(prefix="agl-bench-") as tmp:
@@ -182,11 +199,13 @@ def main() -> None:
             started = True
             base = base.model_copy(update={"kafka_bootstrap": base.bootstrap_servers})
         try:
-            results = asyncio.run(run(base, args.spans, args.text_bytes))
+            results = asyncio.run(run(base, args.spans, args.text_bytes, args.producers))
         finally:
             if started:
                 broker.stop(base.model_copy(update={"kafka_bootstrap": None}))
-    print(f"\n{args.spans:,} spans of {results['mean_span_bytes']} bytes (mean), messages per second:")
+    results["producers"] = args.producers
+    print(f"\n{args.spans:,} spans of {results['mean_span_bytes']} bytes (mean), messages per second")
+    print(f"(pipelined: {args.producers} producer process(es) and the consumer running at once)")
     print(f"{'stage':<12}{'produce':>12}{'consume':>12}{'pipelined':>12}")
     for stage in STAGES:
         r = results[stage]

@@ -104,3 +104,37 @@ async def test_undecodable_record_goes_to_the_dlq_and_the_sink_keeps_going(setti
     with clickhouse(settings) as ch:
         names = {r[0] for r in ch.query(f"SELECT SpanId FROM {settings.clickhouse_database}.otel_traces").result_rows}
     assert names == {s["span_id"] for s in good}
+
+
+async def test_a_block_clickhouse_rejects_is_split_and_only_the_bad_record_dead_lettered(settings: Settings) -> None:
+    """A record with the current fingerprint but a broken body passes the header check; the
+    engine rejects the block, the sink finds the record in Python and keeps the rest."""
+    await admin.apply(settings)
+    codec = Codec.default()
+    topic = settings.topic("spans")
+    spans = [synthetic_span(i, rollouts=1) for i in range(6)]  # one rollout: one partition, in order
+    truncated = codec.encode_dict("agl.Span", spans[3])[:-40]
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        sent = []
+        for i, span in enumerate(spans):
+            value = truncated if i == 3 else codec.encode_dict("agl.Span", span)
+            sent.append(await producer.send_and_wait(topic, value, key=span["rollout_id"].encode()))
+    finally:
+        await producer.stop()
+
+    sink = start_role(settings, "sink", "--flush-ms", "200", log_name="sink")
+    try:
+        await wait_committed_at_least(settings, _group(settings), len(spans), timeout=60)
+    finally:
+        assert stop_role(sink) == 0
+
+    [dead] = await read_topic(settings, settings.topic("dlq"), 1)
+    record = codec.decode(dead.value, DlqRecord)
+    assert record.source_offset == sent[3].offset
+    assert record.value == truncated
+    assert record.error_type == "MalformedRecordError"
+    with clickhouse(settings) as ch:
+        ids = {r[0] for r in ch.query(f"SELECT SpanId FROM {settings.clickhouse_database}.otel_traces").result_rows}
+    assert ids == {s["span_id"] for i, s in enumerate(spans) if i != 3}
