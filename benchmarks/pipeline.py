@@ -168,7 +168,7 @@ async def run(base: Settings, count: int, text_bytes: int, producers: int) -> di
         results[stage] = await stage_sequential(base.model_copy(update=fresh), stage, count, text_bytes)
         fresh = {"topic_prefix": f"bench{uuid.uuid4().hex[:6]}", "data_dir": base.data_dir / uuid.uuid4().hex[:6]}
         results[stage]["pipelined_per_s"] = await stage_pipelined(
-            base.model_copy(update=fresh), stage, count, text_bytes
+            base.model_copy(update=fresh), stage, count, text_bytes, producers
         )
     results["codec_sink_vs_raw_pipelined"] = (
         results["codec_sink"]["pipelined_per_s"] / results["raw"]["pipelined_per_s"]
