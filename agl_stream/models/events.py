@@ -66,11 +66,12 @@ class _PartialUpdate(UnionMember):
 
 
 class RolloutEnqueued(UnionMember):
-    """A new rollout was enqueued."""
+    """A new rollout was enqueued; with ``attempt`` it starts at once (start_rollout)."""
 
     avro_name: ClassVar[str] = "agl.RolloutEnqueued"
 
     rollout: Rollout
+    attempt: Attempt | None = None
 
 
 class RolloutUpdated(_PartialUpdate):
@@ -107,6 +108,7 @@ class AttemptStarted(UnionMember):
 
     attempt: Attempt
     worker_id: str | None = None
+    manual: bool = False
 
 
 class AttemptUpdated(_PartialUpdate):
@@ -142,6 +144,8 @@ class AttemptHeartbeat(UnionMember):
 
     attempt_id: str
     worker_id: str | None = None
+    span_count: int = 0
+    max_sequence_id: int | None = None
 
 
 class RolloutCancelled(UnionMember):
@@ -152,22 +156,23 @@ class RolloutCancelled(UnionMember):
     reason: str | None = None
 
 
-class RolloutRequeued(UnionMember):
-    """The rollout goes back to the queue for another attempt."""
+class SpanSequenceRequested(UnionMember):
+    """Reserve ``count`` span sequence ids of an attempt; the reply state names the first."""
 
-    avro_name: ClassVar[str] = "agl.RolloutRequeued"
+    avro_name: ClassVar[str] = "agl.SpanSequenceRequested"
 
-    reason: str = ""
-    previous_attempt_id: str | None = None
+    attempt_id: str
+    count: int = Field(default=1, ge=1)
 
 
-class EventRejected(UnionMember):
-    """An earlier event was not applied."""
+class WatchdogFired(UnionMember):
+    """An attempt is over its time budget or silent; void if a newer heartbeat arrived."""
 
-    avro_name: ClassVar[str] = "agl.EventRejected"
+    avro_name: ClassVar[str] = "agl.WatchdogFired"
 
-    rejected_event_id: str
-    reason: str
+    attempt_id: str
+    status: AttemptStatus
+    observed_heartbeat_time: float | None = None
 
 
 RolloutEventPayload: TypeAlias = Annotated[
@@ -177,8 +182,8 @@ RolloutEventPayload: TypeAlias = Annotated[
     | Annotated[AttemptUpdated, Tag(AttemptUpdated.avro_name)]
     | Annotated[AttemptHeartbeat, Tag(AttemptHeartbeat.avro_name)]
     | Annotated[RolloutCancelled, Tag(RolloutCancelled.avro_name)]
-    | Annotated[RolloutRequeued, Tag(RolloutRequeued.avro_name)]
-    | Annotated[EventRejected, Tag(EventRejected.avro_name)],
+    | Annotated[SpanSequenceRequested, Tag(SpanSequenceRequested.avro_name)]
+    | Annotated[WatchdogFired, Tag(WatchdogFired.avro_name)],
     Discriminator(union_tag),
 ]
 
@@ -189,8 +194,8 @@ PAYLOAD_TYPES: tuple[type[UnionMember], ...] = (
     AttemptUpdated,
     AttemptHeartbeat,
     RolloutCancelled,
-    RolloutRequeued,
-    EventRejected,
+    SpanSequenceRequested,
+    WatchdogFired,
 )
 
 
@@ -204,3 +209,22 @@ class RolloutEvent(AglModel):
     time: float
     writer: str
     payload: RolloutEventPayload
+
+
+class RolloutState(AglModel):
+    """A rollout after the processor folded an event (topic agl.rollout-state, compacted).
+
+    The processor's changelog, the feed of the rollouts and attempts tables, and the reply to
+    whoever wrote ``cause_event_id``.
+    """
+
+    avro_name: ClassVar[str] = "agl.RolloutState"
+
+    rollout: Rollout
+    attempts: list[Attempt] = Field(default_factory=list)
+    version: int
+    cause_event_id: str
+    cause_time: float
+    next_sequence_ids: dict[str, int] = Field(default_factory=dict)
+    reserved_sequence_id: int | None = None
+    finished_time: float | None = None

@@ -79,10 +79,12 @@ def test_a_span_becomes_an_otel_traces_row(tmp_path: Path) -> None:
 
 def test_an_open_span_has_zero_duration(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
-    raw = Codec.default().encode_dict("agl.Span", span_dict(end_time=None, status={"status_code": "ERROR", "description": "boom"}))
+    failed = span_dict(end_time=None, status={"status_code": "ERROR", "description": "boom"})
+    raw = Codec.default().encode_dict("agl.Span", failed)
     with clickhouse(settings) as ch:
         sink = TableSink(settings, ch)
         sink.prepare_tables()
         sink._insert([Fetched("agl.spans", 0, 0, None, memoryview(raw)[HEADER_SIZE:], raw, 0)], {})
-        [(duration, code, message)] = ch.query("SELECT Duration, StatusCode, StatusMessage FROM agl.otel_traces").result_rows
+        query = "SELECT Duration, StatusCode, StatusMessage FROM agl.otel_traces"
+        [(duration, code, message)] = ch.query(query).result_rows
     assert (duration, code, message) == (0, "STATUS_CODE_ERROR", "boom")

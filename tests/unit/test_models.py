@@ -288,12 +288,13 @@ def test_union_members_tag_only_in_the_avro_context() -> None:
     dumped = event.model_dump(context={"avro": True})
     assert dumped["payload"][TYPE_KEY] == "agl.RolloutCancelled"
     assert RolloutEvent.model_validate(dumped) == event
-    wrong = {**dumped, "payload": {**dumped["payload"], TYPE_KEY: "agl.RolloutRequeued"}}
-    assert RolloutEvent.model_validate(wrong).payload.avro_name == "agl.RolloutRequeued"
+    # The tag, not the shape, picks the record.
+    other = {**dumped, "payload": {TYPE_KEY: "agl.SpanSequenceRequested", "attempt_id": "at-1"}}
+    assert RolloutEvent.model_validate(other).payload.avro_name == "agl.SpanSequenceRequested"
     with pytest.raises(ValidationError):
         RolloutEvent.model_validate({**dumped, "payload": {"reason": "untagged"}})
     with pytest.raises(ValidationError, match="cannot be a"):
-        RolloutCancelled.model_validate({TYPE_KEY: "agl.EventRejected", "reason": None})
+        RolloutCancelled.model_validate({TYPE_KEY: "agl.WatchdogFired", "reason": None})
 
 
 def test_resources_discriminate_on_resource_type() -> None:

@@ -11,6 +11,7 @@ from agl_stream.topics import ActualTopic, TopicSpec, check_specs, load_topic_sp
 
 DESIGN_TOPICS = {
     "rollouts",
+    "rollout-state",
     "tasks",
     "spans",
     "resources",
