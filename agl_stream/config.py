@@ -94,6 +94,13 @@ class Settings(BaseSettings):
     clickhouse_verify_tls: bool = Field(True, description="Verify the server certificate on https.")
     clickhouse_ca_cert: Path | None = Field(None, description="CA bundle for the ClickHouse server certificate.")
 
+    # -- gateway (read side) -----------------------------------------------------------------
+    gateway_host: str = Field("127.0.0.1", description="Address the gateway (sink + query API) binds to.")
+    gateway_port: int = Field(8642, ge=0, le=65535, description="Port of the gateway's HTTP API (0: pick a free one).")
+    gateway_url: str | None = Field(
+        None, description="URL of a running gateway for clients; unset: the one `agl-stream up` recorded."
+    )
+
     # -- logging -----------------------------------------------------------------------------
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["console", "json"] = Field(
@@ -121,6 +128,11 @@ class Settings(BaseSettings):
     @property
     def kafka_dir(self) -> Path:
         return self.data_dir / "kafka"
+
+    @property
+    def run_dir(self) -> Path:
+        """Pid files and endpoints of the local stack's processes."""
+        return self.data_dir / "run"
 
     @property
     def chdb_dir(self) -> Path:
