@@ -52,3 +52,24 @@ class SchemaCompatibilityError(AglError):
 
 class TopicError(AglError):
     """Topic declarations are invalid, or the cluster disagrees with them."""
+
+
+class ReadSideError(AglError):
+    """A read through the gateway or ClickHouse failed."""
+
+
+class FenceTimeoutError(ReadSideError):
+    """The sinks did not apply the fenced offsets in time: the written records are not readable yet."""
+
+
+class QueryError(ReadSideError):
+    """ClickHouse refused or failed the query (bad SQL, a write on the read-only path, a time limit)."""
+
+    def __init__(self, message: str, *, code: int | None = None, name: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.name = name
+
+
+class GatewayUnavailableError(ReadSideError):
+    """No gateway answers where one was expected; start the stack with `agl-stream up`."""

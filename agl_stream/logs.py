@@ -41,7 +41,8 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     # aiokafka logs every coordinator hiccup at INFO; keep ours readable.
-    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
+    for noisy in ("aiokafka", "httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
 def get_logger(name: str) -> Any:

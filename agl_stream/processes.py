@@ -11,8 +11,11 @@ from pathlib import Path
 from agl_stream.config import Settings
 
 
-def start_role(settings: Settings, *args: str, log_path: Path) -> subprocess.Popen[bytes]:
-    """Start ``agl-stream <args>`` with these settings; its output goes to ``log_path``."""
+def start_role(settings: Settings, *args: str, log_path: Path, detach: bool = False) -> subprocess.Popen[bytes]:
+    """Start ``agl-stream <args>`` with these settings; its output goes to ``log_path``.
+
+    ``detach``: in a session of its own, so it outlives this process and its terminal.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
     env.update(settings.as_env())
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,21 +1,35 @@
-"""The ClickHouse sink: materializes Kafka topics into ClickHouse tables, exactly once.
+"""The ClickHouse sinks: materialize Kafka topics into ClickHouse tables.
 
 ClickHouse decodes the Avro, not Python: each batch is handed over as one Avro container of
 (partition, offset, record body) envelopes and loaded by one INSERT into a Null table whose
-materialized view writes the real table (agl_stream/clickhouse/avro_ingest.py). Python only
-checks headers and concatenates bytes, so the sink keeps up with what Kafka delivers.
+materialized views (one per target table) write the real tables
+(agl_stream/clickhouse/avro_ingest.py). Python only checks headers and concatenates bytes, so a
+sink keeps up with what Kafka delivers.
 
-Exactly-once into ClickHouse without transactions:
-1. one INSERT per batch, one part in the target table (no PARTITION BY): atomic in the engine;
-2. every row carries its Kafka partition and offset; on assignment the sink seeks past the
-   highest offset already in the table, or the committed offset if further, so a crash between
-   INSERT and commit never inserts a batch twice;
-3. Kafka offsets are committed only after the INSERT (and the sink_offsets record) succeeded.
+Applying a batch twice must never show twice. Two resume policies (SinkSpec.resume):
+- "data" (spans): one INSERT is one part of the one target table, atomic in the engine; every
+  row carries its Kafka partition and offset, and on assignment the sink seeks past the highest
+  offset already in the table (or the committed offset if further). A crash between INSERT and
+  commit never inserts a batch twice.
+- "committed" (state topics): the sink resumes from the committed offsets. With several target
+  tables one INSERT is not atomic across them, so a crash between INSERT and commit re-applies
+  the batch; the tables are ReplacingMergeTrees read with FINAL, so the copies never show.
+Either way Kafka offsets are committed only after the INSERT and the sink_offsets record.
 
-Bad input never stops the sink: records with an unknown fingerprint, another record type or an
+Bad input never stops a sink: records with an unknown fingerprint, another record type or an
 undecodable body go to agl.dlq. Records written with an older schema version are decoded,
 resolved to the current schema and re-encoded. A block ClickHouse rejects is checked record by
-record in Python; the bad ones go to the DLQ and the rest is inserted.
+record in Python; the bad ones go to the DLQ and the rest is inserted. Tombstones (null values
+on compacted topics) are skipped where the spec says so: forgetting a key in Kafka does not
+delete history from the read side.
+
+One exception to "the engine decodes": agl.ResourcesUpdate holds a union of two records with
+the same shape (LLM, ProxyLLM), which the engine's Avro reader cannot map to a Variant (the
+type mapping merges them and the reader then refuses the union). Resources are few and small,
+so that sink decodes in Python and inserts rows (SinkSpec.python_rows).
+
+``on_applied(topic, {partition: next_offset})`` is called once a batch is visible in
+ClickHouse (and recorded in sink_offsets): the gateway releases its offset fences on it.
 """
 
 from __future__ import annotations
@@ -23,8 +37,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from clickhouse_connect.driver.client import Client
@@ -32,31 +47,140 @@ from clickhouse_connect.driver.client import Client
 from agl_stream.clickhouse import avro_ingest
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
-from agl_stream.codec import HEADER_SIZE, MAGIC, Codec
+from agl_stream.codec import HEADER_SIZE, MAGIC, Codec, dump_json
 from agl_stream.config import Settings
-from agl_stream.errors import CodecError, RecordTypeError
+from agl_stream.errors import CodecError, MalformedRecordError, RecordTypeError
 from agl_stream.kafka.io import BatchConsumer, DeadLetters, Fetched, Rejected, make_consumer, make_producer
 from agl_stream.logs import get_logger
+from agl_stream.models import AglModel, ResourcesUpdate
 from agl_stream.resources import resource_path
 
 log = get_logger("agl.sink")
 
+ResumePolicy = Literal["data", "committed"]
+OnApplied = Callable[[str, Mapping[int, int]], None]
+"""``on_applied(topic, {partition: next offset})``: those records are visible in ClickHouse."""
+
+_IDLE_POLL_MS = 500  # how long an idle sink waits for a first record (also bounds stop latency)
+
+
+PythonRows = Callable[[Any], dict[str, Any]]
+"""Turns a decoded record (the topic's model) into one row; raises CodecError if it cannot."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One table a topic is materialized into, and the SELECT that makes its rows."""
+
+    table: str
+    transform: str = ""  # file under infra/clickhouse/ingest/; `{db}` is replaced by the database
+
 
 @dataclass(frozen=True)
 class SinkSpec:
-    """One topic -> one table."""
+    """One topic -> one Null ingest table -> one materialized view per target table."""
 
     name: str  # also names the consumer group and the sink_offsets rows
     topic: str  # short name, without the prefix
     record: str  # Avro full name of the topic's values
-    table: str
-    transform: str  # SELECT file under infra/clickhouse/ingest/
+    targets: tuple[Target, ...]
+    ingest: str  # base name of the Null tables, one per writer schema fingerprint
+    resume: ResumePolicy = "committed"
+    position_columns: tuple[str, str] = ("kafka_partition", "kafka_offset")  # of targets[0], for "data"
+    skip_tombstones: bool = False  # compacted topics: a null value forgets a key, it is not an error
+    batch_size: int = 10_000
+    flush_ms: int = 200  # how long a batch may linger after its first record
+    python_rows: PythonRows | None = None  # decode in Python and insert rows into targets[0]
+    model: type[AglModel] | None = None  # the record's model, for python_rows
+
+    @property
+    def table(self) -> str:
+        """The primary table: the one "data" resumes from."""
+        return self.targets[0].table
 
     def group_id(self, settings: Settings) -> str:
         return f"{settings.topic_prefix}.sink.{self.name}"
 
 
-SPANS = SinkSpec("clickhouse-spans", "spans", "agl.Span", "otel_traces", "otel_traces.sql")
+SPANS = SinkSpec(
+    "clickhouse-spans",
+    "spans",
+    "agl.Span",
+    (Target("otel_traces", "otel_traces.sql"),),
+    ingest="otel_traces",
+    resume="data",
+    position_columns=("KafkaPartition", "KafkaOffset"),
+)
+# State topics are small and read behind fences: flush as soon as a fetch is in (flush_ms=0);
+# batches still form under load from whatever arrived while the previous INSERT ran.
+ROLLOUT_STATE = SinkSpec(
+    "clickhouse-rollout-state",
+    "rollout-state",
+    "agl.RolloutState",
+    (Target("rollouts", "rollouts.sql"), Target("attempts", "attempts.sql")),
+    ingest="rollout_state",
+    skip_tombstones=True,
+    flush_ms=0,
+)
+
+
+def resources_row(update: ResourcesUpdate) -> dict[str, Any]:
+    """A resources row; ``resources`` is the JSON object ResourcesUpdate.resources validates."""
+    try:
+        resources = dump_json(update.model_dump(mode="json")["resources"])
+    except ValueError as exc:  # NaN/Infinity in a JSON payload: not representable as JSON
+        raise MalformedRecordError(f"resources {update.resources_id} cannot be written as JSON: {exc}") from exc
+    return {
+        "resources_id": update.resources_id,
+        "create_time": update.create_time,
+        "update_time": update.update_time,
+        "version": update.version,
+        "resources": resources,
+    }
+
+
+RESOURCES = SinkSpec(
+    "clickhouse-resources",
+    "resources",
+    "agl.ResourcesUpdate",
+    (Target("resources"),),
+    ingest="resources",
+    skip_tombstones=True,
+    flush_ms=0,
+    python_rows=resources_row,
+    model=ResourcesUpdate,
+)
+WORKERS = SinkSpec(
+    "clickhouse-workers",
+    "workers",
+    "agl.Worker",
+    (Target("workers", "workers.sql"),),
+    ingest="workers",
+    skip_tombstones=True,
+    flush_ms=0,
+)
+SPECS: tuple[SinkSpec, ...] = (SPANS, ROLLOUT_STATE, RESOURCES, WORKERS)
+
+
+def ingest_ddl(spec: SinkSpec, database: str, fingerprint_hex: str, record_schema: dict[str, Any]) -> list[str]:
+    """The Null table for one writer schema and a materialized view into each target table.
+
+    Named after the writer schema's fingerprint: a new schema version gets new ones and the old
+    ones stay valid for data still in flight.
+    """
+    if spec.python_rows is not None:
+        return []
+    null_table = avro_ingest.ingest_table(database, spec.ingest, fingerprint_hex)
+    columns = ", ".join(f"`{name}` {kind}" for name, kind in avro_ingest.columns_of(record_schema))
+    statements = [f"CREATE TABLE IF NOT EXISTS {null_table} ({columns}) ENGINE = Null"]
+    for target in spec.targets:
+        # str.replace, not str.format: the transforms are full of JSON braces.
+        transform = resource_path(f"infra/clickhouse/ingest/{target.transform}").read_text()
+        statements.append(
+            f"CREATE MATERIALIZED VIEW IF NOT EXISTS {null_table}_mv_{target.table} TO {database}.{target.table} AS "
+            f"{transform.replace('{db}', database)} FROM {null_table}"
+        )
+    return statements
 
 
 @dataclass
@@ -64,6 +188,7 @@ class SinkStats:
     rows: int = 0
     batches: int = 0
     dead_lettered: int = 0
+    tombstones: int = 0
     started: float = field(default_factory=time.monotonic)
     first_record_at: float | None = None  # monotonic; after the group join and seek
 
@@ -72,17 +197,22 @@ class EnvelopeBody:
     """``prepare`` for the BatchConsumer: the Avro body of a record in the current schema.
 
     A record in the current schema costs a slice; an older known version is resolved and
-    re-encoded; anything else raises CodecError (-> DLQ).
+    re-encoded; a tombstone is None where tombstones are skipped; anything else raises
+    CodecError (-> DLQ). BatchConsumer hands over ``value or b""``, so an empty value counts as a
+    tombstone too.
     """
 
-    def __init__(self, codec: Codec, record: str) -> None:
+    def __init__(self, codec: Codec, record: str, *, skip_tombstones: bool = False) -> None:
         self.codec = codec
         self.record = record
+        self.skip_tombstones = skip_tombstones
         self.current = codec.fingerprint(record).to_bytes(8, "little")
 
-    def __call__(self, data: bytes) -> memoryview:
+    def __call__(self, data: bytes) -> memoryview | None:
         if data[:2] == MAGIC and data[2:HEADER_SIZE] == self.current:
             return memoryview(data)[HEADER_SIZE:]
+        if not data and self.skip_tombstones:
+            return None
         name, value = self.codec.decode_dict(data)
         if name != self.record:
             raise RecordTypeError(f"expected a {self.record} record, got {name}")
@@ -106,12 +236,12 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         # dropped by the batch loop (the generation changes) and read again by their next owner.
         async with self.sink.writing:
             self.sink.generation += 1
-        log.info("partitions revoked", partitions=len(revoked))
+        log.info("partitions revoked", sink=self.sink.spec.name, partitions=len(revoked))
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         self.sink.generation += 1
         await self.sink.seek_past_applied(assigned)
-        log.info("partitions assigned", partitions=sorted(tp.partition for tp in assigned))
+        log.info("partitions assigned", sink=self.sink.spec.name, partitions=sorted(tp.partition for tp in assigned))
 
 
 class TableSink:
@@ -121,23 +251,25 @@ class TableSink:
         client: Client,
         spec: SinkSpec = SPANS,
         *,
-        batch_size: int = 10_000,
-        flush_ms: int = 200,
+        batch_size: int | None = None,
+        flush_ms: int | None = None,
         codec: Codec | None = None,
+        on_applied: OnApplied | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
         self.spec = spec
-        self.batch_size = batch_size
-        self.flush_ms = flush_ms
+        self.batch_size = batch_size if batch_size is not None else spec.batch_size
+        self.flush_ms = flush_ms if flush_ms is not None else spec.flush_ms
         self.codec = codec or Codec.default()
+        self.on_applied = on_applied
         self.topic = settings.topic(spec.topic)
         self.db = settings.clickhouse_database
         self.table = f"{self.db}.{spec.table}"
-        self.bodies = EnvelopeBody(self.codec, spec.record)
+        self.bodies = EnvelopeBody(self.codec, spec.record, skip_tombstones=spec.skip_tombstones)
         schema = self.codec.contract.schema(spec.record)
         self.header = avro_ingest.container_header(schema.expanded)
-        self.ingest_table = avro_ingest.ingest_table(self.db, spec.table, schema.fingerprint_hex)
+        self.ingest_table = avro_ingest.ingest_table(self.db, spec.ingest, schema.fingerprint_hex)
         self.stats = SinkStats()
         self._stopping = asyncio.Event()
         self.consumer: AIOKafkaConsumer | None = None
@@ -154,22 +286,23 @@ class TableSink:
     def prepare_tables(self) -> None:
         migrate(self.client, self.db)
         schema = self.codec.contract.schema(self.spec.record)
-        transform = resource_path(f"infra/clickhouse/ingest/{self.spec.transform}").read_text()
-        for statement in avro_ingest.ingest_ddl(
-            self.db, self.spec.table, schema.fingerprint_hex, schema.expanded, transform
-        ):
+        for statement in ingest_ddl(self.spec, self.db, schema.fingerprint_hex, schema.expanded):
             self.client.command(statement)
 
     def applied_offsets(self) -> dict[int, int]:
-        """Per partition, the offset after the last row already in the table."""
+        """Per partition, the offset after the last row already in the primary table ("data" only)."""
+        if self.spec.resume != "data":
+            return {}
+        partition, offset = self.spec.position_columns
         rows = self.client.query(
-            f"SELECT KafkaPartition, max(KafkaOffset) + 1 FROM {self.table} GROUP BY KafkaPartition"
+            f"SELECT {partition}, max({offset}) + 1 FROM {self.table} GROUP BY {partition}"
         ).result_rows
         return {int(p): int(o) for p, o in rows}
 
     async def seek_past_applied(self, assigned: list[TopicPartition]) -> None:
         assert self.consumer is not None
         applied = await asyncio.to_thread(self.applied_offsets)
+        positions: dict[int, int] = {}
         for tp in assigned:
             committed = await self.consumer.committed(tp) or 0
             target = max(applied.get(tp.partition, 0), committed)
@@ -177,6 +310,13 @@ class TableSink:
                 log.info("skipping rows already applied", partition=tp.partition, offset=target, committed=committed)
             if target > 0:
                 self.consumer.seek(tp, target)
+                positions[tp.partition] = target
+        # Everything before these positions is in ClickHouse already: fences on it may pass.
+        self._notify(positions)
+
+    def _notify(self, positions: Mapping[int, int]) -> None:
+        if self.on_applied is not None and positions:
+            self.on_applied(self.topic, positions)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -188,42 +328,59 @@ class TableSink:
         )
         self.consumer.subscribe([self.topic], listener=_Rebalance(self))
         await producer.start()
-        await self.consumer.start()
-        batches = BatchConsumer(
-            self.consumer, DeadLetters(self.settings, producer, processor=f"sink.{self.spec.name}"), self.bodies
-        )
-        log.info("sink started", topic=self.topic, table=self.table, group=self.spec.group_id(self.settings))
         try:
-            while not self._stopping.is_set():
-                await self._one_batch(batches)
+            await self.consumer.start()
+            batches = BatchConsumer(
+                self.consumer, DeadLetters(self.settings, producer, processor=f"sink.{self.spec.name}"), self.bodies
+            )
+            log.info(
+                "sink started", topic=self.topic, ingest=self.ingest_table, group=self.spec.group_id(self.settings)
+            )
+            try:
+                while not self._stopping.is_set():
+                    await self._one_batch(batches)
+            finally:
+                await self.consumer.stop()
+                self.stats.dead_lettered = batches.dead_letters.count
         finally:
-            await self.consumer.stop()
             await producer.stop()
-            self.stats.dead_lettered = batches.dead_letters.count
-            log.info("sink stopped", rows=self.stats.rows, batches=self.stats.batches, dlq=self.stats.dead_lettered)
+        log.info(
+            "sink stopped",
+            sink=self.spec.name,
+            rows=self.stats.rows,
+            batches=self.stats.batches,
+            dlq=self.stats.dead_lettered,
+            tombstones=self.stats.tombstones,
+        )
         return self.stats
 
-    async def _one_batch(self, batches: BatchConsumer[memoryview]) -> None:
-        records: list[Fetched[memoryview]] = []
+    async def _one_batch(self, batches: BatchConsumer[memoryview | None]) -> None:
+        fetched_all: list[Fetched[memoryview | None]] = []
         next_offsets: dict[TopicPartition, int] = {}
         generation = self.generation
-        deadline = time.monotonic() + self.flush_ms / 1000
-        # Fill up to batch_size or until the flush interval passes: fewer, larger INSERTs.
-        while len(records) < self.batch_size and not self._stopping.is_set():
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 and next_offsets:
-                break
+        deadline: float | None = None  # set by the first record: a batch lingers flush_ms at most
+        while len(fetched_all) < self.batch_size and not self._stopping.is_set():
+            if deadline is None:
+                timeout_ms = _IDLE_POLL_MS
+            else:
+                timeout_ms = int((deadline - time.monotonic()) * 1000)
+                if timeout_ms <= 0:
+                    break
             fetched, offsets = await batches.next_batch(
-                max_records=self.batch_size - len(records), timeout_ms=max(remaining_ms, 1)
+                max_records=self.batch_size - len(fetched_all), timeout_ms=max(timeout_ms, 1)
             )
-            records.extend(fetched)
+            fetched_all.extend(fetched)
             next_offsets.update(offsets)
-            if fetched and self.stats.first_record_at is None:
-                self.stats.first_record_at = time.monotonic()
-            if remaining_ms <= 0:
-                break
+            if not next_offsets:
+                return  # idle for a whole poll; the caller checks for stop and calls again
+            if deadline is None:
+                deadline = time.monotonic() + self.flush_ms / 1000
+                if self.stats.first_record_at is None:
+                    self.stats.first_record_at = time.monotonic()
         if not next_offsets:
             return
+        records = [r for r in fetched_all if r.value is not None]
+        self.stats.tombstones += len(fetched_all) - len(records)
         async with self.writing:
             if generation != self.generation:
                 # Partitions moved while this batch was filling: positions were reset by the
@@ -232,9 +389,12 @@ class TableSink:
                 await self.seek_past_applied(list(self.consumer.assignment()))
                 return
             if records:
-                self.stats.rows += await self._insert_with_retry(records, next_offsets, batches.dead_letters)
+                written = cast(list[Fetched[memoryview]], records)
+                self.stats.rows += await self._insert_with_retry(written, next_offsets, batches.dead_letters)
             else:
                 await asyncio.to_thread(self._record_offsets, next_offsets)
+            # Visible in ClickHouse from here on; the commit below only moves the restart point.
+            self._notify({tp.partition: offset for tp, offset in next_offsets.items()})
             await batches.commit(next_offsets)
             self.stats.batches += 1
 
@@ -267,7 +427,10 @@ class TableSink:
         good, bad = [], []
         for record in records:
             try:
-                self.bodies.check(record.raw)
+                if self.spec.python_rows is not None:
+                    self._python_row(record)
+                else:
+                    self.bodies.check(record.raw)
             except CodecError as error:
                 bad.append(Rejected.of(record, error))
             else:
@@ -275,12 +438,23 @@ class TableSink:
         return good, bad
 
     def _insert(self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int]) -> None:
-        if records:
+        if records and self.spec.python_rows is not None:
+            rows = [self._python_row(r) for r in records]
+            columns = list(rows[0])
+            self.client.insert(self.table, [[row[c] for c in columns] for row in rows], column_names=columns)
+        elif records:
             block = avro_ingest.container(self.header, [(r.partition, r.offset, r.value) for r in records])
             self.client.raw_insert(self.ingest_table, insert_block=block, fmt="Avro")
         self._record_offsets(next_offsets)
 
+    def _python_row(self, record: Fetched[memoryview]) -> dict[str, Any]:
+        assert self.spec.python_rows is not None and self.spec.model is not None
+        row = self.spec.python_rows(self.codec.decode(record.raw, self.spec.model))
+        return {**row, "kafka_partition": record.partition, "kafka_offset": record.offset}
+
     def _record_offsets(self, next_offsets: dict[TopicPartition, int]) -> None:
+        if not next_offsets:
+            return
         now_ms = int(time.time() * 1000)
         self.client.insert(
             f"{self.db}.sink_offsets",
@@ -289,18 +463,74 @@ class TableSink:
         )
 
 
-async def run_sink(settings: Settings, **options: Any) -> SinkStats:
-    """Run until SIGTERM/SIGINT; the embedded engine is opened (and locked) by this process."""
-    client = get_client(settings)
-    sink = TableSink(settings, client, **options)
+class SinkGroup:
+    """Several sinks in one process and event loop, each with its own engine client.
+
+    Clients on one chDB path run in parallel, so one sink's INSERT does not wait for another's.
+    If one sink fails the others are stopped and the error propagates: the process exits and its
+    supervisor restarts it, resuming every sink from what it applied.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        specs: Sequence[SinkSpec] = SPECS,
+        *,
+        on_applied: OnApplied | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.specs = tuple(specs)
+        self.on_applied = on_applied
+        self.options = options or {}
+        self.sinks: list[TableSink] = []
+        self._stop_requested = False
+
+    def stop(self) -> None:
+        self._stop_requested = True
+        for sink in self.sinks:
+            sink.stop()
+
+    async def run(self) -> dict[str, SinkStats]:
+        clients = [await asyncio.to_thread(get_client, self.settings) for _ in self.specs]
+        try:
+            # Migrate once before the sinks start, so they do not race on the same DDL.
+            await asyncio.to_thread(migrate, clients[0], self.settings.clickhouse_database)
+            self.sinks = [
+                TableSink(self.settings, client, spec, on_applied=self.on_applied, **self.options.get(spec.name, {}))
+                for client, spec in zip(clients, self.specs, strict=True)
+            ]
+            if self._stop_requested:
+                return {}
+            tasks = [asyncio.create_task(sink.run(), name=f"sink:{sink.spec.name}") for sink in self.sinks]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            finally:
+                # One failed, all stopped, or we are cancelled: stop the rest cleanly (each
+                # writes and commits what it holds) before the clients close.
+                self.stop()
+                await asyncio.wait(tasks)
+            for task in tasks:
+                if task.exception() is not None:
+                    raise cast(BaseException, task.exception())
+            return {sink.spec.name: task.result() for sink, task in zip(self.sinks, tasks, strict=True)}
+        finally:
+            for client in clients:
+                client.close()
+
+
+async def run_sink(settings: Settings, **options: Any) -> dict[str, SinkStats]:
+    """Run every sink until SIGTERM/SIGINT; the embedded engine is opened (and locked) here.
+
+    ``batch_size``/``flush_ms`` tune the spans sink, the high-volume one; the state sinks keep
+    their specs' low-latency settings.
+    """
+    group = SinkGroup(settings, on_applied=None, options={SPANS.name: options})
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, sink.stop)
-    try:
-        return await sink.run()
-    finally:
-        client.close()
+        loop.add_signal_handler(sig, group.stop)
+    return await group.run()
 
 
-def main(settings: Settings, **options: Any) -> SinkStats:
+def main(settings: Settings, **options: Any) -> dict[str, SinkStats]:
     return asyncio.run(run_sink(settings, **options))

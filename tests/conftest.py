@@ -49,3 +49,24 @@ def settings(kafka_bootstrap: str, tmp_path: Path) -> Settings:
         data_dir=tmp_path,
         topic_prefix=f"t{uuid4().hex[:10]}",
     )
+
+
+@pytest.fixture(scope="session")
+def stack_settings(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """A local stack (rollout processor + gateway) on the session's broker, shared by store tests.
+
+    Store tests isolate themselves by the rollouts they create, so one stack serves them all.
+    """
+    from agl_stream import stack
+
+    settings = Settings(
+        kafka_bootstrap=kafka_bootstrap,
+        data_dir=tmp_path_factory.mktemp("stack"),
+        topic_prefix=f"s{uuid4().hex[:10]}",
+        gateway_port=0,
+    )
+    stack.up(settings, timeout=120)
+    try:
+        yield stack.local_stack_settings(settings)
+    finally:
+        stack.down(settings)

@@ -23,3 +23,12 @@ def register(app: typer.Typer) -> None:
     from agl_stream.cli.schemas_cmd import schemas_app
 
     app.add_typer(schemas_app, name="schemas", help="Snapshot schema versions; check compatibility")
+
+    from agl_stream.cli.roles_cmd import processor
+    from agl_stream.cli.stack_cmd import down, status, up
+
+    app.command("up")(up)
+    app.command("status")(status)
+    app.command("down")(down)
+    app.command("processor")(processor)
+    app.command("gateway")(__import__("agl_stream.cli.gateway_cmd", fromlist=["gateway"]).gateway)

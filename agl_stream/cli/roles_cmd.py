@@ -22,3 +22,15 @@ def sink(
     """
     module = importlib.import_module("consumers.clickhouse_sink")
     module.main(settings_of(ctx), batch_size=batch_size, flush_ms=flush_ms)
+
+
+def processor(
+    ctx: typer.Context,
+    watchdog_interval: Annotated[float, typer.Option(min=0.05, help="Seconds between watchdog scans.")] = 0.5,
+    finished_retention: Annotated[
+        float, typer.Option(min=0.0, help="Seconds a finished rollout stays in memory before it is forgotten.")
+    ] = 60.0,
+) -> None:
+    """Run the rollout processor (state machine, task queue, watchdog) until SIGTERM or Ctrl-C."""
+    module = importlib.import_module("processors.rollouts")
+    module.main(settings_of(ctx), watchdog_interval_s=watchdog_interval, finished_retention_s=finished_retention)

@@ -44,6 +44,9 @@ CREATE TABLE IF NOT EXISTS {db}.otel_traces
     SequenceId UInt64 CODEC(ZSTD(1)),
     KafkaPartition UInt32 CODEC(ZSTD(1)),
     KafkaOffset UInt64 CODEC(Delta, ZSTD(1)),
+    -- The whole span as JSON with typed attribute values (SpanAttributes above keeps the
+    -- exporter's string convention, which loses types): what query_spans returns.
+    SpanJson String CODEC(ZSTD(3)),
     INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
     INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
     INDEX idx_span_attr_key mapKeys(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,

@@ -1,0 +1,37 @@
+"""``agl-stream gateway``: the sinks and the query API in the process that owns ClickHouse.
+
+The role lives in ``consumers.gateway`` and is loaded by module name, so the library never
+imports the roles (DESIGN.md, dependency direction).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Annotated, Optional
+
+import typer
+
+from agl_stream.cli import settings_of
+
+
+def gateway(
+    ctx: typer.Context,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind (env AGL_GATEWAY_HOST).")] = None,  # noqa: UP045
+    port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(min=0, max=65535, help="Port to bind, 0 for a free one (env AGL_GATEWAY_PORT)."),
+    ] = None,
+    query_clients: Annotated[int, typer.Option(min=1, help="Queries that may run at once.")] = 4,
+    query_time_limit: Annotated[int, typer.Option(min=1, help="Longest a query may run, in seconds.")] = 30,
+) -> None:
+    """Run the gateway: every ClickHouse sink plus the read API, until SIGTERM or Ctrl-C.
+
+    With the embedded engine this process owns the ClickHouse data dir; other processes read
+    through its HTTP API. The URL it serves is recorded in <data dir>/run/gateway.json.
+    """
+    settings = settings_of(ctx)
+    overrides = {k: v for k, v in {"gateway_host": host, "gateway_port": port}.items() if v is not None}
+    if overrides:
+        settings = settings.model_copy(update=overrides)
+    module = importlib.import_module("consumers.gateway")
+    module.main(settings, query_clients=query_clients, query_time_limit_s=query_time_limit)

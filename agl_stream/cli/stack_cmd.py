@@ -1,0 +1,67 @@
+"""``agl-stream up / status / down``: the local stack."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from agl_stream import stack
+from agl_stream.cli import settings_of
+
+console = Console()
+
+
+def _show(settings: object) -> bool:
+    parts = stack.status(settings)  # type: ignore[arg-type]
+    if not parts:
+        console.print("no local stack recorded here; start one with `agl-stream up`")
+        return False
+    table = Table("part", "state")
+    for part, state in parts.items():
+        table.add_row(part, state)
+    console.print(table)
+    return all("not" not in state for state in parts.values())
+
+
+def up(
+    ctx: typer.Context,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once everything is ready.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for every part to be ready.")] = 120.0,
+) -> None:
+    """Start the local stack: broker (unless AGL_KAFKA_BOOTSTRAP), topics, processor, gateway.
+
+    Without --detach it stays in the foreground and stops everything on Ctrl-C.
+    """
+    settings = settings_of(ctx)
+    with console.status("starting the local stack ..."):
+        info = stack.up(settings, timeout=timeout)
+    _show(settings)
+    console.print(
+        f"connect with [bold]agl_stream.connect(data_dir={str(settings.data_dir)!r})[/] or the same AGL_DATA_DIR"
+    )
+    if detach:
+        return
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    console.print("running; Ctrl-C stops everything")
+    stop.wait()
+    stopped = stack.down(settings)
+    console.print(f"stopped: {', '.join(stopped) or 'nothing'} (pids were {info.pids})")
+
+
+def status(ctx: typer.Context) -> None:
+    """Show each part of the local stack; exit code 1 if a part is down."""
+    if not _show(settings_of(ctx)):
+        raise typer.Exit(1)
+
+
+def down(ctx: typer.Context) -> None:
+    """Stop what `agl-stream up` started."""
+    stopped = stack.down(settings_of(ctx))
+    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")

@@ -1,0 +1,479 @@
+"""The store client: Agent Lightning's LightningStore API over Kafka and ClickHouse.
+
+Writes append events (agl.rollouts, agl.spans, agl.resources, agl.workers) with ids made here.
+A write whose return value needs folded state waits for the processor's reply (the rollout's
+new state, or the DLQ record that rejected the event: a ValueError with the reason). Reads go
+to ClickHouse (through the gateway, or directly to a server) behind an offset fence: the
+newest offsets this client wrote or was answered with, so a client always reads its writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from aiokafka import AIOKafkaProducer
+
+from agl_stream.codec import Codec
+from agl_stream.config import Settings, load_settings
+from agl_stream.errors import AglError
+from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
+from agl_stream.kafka.io import make_producer
+from agl_stream.models import (
+    AglModel,
+    Attempt,
+    AttemptHeartbeat,
+    AttemptStarted,
+    AttemptUpdated,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutEnqueued,
+    RolloutEvent,
+    RolloutState,
+    RolloutUpdated,
+    Span,
+    SpanSequenceRequested,
+    Worker,
+)
+from agl_stream.models.base import TERMINAL_STATUSES
+from agl_stream.store.reads import StoreReads
+from agl_stream.store.replies import RejectedError, Reply, ReplyReader
+from agl_stream.store.tasks import TaskClaimer
+from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities
+
+# A rollout event must fit in one Kafka message of agl.rollouts (broker default ~1 MB).
+MAX_EVENT_BYTES = 1_000_000
+
+
+def _latest(state: RolloutState) -> Attempt | None:
+    return max(state.attempts, key=lambda a: a.sequence_id) if state.attempts else None
+
+
+def _attempted(state: RolloutState, attempt_id: str | None = None) -> AttemptedRollout:
+    attempt = _latest(state) if attempt_id is None else next(a for a in state.attempts if a.attempt_id == attempt_id)
+    assert attempt is not None
+    return AttemptedRollout(**state.rollout.model_dump(), attempt=attempt)
+
+
+class AglStore(StoreReads):
+    """An async LightningStore. Use ``async with agl_stream.connect() as store: ...``."""
+
+    def __init__(self, settings: Settings, *, request_timeout: float = 30.0) -> None:
+        # topic -> partition -> newest offset written or answered: the fence of our reads.
+        self._fence: dict[str, dict[int, int]] = defaultdict(dict)
+        super().__init__(settings, self._fence)
+        self.request_timeout = request_timeout
+        self.codec = Codec.default()
+        self.writer = f"client-{uuid.uuid4().hex[:8]}"
+        self._producer: AIOKafkaProducer = make_producer(settings, linger_ms=0)
+        self._replies = ReplyReader(settings, self.codec)
+        self._claimer = TaskClaimer(settings)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> AglStore:
+        await self._producer.start()
+        try:
+            await self._replies.start()
+            await self._start_reads()
+        except BaseException:
+            await self._producer.stop()
+            raise
+        return self
+
+    async def close(self) -> None:
+        await self._claimer.stop()
+        await self._replies.stop()
+        await self._close_reads()
+        await self._producer.stop()
+
+    async def __aenter__(self) -> AglStore:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def capabilities(self) -> StoreCapabilities:
+        return StoreCapabilities(thread_safe=False, async_safe=True, zero_copy=False, otlp_traces=False)
+
+    # -- the write path --------------------------------------------------------------------
+
+    def _note(self, topic: str, partition: int, offset: int) -> None:
+        fence = self._fence[topic]
+        if offset > fence.get(partition, -1):
+            fence[partition] = offset
+
+    def _encode_event(self, rollout_id: str, payload: AglModel) -> tuple[RolloutEvent, bytes]:
+        event = RolloutEvent(
+            event_id=new_event_id(), rollout_id=rollout_id, time=time.time(), writer=self.writer, payload=payload
+        )
+        data = self.codec.encode(event)
+        if len(data) > MAX_EVENT_BYTES:
+            raise ValueError(
+                f"the event for rollout {rollout_id} is {len(data):,} bytes, over the {MAX_EVENT_BYTES:,}-byte "
+                "limit of agl.rollouts: keep task input and metadata small (store large payloads elsewhere "
+                "and pass a reference)"
+            )
+        return event, data
+
+    async def _send(self, rollout_id: str, payload: AglModel) -> None:
+        """Append an event without waiting for the fold."""
+        _, data = self._encode_event(rollout_id, payload)
+        metadata = await (await self._producer.send(self.settings.topic("rollouts"), data, key=rollout_id.encode()))
+        self._note(metadata.topic, metadata.partition, metadata.offset)
+
+    async def _request(self, rollout_id: str, payload: AglModel) -> RolloutState:
+        """Append an event and wait for the processor's verdict: the new state, or ValueError."""
+        [state] = await self._request_many([(rollout_id, payload)])
+        return state
+
+    async def _request_many(self, events: Sequence[tuple[str, AglModel]]) -> list[RolloutState]:
+        """Append events in order, then wait for every verdict (the first rejection raises)."""
+        encoded = [self._encode_event(rollout_id, payload) for rollout_id, payload in events]
+        replies = [self._replies.expect(event.event_id, event.rollout_id) for event, _ in encoded]
+        try:
+            sends = [
+                await self._producer.send(self.settings.topic("rollouts"), data, key=event.rollout_id.encode())
+                for event, data in encoded
+            ]
+            for (event, _), send in zip(encoded, sends, strict=True):
+                metadata = await send
+                self._note(metadata.topic, metadata.partition, metadata.offset)
+                self._replies.sent(event.event_id, metadata.partition, metadata.offset)
+            answers: list[Reply] = await asyncio.wait_for(asyncio.gather(*replies), self.request_timeout)
+        except TimeoutError as error:
+            raise AglError(
+                f"no answer from the rollout processor within {self.request_timeout}s: is it running? "
+                "(`agl-stream status`)"
+            ) from error
+        finally:
+            for reply in replies:
+                if not reply.done():
+                    reply.cancel()
+        for answer in answers:
+            self._note(self.settings.topic("rollout-state"), answer.partition, answer.offset)
+        return [answer.state for answer in answers]
+
+    async def _check_resources(self, resources_id: str | None) -> str | None:
+        if resources_id is not None and await self.get_resources_by_id(resources_id) is None:
+            raise ValueError(f"resources {resources_id!r} do not exist")
+        return resources_id
+
+    # -- rollouts --------------------------------------------------------------------------
+
+    def _new_rollout(
+        self, input: Any, mode: Any, resources_id: str | None, config: RolloutConfig | None, metadata: Any
+    ) -> Rollout:
+        return Rollout(
+            rollout_id=new_rollout_id(),
+            input=input,
+            start_time=time.time(),
+            mode=mode,
+            resources_id=resources_id,
+            status="queuing",
+            config=(config or RolloutConfig()).model_copy(deep=True),
+            metadata=None if metadata is None else dict(metadata),
+        )
+
+    async def start_rollout(
+        self,
+        input: Any,
+        mode: Literal["train", "val", "test"] | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> AttemptedRollout:
+        if resources_id is None:
+            latest = await self.get_latest_resources()
+            resources_id = latest.resources_id if latest is not None else None
+        else:
+            await self._check_resources(resources_id)
+        rollout = self._new_rollout(input, mode, resources_id, config, metadata)
+        attempt = Attempt(
+            rollout_id=rollout.rollout_id, attempt_id=new_attempt_id(), sequence_id=1, start_time=rollout.start_time
+        )
+        state = await self._request(rollout.rollout_id, RolloutEnqueued(rollout=rollout, attempt=attempt))
+        return _attempted(state)
+
+    async def enqueue_rollout(
+        self,
+        input: Any,
+        mode: Literal["train", "val", "test"] | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Rollout:
+        await self._check_resources(resources_id)
+        rollout = self._new_rollout(input, mode, resources_id, config, metadata)
+        state = await self._request(rollout.rollout_id, RolloutEnqueued(rollout=rollout))
+        return state.rollout
+
+    async def enqueue_many_rollouts(self, requests: Sequence[Mapping[str, Any]]) -> list[Rollout]:
+        """Enqueue several rollouts at once (keys as enqueue_rollout's arguments), pipelined."""
+        for resources_id in {r.get("resources_id") for r in requests}:
+            await self._check_resources(resources_id)
+        rollouts = [
+            self._new_rollout(r["input"], r.get("mode"), r.get("resources_id"), r.get("config"), r.get("metadata"))
+            for r in requests
+        ]
+        states = await self._request_many([(r.rollout_id, RolloutEnqueued(rollout=r)) for r in rollouts])
+        return [state.rollout for state in states]
+
+    async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
+        """Claim the oldest queued rollout (FIFO per partition); None when nothing is queued."""
+        from agl_stream.models import TaskItem
+
+        async with self._claimer.lock:
+            while True:
+                record = await self._claimer.next()
+                if record is None:
+                    return None
+                try:
+                    task = self.codec.decode(record.value or b"", TaskItem)
+                except AglError:
+                    await self._claimer.done(record)  # the sink dead-letters bad task records
+                    continue
+                attempt = Attempt(
+                    rollout_id=task.rollout.rollout_id,
+                    attempt_id=new_attempt_id(),
+                    sequence_id=task.attempt_sequence_id,
+                    start_time=time.time(),
+                    worker_id=worker_id,
+                )
+                try:
+                    state = await self._request(
+                        task.rollout.rollout_id, AttemptStarted(attempt=attempt, worker_id=worker_id, manual=False)
+                    )
+                except RejectedError:
+                    await self._claimer.done(record)  # someone else won, or the rollout moved on
+                    continue
+                await self._claimer.done(record)
+                return _attempted(state, attempt.attempt_id)
+
+    async def start_attempt(self, rollout_id: str) -> AttemptedRollout:
+        attempt = Attempt(rollout_id=rollout_id, attempt_id=new_attempt_id(), sequence_id=1, start_time=time.time())
+        state = await self._request(rollout_id, AttemptStarted(attempt=attempt, manual=True))
+        return _attempted(state, attempt.attempt_id)
+
+    async def update_rollout(
+        self,
+        rollout_id: str,
+        input: Any = UNSET,
+        mode: Any = UNSET,
+        resources_id: Any = UNSET,
+        status: Any = UNSET,
+        config: Any = UNSET,
+        metadata: Any = UNSET,
+    ) -> Rollout:
+        given = {
+            "input": input,
+            "mode": mode,
+            "resources_id": resources_id,
+            "status": status,
+            "config": config,
+            "metadata": metadata,
+        }
+        changes = {name: value for name, value in given.items() if value is not UNSET}
+        state = await self._request(rollout_id, RolloutUpdated.of(**changes))
+        return state.rollout
+
+    async def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: Any = UNSET,
+        worker_id: Any = UNSET,
+        last_heartbeat_time: Any = UNSET,
+        metadata: Any = UNSET,
+    ) -> Attempt:
+        given = {
+            "status": status,
+            "worker_id": worker_id,
+            "last_heartbeat_time": last_heartbeat_time,
+            "metadata": metadata,
+        }
+        changes = {name: value for name, value in given.items() if value is not UNSET}
+        state = await self._request(rollout_id, AttemptUpdated.of(attempt_id, **changes))
+        if attempt_id == "latest":
+            latest = _latest(state)
+            assert latest is not None
+            return latest
+        return next(a for a in state.attempts if a.attempt_id == attempt_id)
+
+    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        """Rollouts among ``rollout_ids`` that reach a terminal status before ``timeout``.
+
+        Watches the processor's state stream (no polling); the read side answers for rollouts
+        that finished before the watch began. Unknown ids raise ValueError.
+        """
+        finished: dict[str, Rollout] = {}
+        remaining = set(rollout_ids)
+        done = asyncio.Event()
+
+        def on_state(state: RolloutState, partition: int, offset: int) -> None:
+            rollout = state.rollout
+            if rollout.rollout_id in remaining and rollout.status in TERMINAL_STATUSES:
+                finished[rollout.rollout_id] = rollout
+                remaining.discard(rollout.rollout_id)
+                self._note(self.settings.topic("rollout-state"), partition, offset)
+                if not remaining:
+                    done.set()
+
+        unwatch = [self._replies.watch(rid, on_state) for rid in set(rollout_ids)]
+        try:
+            known = {r.rollout_id: r for r in await self.query_rollouts(rollout_id_in=list(set(rollout_ids)))}
+            unknown = [rid for rid in rollout_ids if rid not in known and rid not in finished]
+            if unknown:
+                raise ValueError(f"unknown rollout ids: {unknown}")
+            for rid, rollout in known.items():
+                if rollout.status in TERMINAL_STATUSES and rid in remaining:
+                    finished[rid] = rollout
+                    remaining.discard(rid)
+            if remaining:
+                try:
+                    await asyncio.wait_for(done.wait(), timeout)
+                except TimeoutError:
+                    pass
+        finally:
+            for stop in unwatch:
+                stop()
+        return [finished[rid] for rid in rollout_ids if rid in finished]
+
+    # -- spans -----------------------------------------------------------------------------
+
+    async def add_span(self, span: Span) -> Span | None:
+        spans = await self.add_many_spans([span])
+        return spans[0] if spans else None
+
+    async def add_many_spans(self, spans: Sequence[Span]) -> Sequence[Span]:
+        """Write spans to agl.spans; their arrival is one heartbeat per attempt (ValueError if unknown)."""
+        if not spans:
+            return []
+        futures = [
+            await self._producer.send(
+                self.settings.topic("spans"), self.codec.encode(span), key=span.rollout_id.encode()
+            )
+            for span in spans
+        ]
+        highest: dict[tuple[str, str], int] = {}
+        counts: dict[tuple[str, str], int] = defaultdict(int)
+        for span in spans:
+            key = (span.rollout_id, span.attempt_id)
+            highest[key] = max(highest.get(key, 0), span.sequence_id)
+            counts[key] += 1
+        for future in futures:
+            metadata = await future
+            self._note(metadata.topic, metadata.partition, metadata.offset)
+        await asyncio.gather(
+            *(
+                self._request(rid, AttemptHeartbeat(attempt_id=aid, span_count=counts[(rid, aid)], max_sequence_id=top))
+                for (rid, aid), top in highest.items()
+            )
+        )
+        return list(spans)
+
+    async def add_otel_span(
+        self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None
+    ) -> Span | None:
+        from agl_stream.spans import span_from_otel
+
+        if sequence_id is None:
+            sequence_id = await self.get_next_span_sequence_id(rollout_id, attempt_id)
+        return await self.add_span(span_from_otel(readable_span, rollout_id, attempt_id, sequence_id))
+
+    async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
+        state = await self._request(rollout_id, SpanSequenceRequested(attempt_id=attempt_id, count=1))
+        assert state.reserved_sequence_id is not None
+        return state.reserved_sequence_id
+
+    async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> Sequence[int]:
+        wanted: dict[tuple[str, str], int] = defaultdict(int)
+        for pair in rollout_attempt_ids:
+            wanted[pair] += 1
+        firsts = await asyncio.gather(
+            *(self._request(rid, SpanSequenceRequested(attempt_id=aid, count=n)) for (rid, aid), n in wanted.items())
+        )
+        cursor = {pair: state.reserved_sequence_id or 1 for pair, state in zip(wanted, firsts, strict=True)}
+        result = []
+        for pair in rollout_attempt_ids:
+            result.append(cursor[pair])
+            cursor[pair] += 1
+        return result
+
+    # -- resources and workers -------------------------------------------------------------
+
+    async def _publish_resources(self, update: ResourcesUpdate) -> ResourcesUpdate:
+        metadata = await (
+            await self._producer.send(
+                self.settings.topic("resources"), self.codec.encode(update), key=update.resources_id.encode()
+            )
+        )
+        self._note(metadata.topic, metadata.partition, metadata.offset)
+        return update
+
+    async def add_resources(self, resources: Mapping[str, Any]) -> ResourcesUpdate:
+        now = time.time()
+        update = ResourcesUpdate(
+            resources_id=new_resources_id(), create_time=now, update_time=now, version=1, resources=dict(resources)
+        )
+        return await self._publish_resources(update)
+
+    async def update_resources(self, resources_id: str, resources: Mapping[str, Any]) -> ResourcesUpdate:
+        current = await self.get_resources_by_id(resources_id)
+        if current is None:
+            raise ValueError(f"resources {resources_id!r} do not exist")
+        update = ResourcesUpdate(
+            resources_id=resources_id,
+            create_time=current.create_time,
+            update_time=time.time(),
+            version=current.version + 1,
+            resources=dict(resources),
+        )
+        return await self._publish_resources(update)
+
+    async def update_worker(self, worker_id: str, heartbeat_stats: Any = UNSET) -> Worker:
+        """A heartbeat: stats and time. Status and assignment follow from the worker's attempts."""
+        current = await self.get_worker_by_id(worker_id)
+        stats = (current.heartbeat_stats if current else None) if heartbeat_stats is UNSET else heartbeat_stats
+        record = Worker(worker_id=worker_id, heartbeat_stats=stats, last_heartbeat_time=time.time())
+        metadata = await (
+            await self._producer.send(self.settings.topic("workers"), self.codec.encode(record), key=worker_id.encode())
+        )
+        self._note(metadata.topic, metadata.partition, metadata.offset)
+        worker = await self.get_worker_by_id(worker_id)
+        assert worker is not None
+        return worker
+
+
+class _Connection:
+    """What :func:`connect` returns: await it, or use it as ``async with``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.store = AglStore(settings)
+
+    def __await__(self) -> Any:
+        return self.store.start().__await__()
+
+    async def __aenter__(self) -> AglStore:
+        return await self.store.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.store.close()
+
+
+def connect(**settings: Any) -> _Connection:
+    """A store on the configured stack (by default the one ``agl-stream up`` started).
+
+    ``store = await agl_stream.connect()`` (then ``await store.close()``), or
+    ``async with agl_stream.connect() as store: ...``. Keyword arguments are settings
+    (``data_dir=...``, ``kafka_bootstrap=...``, ``gateway_url=...``; see the README).
+    """
+    from agl_stream.stack import local_stack_settings
+
+    return _Connection(local_stack_settings(load_settings(**settings)))

@@ -1,0 +1,180 @@
+"""The read half of the store client: LightningStore queries over the read side.
+
+Each query carries the client's fence for the topics its tables come from, so a client reads
+its own writes: rollouts and attempts wait for the states this client was answered with,
+spans for the spans it wrote, and so on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+from agl_stream.config import Settings
+from agl_stream.models import Attempt, ResourcesUpdate, Rollout, Span, Worker
+from agl_stream.store.queries import (
+    Query,
+    StoreQueries,
+    attempt_from_row,
+    resources_from_row,
+    rollout_from_row,
+    span_from_row,
+    statistics_from_row,
+    worker_from_row,
+)
+from agl_stream.store.readside import ReadSide, read_side_for
+from agl_stream.store.types import StoreStatistics
+
+T = TypeVar("T")
+
+
+class StoreReads:
+    """Queries with this client's fence; ``fence`` is shared with (and grown by) the write half."""
+
+    def __init__(self, settings: Settings, fence: Mapping[str, Mapping[int, int]]) -> None:
+        self.settings = settings
+        self.fence = fence
+        self.sql = StoreQueries(settings.clickhouse_database)
+        self.side: ReadSide | None = None
+        self.topics = {name: settings.topic(name) for name in ("rollout-state", "spans", "resources", "workers")}
+
+    async def _start_reads(self) -> None:
+        self.side = read_side_for(self.settings)
+
+    async def _close_reads(self) -> None:
+        if self.side is not None:
+            await self.side.aclose()
+
+    async def _rows(self, query: Query, *sources: str) -> list[dict[str, Any]]:
+        assert self.side is not None, "the store is not started"
+        fence = {self.topics[s]: dict(self.fence[self.topics[s]]) for s in sources if self.fence.get(self.topics[s])}
+        result = await self.side.query(query.sql, query.parameters, fence=fence or None)
+        return result.dicts()
+
+    async def _all(self, query: Query, convert: Callable[[Mapping[str, Any]], T], *sources: str) -> list[T]:
+        return [convert(row) for row in await self._rows(query, *sources)]
+
+    async def _one(self, query: Query, convert: Callable[[Mapping[str, Any]], T], *sources: str) -> T | None:
+        rows = await self._rows(query, *sources)
+        return convert(rows[0]) if rows else None
+
+    async def _require_rollout(self, rollout_id: str) -> None:
+        if await self.get_rollout_by_id(rollout_id) is None:
+            raise ValueError(f"unknown rollout id {rollout_id}")
+
+    # -- rollouts and attempts -------------------------------------------------------------
+
+    async def query_rollouts(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        rollout_id_in: Sequence[str] | None = None,
+        rollout_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+        status: Sequence[str] | None = None,
+        rollout_ids: Sequence[str] | None = None,
+    ) -> list[Rollout]:
+        query = self.sql.rollouts(
+            status_in=status_in if status_in is not None else status,
+            rollout_id_in=rollout_id_in if rollout_id_in is not None else rollout_ids,
+            rollout_id_contains=rollout_id_contains,
+            filter_logic=filter_logic,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
+        )
+        return await self._all(query, rollout_from_row, "rollout-state")
+
+    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+        return await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state")
+
+    async def query_attempts(
+        self,
+        rollout_id: str,
+        *,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> list[Attempt]:
+        await self._require_rollout(rollout_id)
+        query = self.sql.attempts(rollout_id, sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset)
+        return await self._all(query, attempt_from_row, "rollout-state")
+
+    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        await self._require_rollout(rollout_id)
+        return await self._one(self.sql.latest_attempt(rollout_id), attempt_from_row, "rollout-state")
+
+    # -- spans -------------------------------------------------------------------------------
+
+    async def query_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> list[Span]:
+        await self._require_rollout(rollout_id)
+        if attempt_id not in (None, "latest"):
+            known = {a.attempt_id for a in await self.query_attempts(rollout_id)}
+            if attempt_id not in known:
+                raise ValueError(f"unknown attempt {attempt_id} of rollout {rollout_id}")
+        return await self._all(self.sql.spans(rollout_id, attempt_id, **filters), span_from_row, "spans")
+
+    # -- resources -----------------------------------------------------------------------------
+
+    async def query_resources(
+        self,
+        *,
+        resources_id: str | None = None,
+        resources_id_contains: str | None = None,
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> list[ResourcesUpdate]:
+        query = self.sql.resources(
+            resources_id=resources_id,
+            resources_id_contains=resources_id_contains,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
+        )
+        return await self._all(query, resources_from_row, "resources")
+
+    async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
+        return await self._one(self.sql.resources_by_id(resources_id), resources_from_row, "resources")
+
+    async def get_latest_resources(self) -> ResourcesUpdate | None:
+        return await self._one(self.sql.latest_resources(), resources_from_row, "resources")
+
+    # -- workers and statistics ------------------------------------------------------------------
+
+    async def query_workers(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        worker_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> list[Worker]:
+        query = self.sql.workers(
+            status_in=status_in,
+            worker_id_contains=worker_id_contains,
+            filter_logic=filter_logic,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
+        )
+        return await self._all(query, worker_from_row, "workers", "rollout-state")
+
+    async def get_worker_by_id(self, worker_id: str) -> Worker | None:
+        return await self._one(self.sql.worker_by_id(worker_id), worker_from_row, "workers", "rollout-state")
+
+    async def statistics(self) -> StoreStatistics:
+        counts = await self._one(self.sql.statistics(), statistics_from_row, "rollout-state", "spans")
+        return StoreStatistics(name="AglStore", **(counts or {}))  # type: ignore[typeddict-item]

@@ -1,0 +1,373 @@
+"""The gateway: the one process that owns the ClickHouse engine, runs every sink and serves reads.
+
+chDB allows one process per data dir, so the sinks (writers) and the query API (readers) live
+here together: one event loop runs the sinks (consumers/clickhouse_sink.py, a client each) and
+a FastAPI app under uvicorn. Queries run on a small pool of clients of their own, in threads,
+so they run in parallel with each other and with the sinks' INSERTs.
+
+HTTP API (JSON):
+- ``GET /v1/health``: liveness and the sinks it runs.
+- ``GET /v1/offsets``: per sink, its topic and the next offset it has applied per partition.
+- ``POST /v1/query`` ``{"sql", "parameters", "fence", "timeout"}``: waits until the sinks have
+  applied the fence (see agl_stream/store/readside.py for the convention), woken by the sinks
+  themselves after each batch (no polling), then runs the query read-only and answers
+  ``{"columns": [...], "rows": [[...]]}``. 504 ``fence_timeout`` when the fence does not hold
+  within ``timeout`` seconds; 400 ``query_error`` with ClickHouse's message (and code/name) when
+  the engine refuses or fails the query; 400 ``unknown_topic`` for a fence on a topic no sink
+  reads; 503 while shutting down.
+
+Read-only is the engine's doing, not ours: query clients run with the ClickHouse setting
+``readonly=1`` (``readonly=2`` on a server, where per-request settings must pass), which refuses
+writes, DDL, SET and table functions such as file(). ``readonly=1`` also freezes every other
+setting, so the query time limit (``max_execution_time``) is fixed per gateway.
+
+On start it records ``{"url", "pid"}`` in ``run_dir/gateway.json`` for clients
+(agl_stream.store.readside.read_side_for); SIGTERM/SIGINT stop the HTTP server and the sinks
+(each writes and commits the batch it holds) and remove the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from datetime import date, datetime
+from datetime import time as dtime
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import DatabaseError
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from agl_stream.clickhouse.client import get_client
+from agl_stream.clickhouse.migrations import migrate
+from agl_stream.config import Settings
+from agl_stream.errors import ConfigError, FenceTimeoutError
+from agl_stream.logs import get_logger
+from agl_stream.store.readside import GATEWAY_FILE, fence_behind
+from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
+
+log = get_logger("agl.gateway")
+
+
+class GatewayClosingError(Exception):
+    """The gateway is shutting down; fences will not be waited for any more."""
+
+
+class AppliedOffsets:
+    """What the sinks have applied (next offset per topic and partition), and waiting on it.
+
+    The sinks call :meth:`update` in this event loop after each batch; every waiter wakes and
+    re-checks its own fence. Waking is an Event swapped on each update, so a waiter never misses
+    one that lands between its check and its wait.
+    """
+
+    def __init__(self) -> None:
+        self._next: dict[str, dict[int, int]] = {}
+        self._changed = asyncio.Event()
+        self._closed = False
+
+    def update(self, topic: str, offsets: Mapping[int, int]) -> None:
+        partitions = self._next.setdefault(topic, {})
+        moved = False
+        for partition, next_offset in offsets.items():
+            if next_offset > partitions.get(partition, 0):
+                partitions[partition] = next_offset
+                moved = True
+        if moved:
+            self._wake()
+
+    def snapshot(self) -> dict[str, dict[int, int]]:
+        return {topic: dict(partitions) for topic, partitions in self._next.items()}
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait(self, fence: Mapping[str, Mapping[int, int]], timeout: float) -> None:
+        """Return once every fenced record is applied; FenceTimeoutError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while fence_behind(self._next, fence):
+            if self._closed:
+                raise GatewayClosingError("the gateway is shutting down")
+            changed = self._changed
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FenceTimeoutError(
+                    f"the sinks did not apply the fence within {timeout}s; still behind (applied next "
+                    f"offsets): {fence_behind(self._next, fence)}"
+                )
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass  # re-check once more, then report
+
+
+def jsonable(value: Any) -> Any:
+    """A query result value as JSON: non-finite floats become "NaN"/"Infinity"/"-Infinity",
+    dates ISO 8601 text, tuples lists, map keys strings, other types (Decimal, UUID, IPs) text."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (datetime, date, dtime)):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+class QueryRunner:
+    """A pool of read-only engine clients, each used by one query at a time in its own thread."""
+
+    def __init__(self, settings: Settings, *, size: int, time_limit_s: int) -> None:
+        self.settings = settings
+        self.size = size
+        self.time_limit_s = time_limit_s
+        self._idle: asyncio.Queue[Client] = asyncio.Queue()
+        self._clients: list[Client] = []
+        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="agl-query")
+
+    def open(self) -> None:
+        for _ in range(self.size):
+            client = self._read_only_client()
+            self._clients.append(client)
+            self._idle.put_nowait(client)
+
+    def _read_only_client(self) -> Client:
+        if self.settings.uses_embedded_clickhouse:
+            # Not chDB's mode=ro: that opens the whole engine read-only, and the sinks share it.
+            client = get_client(self.settings, max_execution_time=self.time_limit_s)
+            client.set_client_setting("readonly", "1")
+        else:
+            client = get_client(self.settings, readonly=True, max_execution_time=self.time_limit_s)
+        readonly = int(str(client.command("SELECT getSetting('readonly')")))
+        if readonly == 0:
+            client.close()
+            raise ConfigError("the engine did not accept readonly for the query clients; refusing to serve queries")
+        return client
+
+    async def run(self, sql: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+        client = await self._idle.get()
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self._query, client, sql, dict(parameters))
+        finally:
+            self._idle.put_nowait(client)
+
+    @staticmethod
+    def _query(client: Client, sql: str, parameters: dict[str, Any]) -> dict[str, Any]:
+        result = client.query(sql, parameters=parameters or None)
+        return {
+            "columns": list(result.column_names),
+            "rows": [[jsonable(v) for v in row] for row in result.result_rows],
+        }
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        for client in self._clients:
+            client.close()
+
+
+class QueryRequest(BaseModel):
+    sql: str
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    fence: dict[str, dict[int, int]] = Field(default_factory=dict)
+    timeout: float = Field(30.0, gt=0, le=3600, description="Seconds to wait for the fence.")
+
+
+def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": kind, "message": message, **extra}, status_code=status)
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="agl-stream gateway", docs_url=None, redoc_url=None)
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "stopping" if gateway.stopping else "ok",
+            "pid": os.getpid(),
+            "sinks": [spec.name for spec in gateway.specs],
+            "uptime_s": round(time.monotonic() - gateway.started, 3),
+        }
+
+    @app.get("/v1/offsets")
+    async def offsets() -> dict[str, Any]:
+        applied = gateway.applied.snapshot()
+        sinks = {}
+        for spec in gateway.specs:
+            topic = gateway.settings.topic(spec.topic)
+            sinks[spec.name] = {"topic": topic, "applied": {str(p): o for p, o in applied.get(topic, {}).items()}}
+        return {"sinks": sinks}
+
+    @app.post("/v1/query")
+    async def query(request: QueryRequest) -> JSONResponse:
+        unknown = sorted(set(request.fence) - gateway.topics)
+        if unknown:
+            return _error(
+                400,
+                "unknown_topic",
+                f"no sink of this gateway reads {unknown}; "
+                f"fences name full topic names, one of {sorted(gateway.topics)}",
+            )
+        try:
+            await gateway.applied.wait(request.fence, request.timeout)
+        except FenceTimeoutError as exc:
+            return _error(504, "fence_timeout", str(exc))
+        except GatewayClosingError as exc:
+            return _error(503, "stopping", str(exc))
+        try:
+            result = await gateway.queries.run(request.sql, request.parameters)
+        except DatabaseError as exc:
+            return _error(
+                400, "query_error", str(exc), code=getattr(exc, "code", None), name=getattr(exc, "name", None)
+            )
+        except (ValueError, TypeError) as exc:  # parameters clickhouse-connect cannot bind
+            return _error(400, "query_error", f"{type(exc).__name__}: {exc}")
+        return JSONResponse(result)
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway stops it, after the sinks' turn."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        specs: Sequence[SinkSpec] = SPECS,
+        query_clients: int = 4,
+        query_time_limit_s: int = 30,
+        sink_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.specs = tuple(specs)
+        self.topics = frozenset(settings.topic(spec.topic) for spec in self.specs)
+        self.applied = AppliedOffsets()
+        self.sinks = SinkGroup(settings, self.specs, on_applied=self.applied.update, options=sink_options)
+        self.queries = QueryRunner(settings, size=query_clients, time_limit_s=query_time_limit_s)
+        self.started = time.monotonic()
+        self.stopping = False
+        self.url: str | None = None
+        self._server: _Server | None = None
+
+    def stop(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        log.info("gateway stopping")
+        if self._server is not None:
+            self._server.should_exit = True
+        self.sinks.stop()
+        self.applied.close()
+
+    def _load_applied(self) -> None:
+        """Migrate, then start from what sink_offsets says was applied before this process."""
+        client = get_client(self.settings)
+        try:
+            migrate(client, self.settings.clickhouse_database)
+            rows = client.query(
+                f"SELECT Topic, Partition, max(NextOffset) FROM {self.settings.clickhouse_database}.sink_offsets "
+                "GROUP BY Topic, Partition"
+            ).result_rows
+        finally:
+            client.close()
+        for topic, partition, next_offset in rows:
+            self.applied.update(str(topic), {int(partition): int(next_offset)})
+
+    async def run(self) -> None:
+        await asyncio.to_thread(self._load_applied)
+        await asyncio.to_thread(self.queries.open)
+        sock = _listen(self.settings.gateway_host, self.settings.gateway_port)
+        host, port = sock.getsockname()[:2]
+        url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        self.url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
+        config = uvicorn.Config(
+            create_app(self), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
+        )
+        self._server = _Server(config)
+        record = self.settings.run_dir / GATEWAY_FILE
+        server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway:http")
+        sinks_task = asyncio.create_task(self.sinks.run(), name="gateway:sinks")
+        # The socket already listens: clients that read the file now queue until uvicorn accepts.
+        _write_record(record, self.url)
+        log.info("gateway started", url=self.url, sinks=[s.name for s in self.specs], record=str(record))
+        try:
+            await asyncio.wait({server_task, sinks_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.stop()  # whichever ended first (or a signal), the other one stops too
+            results = await asyncio.gather(server_task, sinks_task, return_exceptions=True)
+            await asyncio.to_thread(self.queries.close)
+            _remove_record(record)
+            sock.close()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        log.info("gateway stopped")
+
+
+def _write_record(path: Path, url: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    tmp.replace(path)  # atomic: a reader sees the old file or the whole new one
+
+
+def _remove_record(path: Path) -> None:
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+async def run_gateway(settings: Settings, **options: Any) -> None:
+    gateway = Gateway(settings, **options)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, gateway.stop)
+    await gateway.run()
+
+
+def main(settings: Settings, **options: Any) -> None:
+    """Run the gateway until SIGTERM/SIGINT (``agl-stream gateway``)."""
+    asyncio.run(run_gateway(settings, **options))

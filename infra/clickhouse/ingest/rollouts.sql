@@ -1,0 +1,19 @@
+-- How one agl.RolloutState envelope (kafka_partition, kafka_offset, record) becomes a rollouts
+-- row. JSON payloads (input, metadata) arrive as JSON text and stay so; config is a record and
+-- becomes JSON text that RolloutConfig validates.
+SELECT
+    record.rollout.rollout_id AS rollout_id,
+    record.rollout.input AS input,
+    record.rollout.start_time AS start_time,
+    record.rollout.end_time AS end_time,
+    CAST(record.rollout.mode AS Nullable(String)) AS mode,
+    record.rollout.resources_id AS resources_id,
+    toString(record.rollout.status) AS status,
+    toJSONString(record.rollout.config) AS config,
+    record.rollout.metadata AS metadata,
+    toUInt64(record.version) AS version,
+    record.cause_event_id AS cause_event_id,
+    record.cause_time AS cause_time,
+    record.finished_time AS finished_time,
+    toUInt32(kafka_partition) AS kafka_partition,
+    toUInt64(kafka_offset) AS kafka_offset

@@ -1,0 +1,13 @@
+-- How one agl.Worker envelope (a heartbeat) becomes a workers row.
+SELECT
+    record.worker_id AS worker_id,
+    toString(record.status) AS status,
+    record.heartbeat_stats AS heartbeat_stats,
+    record.last_heartbeat_time AS last_heartbeat_time,
+    record.last_dequeue_time AS last_dequeue_time,
+    record.last_busy_time AS last_busy_time,
+    record.last_idle_time AS last_idle_time,
+    record.current_rollout_id AS current_rollout_id,
+    record.current_attempt_id AS current_attempt_id,
+    toUInt32(kafka_partition) AS kafka_partition,
+    toUInt64(kafka_offset) AS kafka_offset

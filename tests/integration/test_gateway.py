@@ -1,0 +1,285 @@
+"""The gateway as a process: real broker, real embedded engine, reads through its HTTP API.
+
+Records are produced the way the processor, the trainer and the workers write them; a query
+fenced on their offsets sees them at once (no retries here: the fence is the synchronisation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.errors import CommitFailedError
+from aiokafka.structs import RecordMetadata
+
+from agl_stream.codec import Codec
+from agl_stream.config import Settings
+from agl_stream.errors import FenceTimeoutError, QueryError, ReadSideError
+from agl_stream.kafka import admin
+from agl_stream.kafka.io import make_consumer, make_producer
+from agl_stream.kafka.offsets import end_offsets
+from agl_stream.models import (
+    LLM,
+    AglModel,
+    Attempt,
+    ResourcesUpdate,
+    Rollout,
+    RolloutState,
+    Worker,
+)
+from agl_stream.store.queries import (
+    StoreQueries,
+    attempt_from_row,
+    resources_from_row,
+    rollout_from_row,
+    statistics_from_row,
+    worker_from_row,
+)
+from agl_stream.store.readside import GATEWAY_FILE, GatewayReadSide, fence_of, read_gateway_file
+from consumers.clickhouse_sink import ROLLOUT_STATE, SPECS
+from consumers.gateway import AppliedOffsets, jsonable
+from tests.integration.helpers import start_role, stop_role
+
+pytestmark = pytest.mark.integration
+
+Q = StoreQueries("agl")
+
+
+# -- the in-process pieces -------------------------------------------------------------------
+
+
+async def test_applied_offsets_wake_waiters_only_when_their_fence_holds() -> None:
+    applied = AppliedOffsets()
+    waiter = asyncio.create_task(applied.wait({"t": {0: 4, 1: 0}}, timeout=5))
+    applied.update("t", {0: 5})  # partition 0 done (next offset 5 > record 4), partition 1 not
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    applied.update("t", {1: 1})
+    await asyncio.wait_for(waiter, 1)
+    applied.update("t", {0: 2})  # never moves back
+    assert applied.snapshot() == {"t": {0: 5, 1: 1}}
+    with pytest.raises(FenceTimeoutError, match="still behind"):
+        await applied.wait({"t": {0: 5}}, timeout=0.05)
+
+
+def test_query_values_become_json() -> None:
+    from datetime import datetime
+    from decimal import Decimal
+    from uuid import UUID
+
+    values = [1, 2.5, float("nan"), float("-inf"), "x", None, (1, "a"), {1: [True]}, Decimal("1.10"),
+              UUID(int=1), datetime(2025, 1, 2, 3, 4, 5), b"\xff"]  # fmt: skip
+    assert json.loads(json.dumps(jsonable(values), allow_nan=False)) == [
+        1, 2.5, "NaN", "-Infinity", "x", None, [1, "a"], {"1": [True]}, "1.10",
+        "00000000-0000-0000-0000-000000000001", "2025-01-02T03:04:05", "\ufffd",
+    ]  # fmt: skip
+
+
+# -- the process -----------------------------------------------------------------------------
+
+
+def _gateway_settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"gateway_port": 0})
+
+
+@contextmanager
+def gateway_process(settings: Settings, log_name: str = "gateway") -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Start `agl-stream gateway`; yield it and its URL once it answers. Stopped with SIGTERM."""
+    process = start_role(settings, "gateway", log_name=log_name)
+    try:
+        yield process, _wait_until_serving(settings, process, log_name)
+    finally:
+        stop_role(process)
+
+
+def _wait_until_serving(settings: Settings, process: subprocess.Popen[bytes], log_name: str) -> str:
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        record = read_gateway_file(settings.run_dir)
+        if record is not None and record.pid == process.pid:
+            try:
+                if httpx.get(f"{record.url}/v1/health", timeout=1).status_code == 200:
+                    return record.url
+            except httpx.HTTPError:
+                pass
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)  # polling a child's readiness, not synchronising with data
+    log = (settings.data_dir / f"{log_name}.log").read_text(errors="replace")[-3000:]
+    raise AssertionError(f"the gateway did not start (exit code {process.poll()}); log:\n{log}")
+
+
+@asynccontextmanager
+async def reader(url: str) -> AsyncIterator[GatewayReadSide]:
+    reads = GatewayReadSide(url)
+    try:
+        yield reads
+    finally:
+        await reads.aclose()
+
+
+async def produce(settings: Settings, records: list[tuple[str, str, AglModel | None]]) -> list[RecordMetadata]:
+    """(short topic, key, record or None for a tombstone), in order; acknowledged positions."""
+    codec = Codec.default()
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        return [
+            await producer.send_and_wait(
+                settings.topic(topic), None if record is None else codec.encode(record), key=key.encode()
+            )
+            for topic, key, record in records
+        ]
+    finally:
+        await producer.stop()
+
+
+def rollout_state(rollout_id: str, version: int, status: str, *attempts: Attempt) -> RolloutState:
+    rollout = Rollout.model_validate(
+        {"rollout_id": rollout_id, "input": {"q": rollout_id}, "start_time": 10.0 + version, "status": status}
+    )
+    return RolloutState(rollout=rollout, attempts=list(attempts), version=version, cause_event_id="e", cause_time=1)
+
+
+def an_attempt(rollout_id: str, status: str, worker_id: str) -> Attempt:
+    return Attempt(
+        rollout_id=rollout_id, attempt_id=f"at-{rollout_id}", sequence_id=1, start_time=50.0, status=status,
+        worker_id=worker_id,
+    )  # fmt: skip
+
+
+async def rewind_state_sinks(settings: Settings) -> None:
+    """Commit offset 0 for the state sinks, as if nothing had been committed: a full replay.
+
+    The broker accepts the commit once it has expired the killed gateway's group members (the
+    session timeout); until then it answers UnknownMemberId.
+    """
+    deadline = time.monotonic() + 60
+    for spec in SPECS:
+        if spec.resume != "committed":
+            continue
+        topic = settings.topic(spec.topic)
+        ends = await end_offsets(settings, topic)
+        consumer = make_consumer(settings, group_id=spec.group_id(settings))
+        await consumer.start()
+        try:
+            consumer.assign(list(ends))
+            while True:
+                try:
+                    await consumer.commit({TopicPartition(topic, tp.partition): 0 for tp in ends})
+                    break
+                except CommitFailedError:
+                    assert time.monotonic() < deadline, f"{spec.name}: the killed members never expired"
+                    await asyncio.sleep(0.5)  # waiting for the broker's session timeout
+        finally:
+            await consumer.stop()
+
+
+async def test_fenced_reads_write_refusal_timeouts_and_restart_after_kill_9(settings: Settings) -> None:
+    await admin.apply(settings)
+    settings = _gateway_settings(settings)
+    running = rollout_state("ro-1", 2, "running", an_attempt("ro-1", "running", "w-1"))
+    finished = rollout_state("ro-2", 5, "succeeded", an_attempt("ro-2", "succeeded", "w-2"))
+    resources = ResourcesUpdate(
+        resources_id="rs-1", create_time=1.0, update_time=2.0, version=1,
+        resources={"main": LLM(endpoint="http://llm/v1", model="m", sampling_parameters={"temperature": 0.5})},
+    )  # fmt: skip
+    heartbeat = Worker(worker_id="w-1", status="idle", heartbeat_stats={"load": 0.25}, last_heartbeat_time=99.0)
+
+    with gateway_process(settings, "gateway1") as (process, url):
+        written = await produce(
+            settings,
+            [
+                ("rollout-state", "ro-1", rollout_state("ro-1", 1, "queuing")),
+                ("rollout-state", "ro-1", running),
+                ("rollout-state", "ro-2", finished),
+                ("rollout-state", "ro-2", None),  # the processor forgot ro-2: the read side keeps it
+                ("resources", "rs-1", resources),
+                ("workers", "w-1", heartbeat),
+            ],
+        )
+        fence = fence_of(written)
+        async with reader(url) as reads:
+            rows = (await reads.query(Q.rollouts().sql, fence=fence, timeout=30)).dicts()
+            assert [rollout_from_row(r) for r in rows] == [running.rollout, finished.rollout]
+            attempts = await reads.query(*_q(Q.attempts("ro-2")), fence=fence)
+            assert [attempt_from_row(r) for r in attempts.dicts()] == finished.attempts
+            [latest] = (await reads.query(*_q(Q.latest_resources()), fence=fence)).dicts()
+            assert resources_from_row(latest) == resources
+            workers = [worker_from_row(r) for r in (await reads.query(*_q(Q.workers()), fence=fence)).dicts()]
+            assert [(w.worker_id, w.status, w.current_rollout_id) for w in workers] == [
+                ("w-1", "busy", "ro-1"),  # derived from its running attempt, not the heartbeat's "idle"
+                ("w-2", "idle", None),
+            ]
+            assert workers[0].heartbeat_stats == {"load": 0.25}
+            [stats] = (await reads.query(*_q(Q.statistics()), fence=fence)).dicts()
+            assert statistics_from_row(stats) == {
+                "total_rollouts": 2, "total_attempts": 2, "total_spans": 0, "total_resources": 1, "total_workers": 2,
+            }  # fmt: skip
+
+            # The engine refuses writes on the query path, whatever the SQL looks like.
+            for sql in ("INSERT INTO agl.rollouts (rollout_id) VALUES ('x')", "DROP TABLE agl.rollouts",
+                        "SET readonly = 0", "SELECT * FROM file('/etc/hostname', 'LineAsString')"):  # fmt: skip
+                with pytest.raises(QueryError) as refused:
+                    await reads.query(sql)
+                assert refused.value.name == "READONLY", sql
+            with pytest.raises(QueryError, match="SYNTAX_ERROR"):
+                await reads.query("SELEC 1")
+
+            # A fence on an offset never written times out; one on a topic no sink reads is refused.
+            state_topic = settings.topic("rollout-state")
+            never = {state_topic: {written[1].partition: written[-1].offset + 1000}}
+            started = time.monotonic()
+            with pytest.raises(FenceTimeoutError, match="did not apply"):
+                await reads.query("SELECT 1", fence=never, timeout=0.3)
+            assert time.monotonic() - started < 5
+            with pytest.raises(ReadSideError, match="no sink of this gateway reads"):
+                await reads.query("SELECT 1", fence={settings.topic("tasks"): {0: 0}})
+
+            offsets = await reads.offsets()
+            applied = offsets["sinks"][ROLLOUT_STATE.name]
+            assert applied["topic"] == state_topic
+            assert int(applied["applied"][str(written[3].partition)]) == written[3].offset + 1
+
+        # The tombstone was skipped, not dead-lettered.
+        assert sum((await end_offsets(settings, settings.topic("dlq"))).values()) == 0
+
+        process.send_signal(signal.SIGKILL)
+        process.wait(30)
+    assert (settings.run_dir / GATEWAY_FILE).exists()  # left behind by kill -9 ...
+    assert read_gateway_file(settings.run_dir) is None  # ... and recognised as stale
+
+    # Replay every state topic from the start on restart: the rows arrive again, FINAL hides the copies.
+    await rewind_state_sinks(settings)
+    with gateway_process(settings, "gateway2") as (process, url):
+        newer = rollout_state("ro-1", 3, "succeeded", an_attempt("ro-1", "succeeded", "w-1"))
+        fence = fence_of([*written, *await produce(settings, [("rollout-state", "ro-1", newer)])])
+        async with reader(url) as reads:
+            rows = (await reads.query(Q.rollouts().sql, fence=fence)).dicts()
+            assert [rollout_from_row(r) for r in rows] == [newer.rollout, finished.rollout]
+            counts = await reads.query(
+                "SELECT (SELECT count() FROM agl.rollouts FINAL), (SELECT count() FROM agl.attempts FINAL), "
+                "(SELECT count() FROM agl.resources FINAL), (SELECT count() FROM agl.workers FINAL)",
+                fence=fence,
+            )
+            assert counts.rows == [[2, 2, 1, 1]]
+            workers = [worker_from_row(r) for r in (await reads.query(*_q(Q.workers()), fence=fence)).dicts()]
+            assert [(w.worker_id, w.status) for w in workers] == [("w-1", "idle"), ("w-2", "idle")]
+        assert stop_role(process) == 0  # SIGTERM: sinks commit, uvicorn stops, exit 0
+    assert not (settings.run_dir / GATEWAY_FILE).exists()  # a clean exit removes its record
+
+
+def _q(query: object) -> tuple[str, dict[str, object]]:
+    from agl_stream.store.queries import Query
+
+    assert isinstance(query, Query)
+    return query.sql, query.parameters

@@ -1,0 +1,183 @@
+"""The LightningStore contract against the real stack: broker, rollout processor, gateway + chDB.
+
+One stack serves the module (see the `stack_settings` fixture); each test works on rollouts
+of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from agl_stream import UNSET, AglStore, connect
+from agl_stream.config import Settings
+from agl_stream.models import LLM, RolloutConfig, Span
+from agl_stream.store.replies import RejectedError
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def store(stack_settings: Settings) -> AsyncIterator[AglStore]:
+    async with connect(**stack_settings.model_dump(exclude_none=True)) as client:
+        yield client
+
+
+async def _claim(store: AglStore, rollout_id: str, worker_id: str = "w-1", tries: int = 200) -> object:
+    """Dequeue until the given rollout comes up (other tests' rollouts may be queued too)."""
+    for _ in range(tries):
+        claimed = await store.dequeue_rollout(worker_id=worker_id)
+        if claimed is not None and claimed.rollout_id == rollout_id:
+            return claimed
+    raise AssertionError(f"{rollout_id} was never dequeued")
+
+
+def _span(rollout_id: str, attempt_id: str, sequence_id: int, name: str = "step") -> Span:
+    return Span(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=sequence_id,
+        trace_id=f"{sequence_id:032x}",
+        span_id=f"{sequence_id:016x}",
+        name=name,
+        attributes={"reward": 0.5, "ok": True},
+        start_time=1.0,
+        end_time=2.0,
+    )
+
+
+async def test_enqueue_dequeue_run_succeed(store: AglStore) -> None:
+    rollout = await store.enqueue_rollout({"question": "2+2"}, mode="train", metadata={"k": "v"})
+    assert rollout.status == "queuing" and rollout.rollout_id.startswith("ro-")
+    claimed = await _claim(store, rollout.rollout_id, "w-7")
+    assert claimed.status == "preparing"  # type: ignore[attr-defined]
+    attempt = claimed.attempt  # type: ignore[attr-defined]
+    assert attempt.sequence_id == 1 and attempt.status == "preparing" and attempt.worker_id == "w-7"
+    await store.add_span(_span(rollout.rollout_id, attempt.attempt_id, 1))
+    running = await store.get_rollout_by_id(rollout.rollout_id)
+    assert running is not None and running.status == "running"
+    latest = await store.get_latest_attempt(rollout.rollout_id)
+    assert latest is not None and latest.status == "running" and latest.last_heartbeat_time is not None
+    done = await store.update_attempt(rollout.rollout_id, "latest", status="succeeded")
+    assert done.status == "succeeded" and done.end_time is not None
+    [finished] = await store.wait_for_rollouts(rollout_ids=[rollout.rollout_id], timeout=10)
+    assert finished.status == "succeeded" and finished.end_time is not None
+    spans = await store.query_spans(rollout.rollout_id, "latest")
+    assert [s.sequence_id for s in spans] == [1] and spans[0].attributes == {"reward": 0.5, "ok": True}
+
+
+async def test_start_rollout_creates_the_first_attempt(store: AglStore) -> None:
+    started = await store.start_rollout({"q": 1})
+    assert started.status == "preparing" and started.attempt.sequence_id == 1
+    attempts = await store.query_attempts(started.rollout_id)
+    assert [a.attempt_id for a in attempts] == [started.attempt.attempt_id]
+
+
+async def test_unknown_ids_raise_value_error(store: AglStore) -> None:
+    with pytest.raises(ValueError, match="unknown rollout"):
+        await store.update_rollout("ro-000000000bad", status="failed")
+    with pytest.raises(ValueError):
+        await store.start_attempt("ro-000000000bad")
+    rollout = await store.enqueue_rollout({"q": 2})
+    with pytest.raises(ValueError, match="attempt"):
+        await store.update_attempt(rollout.rollout_id, "at-00000bad", status="failed")
+    with pytest.raises(ValueError):
+        await store.get_next_span_sequence_id(rollout.rollout_id, "at-00000bad")
+    with pytest.raises(ValueError, match="do not exist"):
+        await store.enqueue_rollout({"q": 3}, resources_id="rs-000000000bad")
+    assert await store.get_rollout_by_id("ro-000000000bad") is None
+
+
+async def test_update_rollout_keeps_unset_fields(store: AglStore) -> None:
+    rollout = await store.enqueue_rollout({"q": 4}, metadata={"a": 1}, mode="val")
+    updated = await store.update_rollout(rollout.rollout_id, metadata=None)
+    assert updated.metadata is None and updated.mode == "val" and updated.input == {"q": 4}
+    updated = await store.update_rollout(rollout.rollout_id, mode=UNSET, status="cancelled")
+    assert updated.status == "cancelled" and updated.mode == "val" and updated.end_time is not None
+
+
+async def test_retries_follow_the_rollout_config(store: AglStore) -> None:
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    rollout = await store.enqueue_rollout({"q": 5}, config=config)
+    first = await _claim(store, rollout.rollout_id)
+    await store.update_attempt(rollout.rollout_id, first.attempt.attempt_id, status="failed")  # type: ignore[attr-defined]
+    requeued = await store.get_rollout_by_id(rollout.rollout_id)
+    assert requeued is not None and requeued.status == "requeuing"
+    second = await _claim(store, rollout.rollout_id)
+    assert second.attempt.sequence_id == 2  # type: ignore[attr-defined]
+    await store.update_attempt(rollout.rollout_id, "latest", status="failed")
+    final = await store.get_rollout_by_id(rollout.rollout_id)
+    assert final is not None and final.status == "failed"
+    assert [a.sequence_id for a in await store.query_attempts(rollout.rollout_id)] == [1, 2]
+
+
+async def test_span_sequence_ids_strictly_increase(store: AglStore) -> None:
+    started = await store.start_rollout({"q": 6})
+    rid, aid = started.rollout_id, started.attempt.attempt_id
+    first = await store.get_next_span_sequence_id(rid, aid)
+    many = await store.get_many_span_sequence_ids([(rid, aid)] * 3)
+    assert [first, *many] == list(range(first, first + 4))
+    await store.add_span(_span(rid, aid, 100))
+    assert await store.get_next_span_sequence_id(rid, aid) == 101
+
+
+async def test_resources_latest_and_update(store: AglStore) -> None:
+    llm = LLM(resource_type="llm", endpoint="http://127.0.0.1:1/v1", model="m", sampling_parameters={})
+    first = await store.add_resources({"policy": llm})
+    assert (await store.get_latest_resources()).resources_id == first.resources_id  # type: ignore[union-attr]
+    updated = await store.update_resources(first.resources_id, {"policy": llm.model_copy(update={"model": "m2"})})
+    assert updated.version == first.version + 1
+    fetched = await store.get_resources_by_id(first.resources_id)
+    assert fetched is not None and fetched.resources["policy"].model == "m2"  # type: ignore[union-attr]
+    started = await store.start_rollout({"q": 7})
+    assert started.resources_id == first.resources_id  # start_rollout resolves the latest
+    with pytest.raises(ValueError):
+        await store.update_resources("rs-000000000bad", {})
+
+
+async def test_concurrent_claimers_claim_each_rollout_once(stack_settings: Settings) -> None:
+    options = stack_settings.model_dump(exclude_none=True)
+    async with connect(**options) as producer:
+        rollouts = await producer.enqueue_many_rollouts([{"input": {"i": i}} for i in range(200)])
+    wanted = {r.rollout_id for r in rollouts}
+    claims: dict[str, list[str]] = {}
+
+    async def claimer(index: int) -> None:
+        async with connect(**options) as client:
+            idle = 0
+            while idle < 20 and not wanted <= claims.keys():
+                claimed = await client.dequeue_rollout(worker_id=f"w-{index}")
+                if claimed is None:
+                    idle += 1
+                    continue
+                idle = 0
+                claims.setdefault(claimed.rollout_id, []).append(claimed.attempt.attempt_id)
+
+    await asyncio.gather(*(claimer(i) for i in range(8)))
+    assert wanted <= claims.keys()
+    assert all(len(claims[rid]) == 1 for rid in wanted), "a rollout was claimed twice"
+
+
+async def test_illegal_transitions_are_errors_not_silent(store: AglStore) -> None:
+    started = await store.start_rollout({"q": 8})
+    await store.update_attempt(started.rollout_id, started.attempt.attempt_id, status="succeeded")
+    with pytest.raises(RejectedError, match="succeeded"):
+        await store.update_attempt(started.rollout_id, started.attempt.attempt_id, status="running")
+
+
+async def test_oversize_input_is_refused_before_it_is_sent(store: AglStore) -> None:
+    with pytest.raises(ValueError, match="limit"):
+        await store.enqueue_rollout({"blob": "x" * 2_000_000})
+
+
+async def test_watchdog_times_out_then_retries_then_fails(store: AglStore) -> None:
+    config = RolloutConfig(timeout_seconds=0.5, max_attempts=2, retry_condition=["timeout"])
+    rollout = await store.enqueue_rollout({"q": 9}, config=config)
+    await _claim(store, rollout.rollout_id)
+    await _claim(store, rollout.rollout_id)  # requeued by the watchdog after the first timed out
+    [final] = await store.wait_for_rollouts(rollout_ids=[rollout.rollout_id], timeout=30)
+    assert final.status == "failed"
+    attempts = await store.query_attempts(rollout.rollout_id)
+    assert [(a.sequence_id, a.status) for a in attempts] == [(1, "timeout"), (2, "timeout")]
