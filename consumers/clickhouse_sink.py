@@ -52,7 +52,7 @@ from agl_stream.config import Settings
 from agl_stream.errors import CodecError, MalformedRecordError, RecordTypeError
 from agl_stream.kafka.io import BatchConsumer, DeadLetters, Fetched, Rejected, make_consumer, make_producer
 from agl_stream.logs import get_logger
-from agl_stream.models import AglModel, ResourcesUpdate
+from agl_stream.models import MODELS, ResourcesUpdate
 from agl_stream.resources import resource_path
 
 log = get_logger("agl.sink")
@@ -91,7 +91,6 @@ class SinkSpec:
     batch_size: int = 10_000
     flush_ms: int = 200  # how long a batch may linger after its first record
     python_rows: PythonRows | None = None  # decode in Python and insert rows into targets[0]
-    model: type[AglModel] | None = None  # the record's model, for python_rows
 
     @property
     def table(self) -> str:
@@ -148,7 +147,6 @@ RESOURCES = SinkSpec(
     skip_tombstones=True,
     flush_ms=0,
     python_rows=resources_row,
-    model=ResourcesUpdate,
 )
 WORKERS = SinkSpec(
     "clickhouse-workers",
@@ -334,7 +332,10 @@ class TableSink:
                 self.consumer, DeadLetters(self.settings, producer, processor=f"sink.{self.spec.name}"), self.bodies
             )
             log.info(
-                "sink started", topic=self.topic, ingest=self.ingest_table, group=self.spec.group_id(self.settings)
+                "sink started",
+                topic=self.topic,
+                tables=[t.table for t in self.spec.targets],
+                group=self.spec.group_id(self.settings),
             )
             try:
                 while not self._stopping.is_set():
@@ -448,8 +449,8 @@ class TableSink:
         self._record_offsets(next_offsets)
 
     def _python_row(self, record: Fetched[memoryview]) -> dict[str, Any]:
-        assert self.spec.python_rows is not None and self.spec.model is not None
-        row = self.spec.python_rows(self.codec.decode(record.raw, self.spec.model))
+        assert self.spec.python_rows is not None
+        row = self.spec.python_rows(self.codec.decode(record.raw, MODELS[self.spec.record]))
         return {**row, "kafka_partition": record.partition, "kafka_offset": record.offset}
 
     def _record_offsets(self, next_offsets: dict[TopicPartition, int]) -> None:

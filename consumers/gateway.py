@@ -244,7 +244,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             return _error(
                 400, "query_error", str(exc), code=getattr(exc, "code", None), name=getattr(exc, "name", None)
             )
-        except (ValueError, TypeError) as exc:  # parameters clickhouse-connect cannot bind
+        except (ValueError, TypeError, KeyError) as exc:  # parameters clickhouse-connect cannot bind
             return _error(400, "query_error", f"{type(exc).__name__}: {exc}")
         return JSONResponse(result)
 
@@ -263,6 +263,9 @@ def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it. Without it uvicorn's separate header and body writes meet
+    # the client's delayed ACK: every response took ~44 ms instead of ~2 (measured).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.setblocking(False)

@@ -1,10 +1,12 @@
 """The rollout processor: folds agl.rollouts into rollout state, emits tasks, runs the watchdog.
 
-A faust-streaming app with exactly-once processing: for each event it applies the pure fold
-(agl_stream/store/fold.py) to the rollout's state, and in one Kafka transaction with the input
-offset it writes the new state to the compacted ``agl.rollout-state`` topic (the faust table's
-changelog, which is also the read side's feed and the writer's reply), the rollout's new tasks to
-``agl.tasks``, and rejected events to ``agl.dlq`` with the reason.
+A faust-streaming app: for each event it applies the pure fold (agl_stream/store/fold.py) to
+the rollout's state and writes the new state to the compacted ``agl.rollout-state`` topic (the
+faust table's changelog, which is also the read side's feed and the writer's reply), the
+rollout's new tasks to ``agl.tasks``, and rejected events to ``agl.dlq`` with the reason. Those
+writes are flushed before the input offset is committed; after a crash the replayed events at
+or below a state's ``input_offset`` are skipped, so each event is applied exactly once (a
+rejection may be dead-lettered twice).
 
 The watchdog is a timer that folds nothing itself: it writes ``WatchdogFired`` events to
 ``agl.rollouts`` so verdicts are folded in order with everything else; a verdict that lost a
@@ -140,7 +142,10 @@ def create_app(
         broker=[f"kafka://{server}" for server in settings.bootstrap_servers.split(",")],
         broker_credentials=faust_credentials(settings),
         store="memory://",
-        processing_guarantee="exactly_once",
+        # At-least-once plus an idempotent fold (input_offset) rather than transactions: faust
+        # left the last transaction of a burst open here, hiding states from read_committed
+        # readers. Effects are flushed before offsets are committed either way.
+        processing_guarantee="at_least_once",
         topic_partitions=partitions,
         topic_allow_declare=False,  # topics come from topics/topics.toml
         web_enabled=False,
@@ -189,10 +194,14 @@ def create_app(
         await dlq_topic.send(key=event.message.topic.encode(), value=codec.encode(record))
         log.info("event rejected", partition=event.message.partition, offset=event.message.offset, reason=reason[:200])
 
-    async def apply(event: Any, decoded: RolloutEvent) -> FoldResult:
-        result = fold(states.get(decoded.rollout_id, event.message.partition), decoded)
+    async def apply(event: Any, decoded: RolloutEvent) -> FoldResult | None:
+        state = states.get(decoded.rollout_id, event.message.partition)
+        if state is not None and event.message.offset <= state.input_offset:
+            return None  # replayed after a restart: this event's effects are already in the state
+        result = fold(state, decoded)
         if result.outcome == "applied" and result.state is not None:
-            states.put(result.state, event.message.partition)
+            new_state = result.state.model_copy(update={"input_offset": event.message.offset})
+            states.put(new_state, event.message.partition)
             for task in result.tasks:
                 await tasks_topic.send(key=decoded.rollout_id.encode(), value=codec.encode(task))
         elif result.outcome == "rejected":

@@ -228,3 +228,4 @@ class RolloutState(AglModel):
     next_sequence_ids: dict[str, int] = Field(default_factory=dict)
     reserved_sequence_id: int | None = None
     finished_time: float | None = None
+    input_offset: int = -1

@@ -147,7 +147,13 @@ class ReplyReader:
     async def _run(self) -> None:
         assert self._consumer is not None
         while True:
-            batches = await self._consumer.getmany(timeout_ms=500)
+            try:
+                batches = await self._consumer.getmany(timeout_ms=500)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # a broker hiccup must not silence every later reply
+                log.warning("reading replies failed; retrying", error=str(error))
+                continue
             for tp, messages in batches.items():
                 if tp.topic == self.state_topic:
                     for message in messages:

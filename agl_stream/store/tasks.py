@@ -11,6 +11,7 @@ import asyncio
 from collections import deque
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from aiokafka.errors import CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError
 from aiokafka.structs import OffsetAndMetadata
 
 from agl_stream.config import Settings
@@ -73,7 +74,12 @@ class TaskClaimer:
         assert self.consumer is not None
         tp = TopicPartition(record.topic, record.partition)
         if tp in self.consumer.assignment():
-            await self.consumer.commit({tp: OffsetAndMetadata(record.offset + 1, "")})
+            try:
+                await self.consumer.commit({tp: OffsetAndMetadata(record.offset + 1, "")})
+            except (CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError):
+                # The partition moved mid-commit: its next owner gets the task again and loses
+                # the claim at the fold, which already decided it. Nothing runs twice.
+                pass
 
     async def stop(self) -> None:
         if self.consumer is not None:

@@ -74,12 +74,34 @@ def test_query_values_become_json() -> None:
     from decimal import Decimal
     from uuid import UUID
 
-    values = [1, 2.5, float("nan"), float("-inf"), "x", None, (1, "a"), {1: [True]}, Decimal("1.10"),
-              UUID(int=1), datetime(2025, 1, 2, 3, 4, 5), b"\xff"]  # fmt: skip
+    values = [
+        1,
+        2.5,
+        float("nan"),
+        float("-inf"),
+        "x",
+        None,
+        (1, "a"),
+        {1: [True]},
+        Decimal("1.10"),
+        UUID(int=1),
+        datetime(2025, 1, 2, 3, 4, 5),
+        b"\xff",
+    ]
     assert json.loads(json.dumps(jsonable(values), allow_nan=False)) == [
-        1, 2.5, "NaN", "-Infinity", "x", None, [1, "a"], {"1": [True]}, "1.10",
-        "00000000-0000-0000-0000-000000000001", "2025-01-02T03:04:05", "\ufffd",
-    ]  # fmt: skip
+        1,
+        2.5,
+        "NaN",
+        "-Infinity",
+        "x",
+        None,
+        [1, "a"],
+        {"1": [True]},
+        "1.10",
+        "00000000-0000-0000-0000-000000000001",
+        "2025-01-02T03:04:05",
+        "\ufffd",
+    ]
 
 
 # -- the process -----------------------------------------------------------------------------
@@ -152,9 +174,13 @@ def rollout_state(rollout_id: str, version: int, status: str, *attempts: Attempt
 
 def an_attempt(rollout_id: str, status: str, worker_id: str) -> Attempt:
     return Attempt(
-        rollout_id=rollout_id, attempt_id=f"at-{rollout_id}", sequence_id=1, start_time=50.0, status=status,
+        rollout_id=rollout_id,
+        attempt_id=f"at-{rollout_id}",
+        sequence_id=1,
+        start_time=50.0,
+        status=status,
         worker_id=worker_id,
-    )  # fmt: skip
+    )
 
 
 async def rewind_state_sinks(settings: Settings) -> None:
@@ -190,9 +216,12 @@ async def test_fenced_reads_write_refusal_timeouts_and_restart_after_kill_9(sett
     running = rollout_state("ro-1", 2, "running", an_attempt("ro-1", "running", "w-1"))
     finished = rollout_state("ro-2", 5, "succeeded", an_attempt("ro-2", "succeeded", "w-2"))
     resources = ResourcesUpdate(
-        resources_id="rs-1", create_time=1.0, update_time=2.0, version=1,
+        resources_id="rs-1",
+        create_time=1.0,
+        update_time=2.0,
+        version=1,
         resources={"main": LLM(endpoint="http://llm/v1", model="m", sampling_parameters={"temperature": 0.5})},
-    )  # fmt: skip
+    )
     heartbeat = Worker(worker_id="w-1", status="idle", heartbeat_stats={"load": 0.25}, last_heartbeat_time=99.0)
 
     with gateway_process(settings, "gateway1") as (process, url):
@@ -223,12 +252,20 @@ async def test_fenced_reads_write_refusal_timeouts_and_restart_after_kill_9(sett
             assert workers[0].heartbeat_stats == {"load": 0.25}
             [stats] = (await reads.query(*_q(Q.statistics()), fence=fence)).dicts()
             assert statistics_from_row(stats) == {
-                "total_rollouts": 2, "total_attempts": 2, "total_spans": 0, "total_resources": 1, "total_workers": 2,
-            }  # fmt: skip
+                "total_rollouts": 2,
+                "total_attempts": 2,
+                "total_spans": 0,
+                "total_resources": 1,
+                "total_workers": 2,
+            }
 
             # The engine refuses writes on the query path, whatever the SQL looks like.
-            for sql in ("INSERT INTO agl.rollouts (rollout_id) VALUES ('x')", "DROP TABLE agl.rollouts",
-                        "SET readonly = 0", "SELECT * FROM file('/etc/hostname', 'LineAsString')"):  # fmt: skip
+            for sql in (
+                "INSERT INTO agl.rollouts (rollout_id) VALUES ('x')",
+                "DROP TABLE agl.rollouts",
+                "SET readonly = 0",
+                "SELECT * FROM file('/etc/hostname', 'LineAsString')",
+            ):
                 with pytest.raises(QueryError) as refused:
                     await reads.query(sql)
                 assert refused.value.name == "READONLY", sql

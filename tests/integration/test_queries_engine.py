@@ -89,14 +89,23 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
 
 
 def rollout(rollout_id: str, start: float, status: str = "queuing", **fields: Any) -> Rollout:
-    return Rollout.model_validate({"rollout_id": rollout_id, "input": {"task": rollout_id}, "start_time": start,
-                                   "status": status, **fields})  # fmt: skip
+    return Rollout.model_validate(
+        {"rollout_id": rollout_id, "input": {"task": rollout_id}, "start_time": start, "status": status, **fields}
+    )
 
 
 def attempt(rollout_id: str, seq: int, status: str, worker: str | None = None, **fields: Any) -> Attempt:
-    return Attempt.model_validate({"rollout_id": rollout_id, "attempt_id": f"at-{rollout_id[3:]}{seq}",
-                                   "sequence_id": seq, "start_time": 100.0 + seq, "status": status,
-                                   "worker_id": worker, **fields})  # fmt: skip
+    return Attempt.model_validate(
+        {
+            "rollout_id": rollout_id,
+            "attempt_id": f"at-{rollout_id[3:]}{seq}",
+            "sequence_id": seq,
+            "start_time": 100.0 + seq,
+            "status": status,
+            "worker_id": worker,
+            **fields,
+        }
+    )
 
 
 def state(r: Rollout, version: int, *attempts: Attempt) -> RolloutState:
@@ -110,8 +119,14 @@ def state(r: Rollout, version: int, *attempts: Attempt) -> RolloutState:
 
 def test_rollouts_read_the_newest_version_and_filter_after_final(engine: Engine) -> None:
     first = rollout("ro-a1", 1.0)
-    running = rollout("ro-a1", 1.0, "running", metadata={"k": [1, 2.5]}, mode="train",
-                      config=RolloutConfig(timeout_seconds=30.0, retry_condition=["failed"]))  # fmt: skip
+    running = rollout(
+        "ro-a1",
+        1.0,
+        "running",
+        metadata={"k": [1, 2.5]},
+        mode="train",
+        config=RolloutConfig(timeout_seconds=30.0, retry_condition=["failed"]),
+    )
     other = rollout("ro-b2", 2.0, "succeeded", end_time=5.5, resources_id="rs-1")
     third = rollout("ro-c3", 0.5)
     engine.put(ROLLOUT_STATE, state(first, 1))
@@ -208,16 +223,18 @@ def test_span_json_round_trips_typed_attribute_values(engine: Engine) -> None:
     engine.put(SPANS, tricky)
     [row] = engine.rows(Q.spans("ro-0123456789ab"))
     back = span_from_row(row)
-    assert math.isnan(back.attributes.pop("nan"))  # NaN != NaN; compared apart
+    nan = back.attributes.pop("nan")
+    assert isinstance(nan, float) and math.isnan(nan)  # NaN != NaN: compared apart
     expected = tricky.model_copy(deep=True)
     expected.attributes.pop("nan")
     assert back == expected
     for key, value in expected.attributes.items():  # == says 1 == 1.0 == True; types must hold too
         got = back.attributes[key]
         assert type(got) is type(value), key
-        if isinstance(value, list):
-            assert [type(v) for v in value] == [type(v) for v in got], key  # type: ignore[union-attr]
-    assert math.copysign(1.0, back.attributes["negative_zero"]) == -1.0  # type: ignore[arg-type]
+        if isinstance(value, list) and isinstance(got, list):
+            assert [type(v) for v in value] == [type(v) for v in got], key
+    negative_zero = back.attributes["negative_zero"]
+    assert isinstance(negative_zero, float) and math.copysign(1.0, negative_zero) == -1.0
 
 
 def test_span_queries_filter_sort_and_page(engine: Engine) -> None:
@@ -309,24 +326,41 @@ def test_worker_status_is_derived_from_attempts(engine: Engine) -> None:
     engine.put(
         ROLLOUT_STATE,
         # w-idle: its latest attempt succeeded -> idle, even though its heartbeat said busy
-        state(r1, 4, attempt("ro-1", 1, "failed", "w-idle", end_time=120.0),
-              attempt("ro-1", 2, "succeeded", "w-idle", end_time=130.0, last_heartbeat_time=125.0)),
+        state(
+            r1,
+            4,
+            attempt("ro-1", 1, "failed", "w-idle", end_time=120.0),
+            attempt("ro-1", 2, "succeeded", "w-idle", end_time=130.0, last_heartbeat_time=125.0),
+        ),
         # w-busy: running -> busy, assigned to it
         state(r2, 2, attempt("ro-2", 1, "running", "w-busy", last_heartbeat_time=140.0)),
         # w-lost: unresponsive -> unknown
         state(r3, 2, attempt("ro-3", 1, "unresponsive", "w-lost")),
-    )  # fmt: skip
+    )
 
     workers = {w.worker_id: w for w in (worker_from_row(x) for x in engine.rows(Q.workers()))}
     assert workers == {
-        "w-busy": Worker(worker_id="w-busy", status="busy", last_dequeue_time=101.0, last_busy_time=140.0,
-                         current_rollout_id="ro-2", current_attempt_id="at-21"),
-        "w-idle": Worker(worker_id="w-idle", status="idle", heartbeat_stats={"gpu": 0.9}, last_heartbeat_time=600.0,
-                         last_dequeue_time=102.0, last_busy_time=130.0, last_idle_time=130.0),
+        "w-busy": Worker(
+            worker_id="w-busy",
+            status="busy",
+            last_dequeue_time=101.0,
+            last_busy_time=140.0,
+            current_rollout_id="ro-2",
+            current_attempt_id="at-21",
+        ),
+        "w-idle": Worker(
+            worker_id="w-idle",
+            status="idle",
+            heartbeat_stats={"gpu": 0.9},
+            last_heartbeat_time=600.0,
+            last_dequeue_time=102.0,
+            last_busy_time=130.0,
+            last_idle_time=130.0,
+        ),
         "w-lost": Worker(worker_id="w-lost", status="unknown", last_dequeue_time=101.0, last_busy_time=101.0),
         # no attempts: what its heartbeat says
         "w-quiet": Worker(worker_id="w-quiet", status="idle", last_heartbeat_time=400.0, last_idle_time=390.0),
-    }  # fmt: skip
+    }
 
     def ids(query: Query) -> list[str]:
         return [worker_from_row(x).worker_id for x in engine.rows(query)]
@@ -380,7 +414,7 @@ async def test_clickhouse_read_side_waits_on_sink_offsets_and_refuses_writes(tmp
         query = Q.rollouts()
         result = await reads.query(query.sql, query.parameters, fence={"agl.rollout-state": {0: 5}}, timeout=5)
         assert [rollout_from_row(r).rollout_id for r in result.dicts()] == ["ro-a1"]
-        with pytest.raises(FenceTimeoutError, match="agl.rollout-state"):
+        with pytest.raises(FenceTimeoutError, match=r"agl\.rollout-state"):
             await reads.query("SELECT 1", fence={"agl.rollout-state": {0: 6}}, timeout=0.1)
         with pytest.raises(QueryError) as refused:
             await reads.query("DROP TABLE agl.rollouts")
@@ -395,16 +429,45 @@ def test_engine_rejects_nothing_the_builders_make(engine: Engine) -> None:
     """Every builder, with every option at once, is valid SQL for the engine (empty tables)."""
     engine.put(ROLLOUT_STATE, state(rollout("ro-a1", 1.0), 1))
     queries = [
-        Q.rollouts(status_in=["queuing"], rollout_id_in=["a"], rollout_id_contains="a", filter_logic="or",
-                   sort_by="mode", sort_order="desc", limit=3, offset=1),
+        Q.rollouts(
+            status_in=["queuing"],
+            rollout_id_in=["a"],
+            rollout_id_contains="a",
+            filter_logic="or",
+            sort_by="mode",
+            sort_order="desc",
+            limit=3,
+            offset=1,
+        ),
         Q.attempts("ro-a1", sort_by="last_heartbeat_time", sort_order="desc", limit=1, offset=1),
-        Q.spans("ro-a1", "latest", trace_id="t", trace_id_contains="t", span_id="s", span_id_contains="s",
-                parent_id="p", parent_id_contains="p", name="n", name_contains="n", filter_logic="or",
-                limit=1, offset=1, sort_by="end_time", sort_order="desc"),
+        Q.spans(
+            "ro-a1",
+            "latest",
+            trace_id="t",
+            trace_id_contains="t",
+            span_id="s",
+            span_id_contains="s",
+            parent_id="p",
+            parent_id_contains="p",
+            name="n",
+            name_contains="n",
+            filter_logic="or",
+            limit=1,
+            offset=1,
+            sort_by="end_time",
+            sort_order="desc",
+        ),
         Q.resources(resources_id="r", resources_id_contains="r", sort_by="update_time", limit=1, offset=1),
-        Q.workers(status_in=["busy"], worker_id_contains="w", filter_logic="or", sort_by="current_rollout_id",
-                  sort_order="desc", limit=1, offset=1),
-    ]  # fmt: skip
+        Q.workers(
+            status_in=["busy"],
+            worker_id_contains="w",
+            filter_logic="or",
+            sort_by="current_rollout_id",
+            sort_order="desc",
+            limit=1,
+            offset=1,
+        ),
+    ]
     for query in queries:
         try:
             engine.rows(query)
