@@ -47,7 +47,7 @@ import uvicorn
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from agl_stream.clickhouse.client import get_client
@@ -168,7 +168,8 @@ class QueryRunner:
             raise ConfigError("the engine did not accept readonly for the query clients; refusing to serve queries")
         return client
 
-    async def run(self, sql: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    async def run(self, sql: str, parameters: Mapping[str, Any]) -> bytes:
+        """The JSON response body. Built in the query's thread: the sinks share the event loop."""
         client = await self._idle.get()
         try:
             loop = asyncio.get_running_loop()
@@ -177,12 +178,13 @@ class QueryRunner:
             self._idle.put_nowait(client)
 
     @staticmethod
-    def _query(client: Client, sql: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    def _query(client: Client, sql: str, parameters: dict[str, Any]) -> bytes:
         result = client.query(sql, parameters=parameters or None)
-        return {
+        body = {
             "columns": list(result.column_names),
             "rows": [[jsonable(v) for v in row] for row in result.result_rows],
         }
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(errors="replace")
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -223,7 +225,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         return {"sinks": sinks}
 
     @app.post("/v1/query")
-    async def query(request: QueryRequest) -> JSONResponse:
+    async def query(request: QueryRequest) -> Response:
         unknown = sorted(set(request.fence) - gateway.topics)
         if unknown:
             return _error(
@@ -246,13 +248,13 @@ def create_app(gateway: Gateway) -> FastAPI:
             )
         except (ValueError, TypeError, KeyError) as exc:  # parameters clickhouse-connect cannot bind
             return _error(400, "query_error", f"{type(exc).__name__}: {exc}")
-        return JSONResponse(result)
+        return Response(result, media_type="application/json")
 
     return app
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the gateway stops it, after the sinks' turn."""
+    """uvicorn without its own signal handling: the gateway decides when it stops."""
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -319,8 +321,12 @@ class Gateway:
 
     async def run(self) -> None:
         await asyncio.to_thread(self._load_applied)
-        await asyncio.to_thread(self.queries.open)
-        sock = _listen(self.settings.gateway_host, self.settings.gateway_port)
+        try:
+            await asyncio.to_thread(self.queries.open)
+            sock = _listen(self.settings.gateway_host, self.settings.gateway_port)
+        except BaseException:
+            await asyncio.to_thread(self.queries.close)
+            raise
         host, port = sock.getsockname()[:2]
         url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
@@ -328,6 +334,7 @@ class Gateway:
             create_app(self), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
         )
         self._server = _Server(config)
+        self._server.should_exit = self.stopping  # a signal during start-up
         record = self.settings.run_dir / GATEWAY_FILE
         server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway:http")
         sinks_task = asyncio.create_task(self.sinks.run(), name="gateway:sinks")

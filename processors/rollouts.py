@@ -156,6 +156,10 @@ def create_app(
         broker_commit_interval=0.05,
         table_cleanup_interval=3600.0,
         table_standby_replicas=0,  # the changelog is the standby; recovery replays it
+        # A processor killed with -9 holds its partitions until its session times out: keep
+        # that short (the broker's minimum is 6 s), so a restarted one takes over quickly.
+        broker_session_timeout=6.0,
+        broker_heartbeat_interval=1.5,
     )
     events_topic = app.topic(settings.topic("rollouts"), partitions=partitions, **_RAW)
     state_topic = app.topic(settings.topic("rollout-state"), partitions=partitions, **_RAW)

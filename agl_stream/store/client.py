@@ -326,6 +326,10 @@ class AglStore(StoreReads):
                     done.set()
 
         unwatch = [self._replies.watch(rid, on_state) for rid in set(rollout_ids)]
+        # States before this point were passed over without a watcher: the read side must
+        # hold them, so the query waits until the sink has applied everything seen so far.
+        for partition, offset in self._replies.dispatched.items():
+            self._note(self.settings.topic("rollout-state"), partition, offset)
         try:
             known = {r.rollout_id: r for r in await self.query_rollouts(rollout_id_in=list(set(rollout_ids)))}
             unknown = [rid for rid in rollout_ids if rid not in known and rid not in finished]

@@ -58,6 +58,8 @@ class ReplyReader:
         self._watchers: dict[str, list[Callable[[RolloutState, int, int], None]]] = defaultdict(list)
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
+        # Per partition of agl.rollout-state, the last offset handed to futures and watchers.
+        self.dispatched: dict[int, int] = {}
 
     async def start(self) -> None:
         consumer = AIOKafkaConsumer(
@@ -159,6 +161,8 @@ class ReplyReader:
                     for message in messages:
                         if message.value is not None and message.key in self._waiting_rollouts:
                             self._on_state(message.value, tp.partition, message.offset)
+                    if messages:
+                        self.dispatched[tp.partition] = messages[-1].offset
                 else:
                     for message in messages:
                         self._on_dlq(message.value or b"")

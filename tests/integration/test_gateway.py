@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
@@ -35,6 +36,7 @@ from agl_stream.models import (
     Worker,
 )
 from agl_stream.store.queries import (
+    Query,
     StoreQueries,
     attempt_from_row,
     resources_from_row,
@@ -105,6 +107,10 @@ def test_query_values_become_json() -> None:
 
 
 # -- the process -----------------------------------------------------------------------------
+
+
+def _q(query: Query) -> tuple[str, dict[str, Any]]:
+    return query.sql, query.parameters
 
 
 def _gateway_settings(settings: Settings) -> Settings:
@@ -313,10 +319,3 @@ async def test_fenced_reads_write_refusal_timeouts_and_restart_after_kill_9(sett
             assert [(w.worker_id, w.status) for w in workers] == [("w-1", "idle"), ("w-2", "idle")]
         assert stop_role(process) == 0  # SIGTERM: sinks commit, uvicorn stops, exit 0
     assert not (settings.run_dir / GATEWAY_FILE).exists()  # a clean exit removes its record
-
-
-def _q(query: object) -> tuple[str, dict[str, object]]:
-    from agl_stream.store.queries import Query
-
-    assert isinstance(query, Query)
-    return query.sql, query.parameters
