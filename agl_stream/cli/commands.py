@@ -31,4 +31,6 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status)
     app.command("down")(down)
     app.command("processor")(processor)
-    app.command("gateway")(__import__("agl_stream.cli.gateway_cmd", fromlist=["gateway"]).gateway)
+    from agl_stream.cli.gateway_cmd import gateway
+
+    app.command("gateway")(gateway)

@@ -13,10 +13,12 @@ from agl_stream.cli import settings_of
 
 def sink(
     ctx: typer.Context,
-    batch_size: Annotated[int, typer.Option(min=1, help="Most rows per INSERT.")] = 10_000,
-    flush_ms: Annotated[int, typer.Option(min=1, help="Longest wait to fill a batch, in ms.")] = 200,
+    batch_size: Annotated[int, typer.Option(min=1, help="Most span rows per INSERT.")] = 10_000,
+    flush_ms: Annotated[int, typer.Option(min=1, help="Longest wait to fill a span batch, in ms.")] = 200,
 ) -> None:
-    """Run the ClickHouse sink: agl.spans -> otel_traces, until SIGTERM or Ctrl-C.
+    """Run the ClickHouse sinks (spans, rollout states, resources, workers) until SIGTERM or Ctrl-C.
+
+    The gateway runs the same sinks plus the query API; run this only without a gateway.
 
     With the embedded engine this process owns the ClickHouse data dir.
     """

@@ -16,12 +16,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CoordinatorLoadInProgressError, GroupCoordinatorNotAvailableError, NotCoordinatorError
 
 from agl_stream.config import Settings
-from agl_stream.errors import AglError
+from agl_stream.errors import FenceTimeoutError
 from agl_stream.kafka.admin import admin_client
-
-
-class FenceTimeoutError(AglError):
-    """The consumer group did not reach the offsets in time."""
 
 
 async def end_offsets(settings: Settings, topic: str) -> dict[TopicPartition, int]:
