@@ -101,6 +101,12 @@ class Settings(BaseSettings):
         None, description="URL of a running gateway for clients; unset: the one `agl-stream up` recorded."
     )
 
+    # -- rollout processor ---------------------------------------------------------------------
+    watchdog_interval_s: float = Field(0.5, gt=0, description="Seconds between the processor's watchdog scans.")
+    finished_retention_s: float = Field(
+        60.0, ge=0, description="Seconds a finished rollout stays in the processor's memory before it is forgotten."
+    )
+
     # -- logging -----------------------------------------------------------------------------
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["console", "json"] = Field(

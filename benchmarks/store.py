@@ -30,6 +30,8 @@ from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.models import Span
 
+PROBES = 100
+
 
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -65,9 +67,13 @@ async def run(settings: Settings, rollouts: int, clients: int, workers_per_clien
     processor_pid = stack.read_stack(settings).pids["processor"]  # type: ignore[union-attr]
     enqueued_at: dict[str, float] = {}
     claim_latency: list[float] = []
+    probe_ids: set[str] = set()
+    probe_latency: list[float] = []
+    probes_done = asyncio.Event()
     finished = 0
     rss: list[tuple[int, float]] = [(0, _rss_mb(processor_pid))]
     done = asyncio.Event()
+    stop = asyncio.Event()
 
     async def algorithm(store: AglStore) -> None:
         for start in range(0, rollouts, 500):
@@ -78,18 +84,36 @@ async def run(settings: Settings, rollouts: int, clients: int, workers_per_clien
 
     async def worker(store: AglStore, name: str) -> None:
         nonlocal finished
-        while not done.is_set():
+        while not stop.is_set():
             claimed = await store.dequeue_rollout(worker_id=name)
             if claimed is None:
                 continue
-            claim_latency.append(time.time() - enqueued_at.get(claimed.rollout_id, time.time()))
+            latency = time.time() - enqueued_at.get(claimed.rollout_id, time.time())
+            if claimed.rollout_id in probe_ids:
+                probe_latency.append(latency)
+                if len(probe_latency) == PROBES:
+                    probes_done.set()
+            else:
+                claim_latency.append(latency)
             await store.add_many_spans(_spans(claimed.rollout_id, claimed.attempt.attempt_id, spans))
             await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+            if claimed.rollout_id in probe_ids:
+                continue
             finished += 1
             if finished % max(1, rollouts // 10) == 0:
                 rss.append((finished, _rss_mb(processor_pid)))
             if finished >= rollouts:
                 done.set()
+
+    async def probe(store: AglStore) -> None:
+        # Steady-state enqueue -> claim latency: one rollout at a time into an idle queue.
+        for _ in range(PROBES):
+            before = time.time()
+            rollout = await store.enqueue_rollout({"probe": True})
+            enqueued_at[rollout.rollout_id] = before
+            probe_ids.add(rollout.rollout_id)
+            await asyncio.sleep(0.05)  # pacing the probes, not synchronisation
+        await asyncio.wait_for(probes_done.wait(), 60)
 
     stores = [await connect(**options) for _ in range(clients + 1)]
     try:
@@ -104,6 +128,8 @@ async def run(settings: Settings, rollouts: int, clients: int, workers_per_clien
         await algorithm(stores[0])
         await done.wait()
         elapsed = time.perf_counter() - started
+        await probe(stores[0])
+        stop.set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -128,7 +154,11 @@ async def run(settings: Settings, rollouts: int, clients: int, workers_per_clien
         "seconds": elapsed,
         "rollouts_per_s": rollouts / elapsed,
         "spans_per_s": rollouts * spans / elapsed,
-        "enqueue_to_claim_ms": {
+        "enqueue_to_claim_ms_idle_queue": {
+            "p50": _percentile(probe_latency, 0.5) * 1e3,
+            "p99": _percentile(probe_latency, 0.99) * 1e3,
+        },
+        "enqueue_to_claim_ms_backlog": {
             "p50": _percentile(claim_latency, 0.5) * 1e3,
             "p99": _percentile(claim_latency, 0.99) * 1e3,
         },
@@ -144,6 +174,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4, help="store clients running workers")
     parser.add_argument("--workers-per-client", type=int, default=16)
     parser.add_argument("--spans", type=int, default=3, help="spans per rollout")
+    parser.add_argument(
+        "--finished-retention", type=float, default=60.0, help="seconds the processor keeps finished rollouts"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/store.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="agl-bench-store-") as tmp:

@@ -133,9 +133,9 @@ def faust_credentials(settings: Settings) -> Any:
     return None
 
 
-def create_app(
-    settings: Settings, *, partitions: int, watchdog_interval_s: float = 0.5, finished_retention_s: float = 60.0
-) -> faust.App:
+def create_app(settings: Settings, *, partitions: int) -> faust.App:
+    watchdog_interval_s = settings.watchdog_interval_s
+    finished_retention_s = settings.finished_retention_s
     codec = Codec.default()
     app = faust.App(
         f"{settings.topic_prefix}.{PROCESSOR}",
@@ -151,6 +151,7 @@ def create_app(
         web_enabled=False,
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
+        producer_linger=0.002,  # batch the state/task writes of events arriving together
         stream_wait_empty=False,
         broker_commit_every=100,
         broker_commit_interval=0.05,
@@ -267,11 +268,11 @@ def create_app(
     return app
 
 
-def main(settings: Settings, **options: Any) -> None:
+def main(settings: Settings) -> None:
     """Run the processor in the foreground until SIGTERM/SIGINT."""
     from agl_stream.topics import load_topic_specs
 
     partitions = next(s.partitions for s in load_topic_specs() if s.name == "rollouts")
-    app = create_app(settings, partitions=partitions, **options)
+    app = create_app(settings, partitions=partitions)
     worker = faust.Worker(app, loglevel=settings.log_level.lower().replace("warning", "warn"), quiet=True)
     worker.execute_from_commandline()

@@ -28,11 +28,16 @@ def sink(
 
 def processor(
     ctx: typer.Context,
-    watchdog_interval: Annotated[float, typer.Option(min=0.05, help="Seconds between watchdog scans.")] = 0.5,
+    watchdog_interval: Annotated[
+        float | None, typer.Option(min=0.05, help="Seconds between watchdog scans (env AGL_WATCHDOG_INTERVAL_S).")
+    ] = None,
     finished_retention: Annotated[
-        float, typer.Option(min=0.0, help="Seconds a finished rollout stays in memory before it is forgotten.")
-    ] = 60.0,
+        float | None,
+        typer.Option(min=0.0, help="Seconds a finished rollout stays in memory (env AGL_FINISHED_RETENTION_S)."),
+    ] = None,
 ) -> None:
     """Run the rollout processor (state machine, task queue, watchdog) until SIGTERM or Ctrl-C."""
-    module = importlib.import_module("processors.rollouts")
-    module.main(settings_of(ctx), watchdog_interval_s=watchdog_interval, finished_retention_s=finished_retention)
+    settings = settings_of(ctx)
+    overrides = {"watchdog_interval_s": watchdog_interval, "finished_retention_s": finished_retention}
+    settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    importlib.import_module("processors.rollouts").main(settings)

@@ -38,6 +38,7 @@ from agl_stream.models import (
     RolloutUpdated,
     Span,
     SpanSequenceRequested,
+    TaskItem,
     Worker,
 )
 from agl_stream.models.base import TERMINAL_STATUSES
@@ -70,7 +71,8 @@ class AglStore(StoreReads):
         self.request_timeout = request_timeout
         self.codec = Codec.default()
         self.writer = f"client-{uuid.uuid4().hex[:8]}"
-        self._producer: AIOKafkaProducer = make_producer(settings, linger_ms=0)
+        # A 2 ms linger lets concurrent requests share produce requests: far less broker work.
+        self._producer: AIOKafkaProducer = make_producer(settings, linger_ms=2)
         self._replies = ReplyReader(settings, self.codec)
         self._claimer = TaskClaimer(settings)
 
@@ -227,34 +229,31 @@ class AglStore(StoreReads):
 
     async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
         """Claim the oldest queued rollout (FIFO per partition); None when nothing is queued."""
-        from agl_stream.models import TaskItem
-
-        async with self._claimer.lock:
-            while True:
-                record = await self._claimer.next()
-                if record is None:
-                    return None
-                try:
-                    task = self.codec.decode(record.value or b"", TaskItem)
-                except AglError:
-                    await self._claimer.done(record)  # the sink dead-letters bad task records
-                    continue
-                attempt = Attempt(
-                    rollout_id=task.rollout.rollout_id,
-                    attempt_id=new_attempt_id(),
-                    sequence_id=task.attempt_sequence_id,
-                    start_time=time.time(),
-                    worker_id=worker_id,
+        while True:
+            record = await self._claimer.next()
+            if record is None:
+                return None
+            try:
+                task = self.codec.decode(record.value or b"", TaskItem)
+            except AglError:
+                await self._claimer.done(record)  # the sink dead-letters bad task records
+                continue
+            attempt = Attempt(
+                rollout_id=task.rollout.rollout_id,
+                attempt_id=new_attempt_id(),
+                sequence_id=task.attempt_sequence_id,
+                start_time=time.time(),
+                worker_id=worker_id,
+            )
+            try:
+                state = await self._request(
+                    task.rollout.rollout_id, AttemptStarted(attempt=attempt, worker_id=worker_id, manual=False)
                 )
-                try:
-                    state = await self._request(
-                        task.rollout.rollout_id, AttemptStarted(attempt=attempt, worker_id=worker_id, manual=False)
-                    )
-                except RejectedError:
-                    await self._claimer.done(record)  # someone else won, or the rollout moved on
-                    continue
-                await self._claimer.done(record)
-                return _attempted(state, attempt.attempt_id)
+            except RejectedError:
+                await self._claimer.done(record)  # someone else won, or the rollout moved on
+                continue
+            await self._claimer.done(record)
+            return _attempted(state, attempt.attempt_id)
 
     async def start_attempt(self, rollout_id: str) -> AttemptedRollout:
         attempt = Attempt(rollout_id=rollout_id, attempt_id=new_attempt_id(), sequence_id=1, start_time=time.time())

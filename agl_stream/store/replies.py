@@ -66,7 +66,8 @@ class ReplyReader:
             **self.settings.kafka_client_options(),
             enable_auto_commit=False,
             isolation_level="read_committed",
-            fetch_max_wait_ms=5,  # replies are latency-bound
+            # Long polls: the broker answers as soon as a record arrives, so this costs no latency
+            # (a short wait only made every idle client poll the broker).
         )
         await consumer.start()
         partitions = []

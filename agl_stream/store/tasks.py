@@ -1,8 +1,9 @@
 """The task queue as seen by a claimer: a consumer-group member on agl.tasks.
 
-Tasks are claimed in partition order (FIFO per partition). A task's offset is committed once
-its claim was decided, won or lost, so a claimer that dies re-delivers only undecided tasks;
-a re-delivered task whose rollout was claimed meanwhile is simply lost at the fold.
+Tasks are handed out in partition order (FIFO per partition) and may be claimed concurrently.
+Offsets are committed in order: up to the oldest task whose claim is not decided yet, so a
+claimer that dies re-delivers exactly the undecided tasks (and maybe some decided after them:
+a re-delivered task whose rollout was claimed meanwhile is simply lost at the fold).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class _Assigned(ConsumerRebalanceListener):  # type: ignore[misc]
         # Tasks fetched but not claimed yet belong to the partitions' next owner.
         gone = set(revoked)
         self.claimer.buffer = deque(r for r in self.claimer.buffer if TopicPartition(r.topic, r.partition) not in gone)
+        for tp in gone:
+            self.claimer.undecided.pop(tp, None)
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         self.claimer.assigned.set()
@@ -39,11 +42,13 @@ class TaskClaimer:
         self.buffer: deque[ConsumerRecord[bytes, bytes]] = deque()
         self.assigned = asyncio.Event()
         self.consumer: AIOKafkaConsumer | None = None
-        self.lock = asyncio.Lock()
+        self.lock = asyncio.Lock()  # guards handing out tasks, not claiming them
+        # Per partition: offsets handed out -> decided yet? Commits stop at the first undecided.
+        self.undecided: dict[TopicPartition, dict[int, bool]] = {}
 
     async def _ensure_started(self) -> AIOKafkaConsumer:
         if self.consumer is None:
-            consumer = make_consumer(self.settings, group_id=self.group_id, max_poll_records=32, fetch_max_wait_ms=10)
+            consumer = make_consumer(self.settings, group_id=self.group_id, max_poll_records=32)
             consumer.subscribe([self.settings.topic("tasks")], listener=_Assigned(self))
             await consumer.start()
             self.consumer = consumer
@@ -64,18 +69,37 @@ class TaskClaimer:
 
     async def next(self, *, timeout_ms: int = 20) -> ConsumerRecord[bytes, bytes] | None:
         """The oldest fetched task, fetching briefly if none is buffered; None if the queue is empty."""
-        consumer = await self._ensure_started()
-        if not self.buffer:
-            self._keep(await consumer.getmany(timeout_ms=timeout_ms, max_records=32))
-        return self.buffer.popleft() if self.buffer else None
+        async with self.lock:
+            consumer = await self._ensure_started()
+            if not self.buffer:
+                self._keep(await consumer.getmany(timeout_ms=timeout_ms, max_records=32))
+            if not self.buffer:
+                return None
+            record = self.buffer.popleft()
+            self.undecided.setdefault(TopicPartition(record.topic, record.partition), {})[record.offset] = False
+            return record
 
     async def done(self, record: ConsumerRecord[bytes, bytes]) -> None:
-        """The task's claim was decided: never deliver it again."""
+        """The task's claim was decided: commit past it and every decided task before it."""
         assert self.consumer is not None
         tp = TopicPartition(record.topic, record.partition)
+        handed = self.undecided.get(tp)
+        if handed is None or record.offset not in handed:
+            return  # the partition moved meanwhile; its new owner re-delivers
+        handed[record.offset] = True
+        decided = []
+        for offset in sorted(handed):
+            if not handed[offset]:
+                break
+            decided.append(offset)
+        if not decided:
+            return
+        for offset in decided:
+            del handed[offset]
+        record_offset = decided[-1]
         if tp in self.consumer.assignment():
             try:
-                await self.consumer.commit({tp: OffsetAndMetadata(record.offset + 1, "")})
+                await self.consumer.commit({tp: OffsetAndMetadata(record_offset + 1, "")})
             except (CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError):
                 # The partition moved mid-commit: its next owner gets the task again and loses
                 # the claim at the fold, which already decided it. Nothing runs twice.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,8 @@ async def test_processor_killed_mid_flight_loses_and_duplicates_nothing(own_stac
     finished: set[str] = set()
     claims: dict[str, int] = {}
 
+    restarted: list[subprocess.Popen[bytes]] = []
+
     async def crash_and_restart() -> None:
         deadline = time.monotonic() + 60
         while len(finished) < ROLLOUTS // 4:  # kill once a quarter is through
@@ -72,12 +75,23 @@ async def test_processor_killed_mid_flight_loses_and_duplicates_nothing(own_stac
             await asyncio.sleep(0.01)  # watching the workers' progress counter
         os.kill(run.pids["processor"], signal.SIGKILL)
         (own_stack.run_dir / "processor.ready").unlink(missing_ok=True)
-        restarted = start_role(own_stack, "processor", log_path=own_stack.run_dir / "processor2.log")
-        crash_and_restart.process = restarted  # type: ignore[attr-defined]
+        restarted.append(start_role(own_stack, "processor", log_path=own_stack.run_dir / "processor2.log"))
 
+    try:
+        await _run_and_check(options, wanted, finished, claims, crash_and_restart)
+    finally:
+        for process in restarted:  # stack.down() only knows the processor it started
+            stop_role(process)
+
+
+async def _run_and_check(
+    options: dict[str, object], wanted: set[str], finished: set[str], claims: dict[str, int], crash: object
+) -> None:
     async with connect(**options) as a, connect(**options) as b:
         await asyncio.gather(
-            _work(a, "w-a", wanted, finished, claims), _work(b, "w-b", wanted, finished, claims), crash_and_restart()
+            _work(a, "w-a", wanted, finished, claims),
+            _work(b, "w-b", wanted, finished, claims),
+            crash(),  # type: ignore[operator]
         )
         # Other clients' writes are not fenced for `a`: wait for them the way the API offers.
         rows = await a.wait_for_rollouts(rollout_ids=sorted(wanted), timeout=60)
@@ -86,4 +100,3 @@ async def test_processor_killed_mid_flight_loses_and_duplicates_nothing(own_stac
         assert claims == dict.fromkeys(wanted, 1)
         for rid in sorted(wanted)[:: ROLLOUTS // 40]:
             assert [(x.sequence_id, x.status) for x in await a.query_attempts(rid)] == [(1, "succeeded")]
-    stop_role(crash_and_restart.process)  # type: ignore[attr-defined]
