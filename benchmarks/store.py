@@ -181,7 +181,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="agl-bench-store-") as tmp:
         settings = Settings(
-            data_dir=Path(tmp), gateway_port=0, topic_prefix=f"b{uuid.uuid4().hex[:6]}", log_level="WARNING"
+            data_dir=Path(tmp),
+            gateway_port=0,
+            topic_prefix=f"b{uuid.uuid4().hex[:6]}",
+            log_level="WARNING",
+            finished_retention_s=args.finished_retention,
         )
         own_broker = settings.uses_local_broker
         if own_broker:
