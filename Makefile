@@ -38,8 +38,10 @@ typecheck: venv
 demo: venv jars
 	$(AGL) --data-dir .agl/demo demo
 
+# Throughput benchmarks (not tests): results in benchmarks/results/*.json.
 bench: venv jars
 	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/store.py
 
 clean:
 	rm -rf $(VENV) .agl .pytest_cache .mypy_cache .ruff_cache
