@@ -7,6 +7,7 @@ of its own.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -181,3 +182,64 @@ async def test_watchdog_times_out_then_retries_then_fails(store: AglStore) -> No
     assert final.status == "failed"
     attempts = await store.query_attempts(rollout.rollout_id)
     assert [(a.sequence_id, a.status) for a in attempts] == [(1, "timeout"), (2, "timeout")]
+
+
+async def test_garbage_on_the_rollouts_topic_is_dead_lettered_and_the_processor_goes_on(
+    store: AglStore, stack_settings: Settings
+) -> None:
+    from agl_stream.codec import Codec
+    from agl_stream.kafka.io import make_producer
+    from agl_stream.models import DlqRecord
+    from tests.integration.helpers import read_topic
+
+    producer = make_producer(stack_settings)
+    await producer.start()
+    try:
+        sent = await producer.send_and_wait(
+            stack_settings.topic("rollouts"), b"not avro at all", key=b"ro-garbage00000"
+        )
+    finally:
+        await producer.stop()
+    rollout = await store.enqueue_rollout({"after": "garbage"})  # the processor still folds events
+    assert (await store.get_rollout_by_id(rollout.rollout_id)) is not None
+    records = [
+        Codec.default().decode(r.value, DlqRecord)
+        for r in await read_topic(stack_settings, stack_settings.topic("dlq"), 1)
+    ]
+    ours = [r for r in records if (r.source_partition, r.source_offset) == (sent.partition, sent.offset)]
+    assert ours and ours[0].value == b"not avro at all" and ours[0].error_type == "NotSingleObjectEncodedError"
+
+
+async def test_query_rollouts_filters_sorts_and_pages(store: AglStore) -> None:
+    tag = uuid.uuid4().hex[:6]
+    made = [await store.enqueue_rollout({"tag": tag, "i": i}) for i in range(5)]
+    ids = [r.rollout_id for r in made]
+    await store.update_rollout(ids[0], status="cancelled")
+    mine = await store.query_rollouts(rollout_id_in=ids, sort_by="rollout_id", sort_order="desc")
+    assert [r.rollout_id for r in mine] == sorted(ids, reverse=True)
+    page = await store.query_rollouts(rollout_id_in=ids, sort_by="rollout_id", limit=2, offset=1)
+    assert [r.rollout_id for r in page] == sorted(ids)[1:3]
+    cancelled = await store.query_rollouts(rollout_id_in=ids, status_in=["cancelled"])
+    assert [r.rollout_id for r in cancelled] == [ids[0]]
+    either = await store.query_rollouts(rollout_id_in=[ids[1]], status_in=["cancelled"], filter_logic="or")
+    assert {r.rollout_id for r in either} >= {ids[0], ids[1]}
+    legacy = await store.query_rollouts(rollout_ids=[ids[2]], status=["queuing"])
+    assert [r.rollout_id for r in legacy] == [ids[2]]
+    with pytest.raises(ValueError):
+        await store.query_rollouts(sort_by="no_such_field")
+
+
+async def test_workers_follow_their_attempts(store: AglStore) -> None:
+    worker = f"w-{uuid.uuid4().hex[:6]}"
+    beat = await store.update_worker(worker, heartbeat_stats={"gpu": 0.5})
+    assert beat.heartbeat_stats == {"gpu": 0.5} and beat.last_heartbeat_time is not None
+    rollout = await store.enqueue_rollout({"w": worker})
+    claimed = await _claim(store, rollout.rollout_id, worker)
+    busy = await store.get_worker_by_id(worker)
+    assert busy is not None and busy.status == "busy" and busy.current_rollout_id == rollout.rollout_id
+    await store.update_attempt(rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")  # type: ignore[attr-defined]
+    idle = await store.get_worker_by_id(worker)
+    assert idle is not None and idle.status == "idle"
+    assert worker in {w.worker_id for w in await store.query_workers(status_in=["idle"])}
+    stats = await store.statistics()
+    assert stats["total_rollouts"] >= 1 and stats["total_workers"] >= 1
