@@ -243,3 +243,31 @@ async def test_workers_follow_their_attempts(store: AglStore) -> None:
     assert worker in {w.worker_id for w in await store.query_workers(status_in=["idle"])}
     stats = await store.statistics()
     assert stats["total_rollouts"] >= 1 and stats["total_workers"] >= 1
+
+
+async def test_add_otel_span_assigns_sequence_ids_and_spans_filter(store: AglStore) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span("agent"), tracer.start_as_current_span("openai.chat.completion"):
+        pass
+    inner, outer = exporter.get_finished_spans()
+    started = await store.start_rollout({"otel": True})
+    rid, aid = started.rollout_id, started.attempt.attempt_id
+    first = await store.add_otel_span(rid, aid, outer)
+    second = await store.add_otel_span(rid, aid, inner)
+    assert first is not None and second is not None and second.sequence_id > first.sequence_id
+    assert (await store.get_rollout_by_id(rid)).status == "running"  # type: ignore[union-attr]
+    llm = await store.query_spans(rid, "latest", name_contains="openai")
+    assert [s.name for s in llm] == ["openai.chat.completion"] and llm[0].parent_id == first.span_id
+    by_parent_or_name = await store.query_spans(rid, aid, parent_id=first.span_id, name="agent", filter_logic="or")
+    assert {s.name for s in by_parent_or_name} == {"agent", "openai.chat.completion"}
+    newest_first = await store.query_spans(rid, sort_order="desc", limit=1)
+    assert [s.sequence_id for s in newest_first] == [second.sequence_id]
+    with pytest.raises(ValueError):
+        await store.query_spans(rid, "at-00000bad")
