@@ -271,3 +271,21 @@ async def test_add_otel_span_assigns_sequence_ids_and_spans_filter(store: AglSto
     assert [s.sequence_id for s in newest_first] == [second.sequence_id]
     with pytest.raises(ValueError):
         await store.query_spans(rid, "at-00000bad")
+
+
+async def test_wait_for_rollouts_returns_the_finished_subset_at_its_timeout(store: AglStore) -> None:
+    done = await store.start_rollout({"w": 1})
+    await store.update_attempt(done.rollout_id, "latest", status="succeeded")
+    pending = await store.enqueue_rollout({"w": 2})
+    started = asyncio.get_running_loop().time()
+    result = await store.wait_for_rollouts(rollout_ids=[done.rollout_id, pending.rollout_id], timeout=0.5)
+    waited = asyncio.get_running_loop().time() - started
+    assert [r.rollout_id for r in result] == [done.rollout_id]
+    assert 0.5 <= waited < 5.0
+    # A rollout finishing while we wait ends the wait early.
+    waiter = asyncio.create_task(store.wait_for_rollouts(rollout_ids=[pending.rollout_id], timeout=30))
+    await store.update_rollout(pending.rollout_id, status="cancelled")
+    [cancelled] = await asyncio.wait_for(waiter, 10)
+    assert cancelled.status == "cancelled"
+    with pytest.raises(ValueError, match="unknown"):
+        await store.wait_for_rollouts(rollout_ids=["ro-000000000bad"], timeout=0.1)
