@@ -275,6 +275,10 @@ class TableSink:
         # revoke/assign, so a batch that straddles one is dropped instead of written twice.
         self.writing = asyncio.Lock()
         self.generation = 0
+        # Per partition, the offset up to which rows are known to be in the table. Records
+        # below it are never inserted again, however the consumer's position came back to
+        # them (a rebalance resets positions to the committed offsets, which can lag).
+        self.applied_next: dict[int, int] = {}
 
     def stop(self) -> None:
         self._stopping.set()
@@ -309,6 +313,7 @@ class TableSink:
             if target > 0:
                 self.consumer.seek(tp, target)
                 positions[tp.partition] = target
+                self.applied_next[tp.partition] = max(self.applied_next.get(tp.partition, 0), target)
         # Everything before these positions is in ClickHouse already: fences on it may pass.
         self._notify(positions)
 
@@ -382,6 +387,8 @@ class TableSink:
             return
         records = [r for r in fetched_all if r.value is not None]
         self.stats.tombstones += len(fetched_all) - len(records)
+        applied = self.applied_next
+        records = [r for r in records if r.offset >= applied.get(r.partition, 0)]
         async with self.writing:
             if generation != self.generation:
                 # Partitions moved while this batch was filling: positions were reset by the
@@ -395,6 +402,8 @@ class TableSink:
             else:
                 await asyncio.to_thread(self._record_offsets, next_offsets)
             # Visible in ClickHouse from here on; the commit below only moves the restart point.
+            for tp, offset in next_offsets.items():
+                self.applied_next[tp.partition] = max(self.applied_next.get(tp.partition, 0), offset)
             self._notify({tp.partition: offset for tp, offset in next_offsets.items()})
             await batches.commit(next_offsets)
             self.stats.batches += 1
