@@ -101,6 +101,10 @@ class Settings(BaseSettings):
         None, description="URL of a running gateway for clients; unset: the one `agl-stream up` recorded."
     )
 
+    request_timeout_s: float = Field(
+        60.0, gt=0, description="How long a store call waits for the rollout processor's answer."
+    )
+
     # -- rollout processor ---------------------------------------------------------------------
     watchdog_interval_s: float = Field(0.5, gt=0, description="Seconds between the processor's watchdog scans.")
     finished_retention_s: float = Field(

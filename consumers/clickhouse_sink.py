@@ -413,14 +413,18 @@ class TableSink:
     ) -> int:
         delay = 0.5
         checked = False
+        rows_in = False  # once the rows are in, a retry only records the offsets (no duplicate rows)
         while True:
             try:
-                await asyncio.to_thread(self._insert, records, next_offsets)
+                if not rows_in:
+                    await asyncio.to_thread(self._insert_rows, records)
+                    rows_in = True
+                await asyncio.to_thread(self._record_offsets, next_offsets)
                 return len(records)
             except Exception as exc:
                 if self._stopping.is_set():
                     raise
-                if not checked:
+                if not checked and not rows_in:
                     # Maybe a record ClickHouse cannot read: find it in Python, dead-letter it.
                     checked = True
                     records, bad = self._split_bad(records)
@@ -448,6 +452,10 @@ class TableSink:
         return good, bad
 
     def _insert(self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int]) -> None:
+        self._insert_rows(records)
+        self._record_offsets(next_offsets)
+
+    def _insert_rows(self, records: list[Fetched[memoryview]]) -> None:
         if records and self.spec.python_rows is not None:
             rows = [self._python_row(r) for r in records]
             columns = list(rows[0])
@@ -455,7 +463,6 @@ class TableSink:
         elif records:
             block = avro_ingest.container(self.header, [(r.partition, r.offset, r.value) for r in records])
             self.client.raw_insert(self.ingest_table, insert_block=block, fmt="Avro")
-        self._record_offsets(next_offsets)
 
     def _python_row(self, record: Fetched[memoryview]) -> dict[str, Any]:
         assert self.spec.python_rows is not None

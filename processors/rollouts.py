@@ -32,7 +32,8 @@ from agl_stream.errors import CodecError
 from agl_stream.ids import new_event_id
 from agl_stream.kafka.io import make_producer
 from agl_stream.logs import get_logger
-from agl_stream.models import DlqRecord, RolloutEvent, RolloutState, WatchdogFired
+from agl_stream.models import DlqRecord, RolloutEvent, RolloutState, TaskItem, WatchdogFired
+from agl_stream.models.base import QUEUING_STATUSES
 from agl_stream.store.fold import FoldResult, fold
 from agl_stream.store.watchdog import due_verdicts, next_deadline
 
@@ -202,7 +203,18 @@ def create_app(settings: Settings, *, partitions: int) -> faust.App:
     async def apply(event: Any, decoded: RolloutEvent) -> FoldResult | None:
         state = states.get(decoded.rollout_id, event.message.partition)
         if state is not None and event.message.offset <= state.input_offset:
-            return None  # replayed after a restart: this event's effects are already in the state
+            # Replayed after a restart: the state has this event's effects. Its task may not: a
+            # crash can land the state record without the task record, so a queued rollout's
+            # task is sent again (a duplicate claim just loses at the fold).
+            if event.message.offset == state.input_offset and state.rollout.status in QUEUING_STATUSES:
+                task = TaskItem(
+                    task_id=state.cause_event_id,
+                    rollout=state.rollout,
+                    attempt_sequence_id=len(state.attempts) + 1,
+                    enqueue_time=state.cause_time,
+                )
+                await tasks_topic.send(key=decoded.rollout_id.encode(), value=codec.encode(task))
+            return None
         result = fold(state, decoded)
         if result.outcome == "applied" and result.state is not None:
             new_state = result.state.model_copy(update={"input_offset": event.message.offset})

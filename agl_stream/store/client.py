@@ -64,11 +64,11 @@ def _attempted(state: RolloutState, attempt_id: str | None = None) -> AttemptedR
 class AglStore(StoreReads):
     """An async LightningStore. Use ``async with agl_stream.connect() as store: ...``."""
 
-    def __init__(self, settings: Settings, *, request_timeout: float = 30.0) -> None:
+    def __init__(self, settings: Settings, *, request_timeout: float | None = None) -> None:
         # topic -> partition -> newest offset written or answered: the fence of our reads.
         self._fence: dict[str, dict[int, int]] = defaultdict(dict)
         super().__init__(settings, self._fence)
-        self.request_timeout = request_timeout
+        self.request_timeout = request_timeout if request_timeout is not None else settings.request_timeout_s
         self.codec = Codec.default()
         self.writer = f"client-{uuid.uuid4().hex[:8]}"
         # A 2 ms linger lets concurrent requests share produce requests: far less broker work.
