@@ -38,3 +38,12 @@ def stop_role(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
             process.kill()
             process.wait()
     return process.returncode
+
+
+def role_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running agl-stream role (never a recycled pid of something else)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"agl_stream" in cmdline  # a zombie's cmdline is empty

@@ -21,7 +21,7 @@ from agl_stream.config import Settings
 from agl_stream.errors import AglError
 from agl_stream.kafka import admin, broker
 from agl_stream.logs import get_logger
-from agl_stream.processes import start_role
+from agl_stream.processes import role_alive, start_role
 
 log = get_logger("agl.stack")
 
@@ -65,15 +65,6 @@ def local_stack_settings(settings: Settings) -> Settings:
     return settings.model_copy(update=update) if update else settings
 
 
-def _alive(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    # Never signal a recycled pid: it must still be one of our roles.
-    return b"agl_stream" in cmdline and b"<defunct>" not in cmdline
-
-
 def _wait_for(
     condition: Any, timeout: float, what: str, process: subprocess.Popen[bytes] | None, log_path: Path
 ) -> Any:
@@ -109,7 +100,7 @@ def _processor_ready(settings: Settings) -> bool:
 def up(settings: Settings, *, timeout: float = 120.0) -> StackInfo:
     """Start what is not running yet and wait until every part answers."""
     existing = read_stack(settings)
-    if existing is not None and all(_alive(pid) for pid in existing.pids.values()):
+    if existing is not None and all(role_alive(pid) for pid in existing.pids.values()):
         return existing
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     started_broker = False
@@ -162,12 +153,12 @@ def down(settings: Settings, *, timeout: float = 30.0) -> list[str]:
         return stopped
     for role in reversed(ROLES):
         pid = stack.pids.get(role)
-        if pid is not None and _alive(pid):
+        if pid is not None and role_alive(pid):
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout
-            while _alive(pid) and time.monotonic() < deadline:
+            while role_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)  # waiting for a non-child process to exit: no waitpid possible
-            if _alive(pid):
+            if role_alive(pid):
                 os.kill(pid, signal.SIGKILL)
             stopped.append(role)
     if stack.started_broker and broker.stop(settings):
@@ -183,7 +174,7 @@ def status(settings: Settings) -> dict[str, str]:
         return {}
     parts = {"kafka": f"{stack.bootstrap}" + (" (local broker)" if stack.started_broker else "")}
     for role, pid in stack.pids.items():
-        parts[role] = f"running (pid {pid})" if _alive(pid) else f"not running (pid {pid} gone)"
+        parts[role] = f"running (pid {pid})" if role_alive(pid) else f"not running (pid {pid} gone)"
     if stack.gateway_url:
         parts["gateway"] += f" at {stack.gateway_url}" if _gateway_ready(settings) else " but not answering"
     return parts
