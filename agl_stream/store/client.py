@@ -22,7 +22,7 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings, load_settings
 from agl_stream.errors import AglError
 from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
-from agl_stream.kafka.io import make_producer
+from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.models import (
     AglModel,
     Attempt,
@@ -73,6 +73,7 @@ class AglStore(StoreReads):
         self.writer = f"client-{uuid.uuid4().hex[:8]}"
         # A 2 ms linger lets concurrent requests share produce requests: far less broker work.
         self._producer: AIOKafkaProducer = make_producer(settings, linger_ms=2)
+        self._records = TypedProducer(self._producer, self.codec)
         self._replies = ReplyReader(settings, self.codec)
         self._claimer = TaskClaimer(settings)
 
@@ -124,11 +125,10 @@ class AglStore(StoreReads):
             )
         return event, data
 
-    async def _send(self, rollout_id: str, payload: AglModel) -> None:
-        """Append an event without waiting for the fold."""
-        _, data = self._encode_event(rollout_id, payload)
-        metadata = await (await self._producer.send(self.settings.topic("rollouts"), data, key=rollout_id.encode()))
-        self._note(metadata.topic, metadata.partition, metadata.offset)
+    async def _write(self, topic: str, records: Sequence[tuple[str, AglModel]]) -> None:
+        """Write records (not rollout events) and raise our read fence to them."""
+        for metadata in await self._records.send_many(self.settings.topic(topic), records):
+            self._note(metadata.topic, metadata.partition, metadata.offset)
 
     async def _request(self, rollout_id: str, payload: AglModel) -> RolloutState:
         """Append an event and wait for the processor's verdict: the new state, or ValueError."""
@@ -358,21 +358,13 @@ class AglStore(StoreReads):
         """Write spans to agl.spans; their arrival is one heartbeat per attempt (ValueError if unknown)."""
         if not spans:
             return []
-        futures = [
-            await self._producer.send(
-                self.settings.topic("spans"), self.codec.encode(span), key=span.rollout_id.encode()
-            )
-            for span in spans
-        ]
+        await self._write("spans", [(span.rollout_id, span) for span in spans])
         highest: dict[tuple[str, str], int] = {}
         counts: dict[tuple[str, str], int] = defaultdict(int)
         for span in spans:
             key = (span.rollout_id, span.attempt_id)
             highest[key] = max(highest.get(key, 0), span.sequence_id)
             counts[key] += 1
-        for future in futures:
-            metadata = await future
-            self._note(metadata.topic, metadata.partition, metadata.offset)
         await asyncio.gather(
             *(
                 self._request(rid, AttemptHeartbeat(attempt_id=aid, span_count=counts[(rid, aid)], max_sequence_id=top))
@@ -412,12 +404,7 @@ class AglStore(StoreReads):
     # -- resources and workers -------------------------------------------------------------
 
     async def _publish_resources(self, update: ResourcesUpdate) -> ResourcesUpdate:
-        metadata = await (
-            await self._producer.send(
-                self.settings.topic("resources"), self.codec.encode(update), key=update.resources_id.encode()
-            )
-        )
-        self._note(metadata.topic, metadata.partition, metadata.offset)
+        await self._write("resources", [(update.resources_id, update)])
         return update
 
     async def add_resources(self, resources: Mapping[str, Any]) -> ResourcesUpdate:
@@ -445,10 +432,7 @@ class AglStore(StoreReads):
         current = await self.get_worker_by_id(worker_id)
         stats = (current.heartbeat_stats if current else None) if heartbeat_stats is UNSET else heartbeat_stats
         record = Worker(worker_id=worker_id, heartbeat_stats=stats, last_heartbeat_time=time.time())
-        metadata = await (
-            await self._producer.send(self.settings.topic("workers"), self.codec.encode(record), key=worker_id.encode())
-        )
-        self._note(metadata.topic, metadata.partition, metadata.offset)
+        await self._write("workers", [(worker_id, record)])
         worker = await self.get_worker_by_id(worker_id)
         assert worker is not None
         return worker

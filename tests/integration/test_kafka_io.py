@@ -1,0 +1,56 @@
+"""The typed producer and consumer helpers against the real broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from agl_stream.codec import Codec
+from agl_stream.config import Settings
+from agl_stream.kafka import admin
+from agl_stream.kafka.io import BatchConsumer, DeadLetters, TypedProducer, decode_as, make_consumer, make_producer
+from agl_stream.models import DlqRecord, Worker
+from tests.integration.helpers import read_topic
+
+pytestmark = pytest.mark.integration
+
+
+async def test_typed_records_round_trip_and_other_record_types_are_dead_lettered(settings: Settings) -> None:
+    await admin.apply(settings)
+    topic = settings.topic("workers")
+    producer = make_producer(settings)
+    await producer.start()
+    consumer = make_consumer(settings, topic, group_id=f"{settings.topic_prefix}.io-test")
+    await consumer.start()
+    try:
+        typed = TypedProducer(producer)
+        workers = [Worker(worker_id=f"w-{i}", heartbeat_stats={"i": i}) for i in range(3)]
+        sent = await typed.send_many(topic, [(w.worker_id, w) for w in workers])
+        stray = DlqRecord(
+            source_topic="x",
+            source_partition=0,
+            source_offset=0,
+            value=b"",
+            reason="r",
+            error_type="E",
+            processor="p",
+            time=0.0,
+        )
+        wrong = await typed.send(topic, stray, key="w-0")
+        batches = BatchConsumer(
+            consumer, DeadLetters(settings, producer, "io-test"), decode_as(Codec.default(), "agl.Worker")
+        )
+        got: list[dict[str, object]] = []
+        committed: dict[object, int] = {}
+        while len(got) < len(workers) or sum(committed.values()) < len(sent) + 1:
+            fetched, offsets = await batches.next_batch(max_records=100, timeout_ms=1000)
+            got += [f.value for f in fetched]
+            committed.update(offsets)
+            await batches.commit(offsets)
+    finally:
+        await consumer.stop()
+        await producer.stop()
+    assert sorted(str(g["worker_id"]) for g in got) == ["w-0", "w-1", "w-2"]
+    [dead] = await read_topic(settings, settings.topic("dlq"), 1)
+    record = Codec.default().decode(dead.value, DlqRecord)
+    assert (record.source_partition, record.source_offset) == (wrong.partition, wrong.offset)
+    assert record.error_type == "RecordTypeError" and "agl.Worker" in record.reason
