@@ -22,7 +22,7 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings, load_settings
 from agl_stream.errors import AglError
 from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
-from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.kafka.io import DeadLetters, Rejected, TypedProducer, make_producer
 from agl_stream.models import (
     AglModel,
     Attempt,
@@ -74,6 +74,7 @@ class AglStore(StoreReads):
         # A 2 ms linger lets concurrent requests share produce requests: far less broker work.
         self._producer: AIOKafkaProducer = make_producer(settings, linger_ms=2)
         self._records = TypedProducer(self._producer, self.codec)
+        self._dead_letters = DeadLetters(settings, self._producer, "store.claimer", self.codec)
         self._replies = ReplyReader(settings, self.codec)
         self._claimer = TaskClaimer(settings)
 
@@ -235,8 +236,9 @@ class AglStore(StoreReads):
                 return None
             try:
                 task = self.codec.decode(record.value or b"", TaskItem)
-            except AglError:
-                await self._claimer.done(record)  # the sink dead-letters bad task records
+            except AglError as error:
+                await self._dead_letters.send_many([Rejected.of(record, error)])  # durable before the commit
+                await self._claimer.done(record)
                 continue
             attempt = Attempt(
                 rollout_id=task.rollout.rollout_id,

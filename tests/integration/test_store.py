@@ -289,3 +289,43 @@ async def test_wait_for_rollouts_returns_the_finished_subset_at_its_timeout(stor
     assert cancelled.status == "cancelled"
     with pytest.raises(ValueError, match="unknown"):
         await store.wait_for_rollouts(rollout_ids=["ro-000000000bad"], timeout=0.1)
+
+
+async def test_an_undecodable_task_is_dead_lettered_by_the_claimer(store: AglStore, stack_settings: Settings) -> None:
+    import time
+
+    from aiokafka import AIOKafkaConsumer
+
+    from agl_stream.codec import Codec
+    from agl_stream.kafka.io import make_producer
+    from agl_stream.models import DlqRecord
+
+    producer = make_producer(stack_settings)
+    await producer.start()
+    try:
+        bad = await producer.send_and_wait(stack_settings.topic("tasks"), b"\x00broken task", key=b"ro-badtask00000")
+    finally:
+        await producer.stop()
+    rollout = await store.enqueue_rollout({"after": "bad task"})
+    await _claim(store, rollout.rollout_id)
+    empty_in_a_row = 0
+    for _ in range(500):  # drain the queue, so the claimer has certainly met the broken task
+        empty_in_a_row = empty_in_a_row + 1 if await store.dequeue_rollout(worker_id="w-drain") is None else 0
+        if empty_in_a_row == 5:
+            break
+    wanted = (stack_settings.topic("tasks"), bad.partition, bad.offset)
+    consumer = AIOKafkaConsumer(
+        stack_settings.topic("dlq"), **stack_settings.kafka_client_options(), auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    found = False
+    try:
+        deadline = time.monotonic() + 20
+        while not found and time.monotonic() < deadline:
+            for messages in (await consumer.getmany(timeout_ms=500)).values():
+                for message in messages:
+                    r = Codec.default().decode(message.value, DlqRecord)
+                    found = found or (r.source_topic, r.source_partition, r.source_offset) == wanted
+    finally:
+        await consumer.stop()
+    assert found, "the broken task never reached the DLQ"
