@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -38,6 +39,11 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -62,9 +68,15 @@ def _spans(rollout_id: str, attempt_id: str, count: int) -> list[Span]:
     ]
 
 
-async def run(settings: Settings, rollouts: int, clients: int, workers_per_client: int, spans: int) -> dict[str, Any]:
+async def run(
+    settings: Settings, rollouts: int, clients: int, workers_per_client: int, spans: int, broker_pid: int | None
+) -> dict[str, Any]:
     options = settings.model_dump(exclude_none=True)
     processor_pid = stack.read_stack(settings).pids["processor"]  # type: ignore[union-attr]
+    processes = dict(stack.read_stack(settings).pids)  # type: ignore[union-attr]
+    processes["benchmark"] = os.getpid()
+    if broker_pid is not None:
+        processes["broker"] = broker_pid
     enqueued_at: dict[str, float] = {}
     claim_latency: list[float] = []
     probe_ids: set[str] = set()
@@ -120,6 +132,7 @@ async def run(settings: Settings, rollouts: int, clients: int, workers_per_clien
         # Join the claimers' consumer group before the clock starts: a one-time cost per worker.
         await asyncio.gather(*(s.dequeue_rollout(worker_id="warm-up") for s in stores[1:]))
         started = time.perf_counter()
+        cpu_before = {name: _cpu_seconds(pid) for name, pid in processes.items()}
         tasks = [
             asyncio.create_task(worker(s, f"w{i}-{j}"))
             for i, s in enumerate(stores[1:])
@@ -128,6 +141,8 @@ async def run(settings: Settings, rollouts: int, clients: int, workers_per_clien
         await algorithm(stores[0])
         await done.wait()
         elapsed = time.perf_counter() - started
+        # Where the two cores went: CPU seconds per process over the measured run.
+        cpu = {name: round(_cpu_seconds(pid) - cpu_before[name], 2) for name, pid in processes.items()}
         await probe(stores[0])
         stop.set()
         for task in tasks:
@@ -153,6 +168,8 @@ async def run(settings: Settings, rollouts: int, clients: int, workers_per_clien
         "workers": clients * workers_per_client,
         "seconds": elapsed,
         "rollouts_per_s": rollouts / elapsed,
+        "cpu_seconds": cpu,
+        "cpu_ms_per_rollout": sum(cpu.values()) / rollouts * 1e3,
         "spans_per_s": rollouts * spans / elapsed,
         "enqueue_to_claim_ms_idle_queue": {
             "p50": _percentile(probe_latency, 0.5) * 1e3,
@@ -200,6 +217,7 @@ def main() -> None:
                     args.clients,
                     args.workers_per_client,
                     args.spans,
+                    broker.status(settings).pid if own_broker else None,
                 )
             )
         finally:

@@ -4,11 +4,17 @@ Tasks are handed out in partition order (FIFO per partition) and may be claimed 
 Offsets are committed in order: up to the oldest task whose claim is not decided yet, so a
 claimer that dies re-delivers exactly the undecided tasks (and maybe some decided after them:
 a re-delivered task whose rollout was claimed meanwhile is simply lost at the fold).
+
+Commits are coalesced: deciding a task only moves a per-partition mark, and one background
+commit per ``COMMIT_INTERVAL_S`` sends the marks. A commit per claim was one broker write per
+rollout, a large share of the broker's work under load; a crash now re-delivers at most the
+last interval's decided tasks, which lose at the fold like any stale task.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
@@ -18,13 +24,17 @@ from aiokafka.structs import OffsetAndMetadata
 from agl_stream.config import Settings
 from agl_stream.kafka.io import make_consumer
 
+COMMIT_INTERVAL_S = 0.2
+
 
 class _Assigned(ConsumerRebalanceListener):  # type: ignore[misc]
     def __init__(self, claimer: TaskClaimer) -> None:
         self.claimer = claimer
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        # Tasks fetched but not claimed yet belong to the partitions' next owner.
+        # Decided tasks are committed while the partitions are still ours; tasks fetched but
+        # not claimed yet belong to the partitions' next owner.
+        await self.claimer.commit()
         gone = set(revoked)
         self.claimer.buffer = deque(r for r in self.claimer.buffer if TopicPartition(r.topic, r.partition) not in gone)
         for tp in gone:
@@ -45,6 +55,8 @@ class TaskClaimer:
         self.lock = asyncio.Lock()  # guards handing out tasks, not claiming them
         # Per partition: offsets handed out -> decided yet? Commits stop at the first undecided.
         self.undecided: dict[TopicPartition, dict[int, bool]] = {}
+        self.to_commit: dict[TopicPartition, int] = {}  # next offset per partition, not sent yet
+        self._committer: asyncio.Task[None] | None = None
 
     async def _ensure_started(self) -> AIOKafkaConsumer:
         if self.consumer is None:
@@ -96,16 +108,37 @@ class TaskClaimer:
             return
         for offset in decided:
             del handed[offset]
-        record_offset = decided[-1]
-        if tp in self.consumer.assignment():
-            try:
-                await self.consumer.commit({tp: OffsetAndMetadata(record_offset + 1, "")})
-            except (CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError):
-                # The partition moved mid-commit: its next owner gets the task again and loses
-                # the claim at the fold, which already decided it. Nothing runs twice.
-                pass
+        self.to_commit[tp] = decided[-1] + 1
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_soon())
+
+    async def _commit_soon(self) -> None:
+        await asyncio.sleep(COMMIT_INTERVAL_S)  # coalescing window, not synchronisation
+        await self.commit()
+
+    async def commit(self) -> None:
+        """Send the pending commit marks of the partitions this claimer still owns."""
+        consumer = self.consumer
+        if consumer is None or not self.to_commit:
+            return
+        owned = consumer.assignment()
+        marks = {tp: OffsetAndMetadata(offset, "") for tp, offset in self.to_commit.items() if tp in owned}
+        self.to_commit = {}
+        if not marks:
+            return
+        try:
+            await consumer.commit(marks)
+        except (CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError):
+            # The partition moved mid-commit: its next owner gets the task again and loses
+            # the claim at the fold, which already decided it. Nothing runs twice.
+            pass
 
     async def stop(self) -> None:
+        if self._committer is not None:
+            self._committer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._committer
+        await self.commit()
         if self.consumer is not None:
             await self.consumer.stop()
             self.consumer = None
