@@ -329,3 +329,79 @@ async def test_an_undecodable_task_is_dead_lettered_by_the_claimer(store: AglSto
     finally:
         await consumer.stop()
     assert found, "the broken task never reached the DLQ"
+
+
+async def test_sequence_ids_are_counted_per_attempt(store: AglStore) -> None:
+    one = await store.start_rollout({"seq": 1})
+    two = await store.start_rollout({"seq": 2})
+    a = (one.rollout_id, one.attempt.attempt_id)
+    b = (two.rollout_id, two.attempt.attempt_id)
+    ids = await store.get_many_span_sequence_ids([a, b, a, b, a])
+    assert [ids[0], ids[2], ids[4]] == list(range(ids[0], ids[0] + 3))
+    assert [ids[1], ids[3]] == list(range(ids[1], ids[1] + 2))
+    # A second attempt of the same rollout counts on its own, from where the rollout stands.
+    await store.update_attempt(one.rollout_id, "latest", status="failed")
+    retry = await store.start_attempt(one.rollout_id)
+    assert retry.attempt.sequence_id == 2
+    [first_of_retry] = await store.get_many_span_sequence_ids([(one.rollout_id, retry.attempt.attempt_id)])
+    assert first_of_retry >= 1
+    assert await store.get_next_span_sequence_id(*a) == ids[4] + 1  # the old attempt's counter moved on alone
+    with pytest.raises(ValueError):
+        await store.get_many_span_sequence_ids([a, (one.rollout_id, "at-00000bad")])
+
+
+async def test_enqueue_many_keeps_order_and_tasks_are_fifo_per_partition(store: AglStore) -> None:
+    from aiokafka.partitioner import murmur2
+
+    tag = uuid.uuid4().hex[:6]
+    made = await store.enqueue_many_rollouts([{"input": {"tag": tag, "i": i}, "mode": "val"} for i in range(24)])
+    assert [r.input for r in made] == [{"tag": tag, "i": i} for i in range(24)]
+    assert all(r.status == "queuing" and r.mode == "val" for r in made)
+    wanted = [r.rollout_id for r in made]
+    claimed: list[str] = []
+    for _ in range(400):
+        if set(wanted) <= set(claimed):
+            break
+        got = await store.dequeue_rollout(worker_id="w-fifo")
+        if got is not None:
+            claimed.append(got.rollout_id)
+    assert set(wanted) <= set(claimed)
+
+    def partition(rollout_id: str) -> int:  # the producer's default partitioner: murmur2 of the key
+        return (murmur2(rollout_id.encode()) & 0x7FFFFFFF) % 4
+
+    for p in range(4):
+        enqueued = [rid for rid in wanted if partition(rid) == p]
+        dequeued = [rid for rid in claimed if rid in set(enqueued)]
+        assert dequeued == enqueued, f"partition {p} was not served in enqueue order"
+
+
+async def test_attempt_reads_of_a_rollout_without_attempts(store: AglStore) -> None:
+    rollout = await store.enqueue_rollout({"no": "attempts"})
+    assert await store.query_attempts(rollout.rollout_id) == []
+    assert await store.get_latest_attempt(rollout.rollout_id) is None
+    manual = await store.start_attempt(rollout.rollout_id)  # a manual attempt, outside the queue
+    assert manual.status == "preparing" and manual.attempt.sequence_id == 1
+    latest = await store.get_latest_attempt(rollout.rollout_id)
+    assert latest is not None and latest.attempt_id == manual.attempt.attempt_id
+
+
+async def test_resources_query_sorts_pages_and_misses(store: AglStore) -> None:
+    llm = LLM(resource_type="llm", endpoint="http://127.0.0.1:1/v1", model="q", sampling_parameters={})
+    made = [await store.add_resources({"policy": llm.model_copy(update={"model": f"q{i}"})}) for i in range(3)]
+    ids = [r.resources_id for r in made]
+    for rid in ids:
+        [only] = await store.query_resources(resources_id=rid)
+        assert only.resources_id == rid
+    ordered = [r.resources_id for r in await store.query_resources(sort_by="resources_id") if r.resources_id in ids]
+    assert ordered == sorted(ids)
+    page = await store.query_resources(sort_by="resources_id", sort_order="desc", limit=1)
+    assert page[0].resources_id >= max(ids)
+    assert await store.get_resources_by_id("rs-000000000bad") is None
+    latest = await store.get_latest_resources()
+    assert latest is not None and latest.resources_id == ids[-1]
+
+
+async def test_capabilities_describe_the_client(store: AglStore) -> None:
+    capabilities = store.capabilities
+    assert capabilities["async_safe"] is True and capabilities["thread_safe"] is False
