@@ -361,19 +361,24 @@ class AglStore(StoreReads):
         if not spans:
             return []
         await self._write("spans", [(span.rollout_id, span) for span in spans])
-        highest: dict[tuple[str, str], int] = {}
-        counts: dict[tuple[str, str], int] = defaultdict(int)
-        for span in spans:
-            key = (span.rollout_id, span.attempt_id)
-            highest[key] = max(highest.get(key, 0), span.sequence_id)
-            counts[key] += 1
-        await asyncio.gather(
-            *(
-                self._request(rid, AttemptHeartbeat(attempt_id=aid, span_count=counts[(rid, aid)], max_sequence_id=top))
-                for (rid, aid), top in highest.items()
-            )
-        )
+        await asyncio.gather(*(self._request(rid, beat) for rid, beat in _heartbeats(spans)))
         return list(spans)
+
+    async def export_spans(self, spans: Sequence[Span]) -> None:
+        """Write spans and their heartbeats, waiting only for the broker's acknowledgements.
+
+        The tracer's path: unlike ``add_many_spans`` it does not wait for the processor to fold
+        the heartbeats (a rejected heartbeat, e.g. for an attempt that already timed out, goes
+        to agl.dlq as usual), so exporting never costs a round trip through the processor.
+        """
+        if not spans:
+            return
+        beats = [self._encode_event(rid, beat) for rid, beat in _heartbeats(spans)]
+        topic = self.settings.topic("rollouts")
+        acks = [await self._producer.send(topic, data, key=event.rollout_id.encode()) for event, data in beats]
+        await self._write("spans", [(span.rollout_id, span) for span in spans])
+        for metadata in await asyncio.gather(*acks):
+            self._note(metadata.topic, metadata.partition, metadata.offset)
 
     async def add_otel_span(
         self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None
@@ -466,3 +471,17 @@ def connect(**settings: Any) -> _Connection:
     from agl_stream.stack import local_stack_settings
 
     return _Connection(local_stack_settings(load_settings(**settings)))
+
+
+def _heartbeats(spans: Sequence[Span]) -> list[tuple[str, AttemptHeartbeat]]:
+    """Span arrival as heartbeats: one per attempt, carrying its span count and highest sequence id."""
+    highest: dict[tuple[str, str], int] = {}
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for span in spans:
+        key = (span.rollout_id, span.attempt_id)
+        highest[key] = max(highest.get(key, 0), span.sequence_id)
+        counts[key] += 1
+    return [
+        (rid, AttemptHeartbeat(attempt_id=aid, span_count=counts[(rid, aid)], max_sequence_id=top))
+        for (rid, aid), top in highest.items()
+    ]
