@@ -24,13 +24,14 @@ def register(app: typer.Typer) -> None:
 
     app.add_typer(schemas_app, name="schemas", help="Snapshot schema versions; check compatibility")
 
-    from agl_stream.cli.roles_cmd import processor
+    from agl_stream.cli.roles_cmd import processor, runner
     from agl_stream.cli.stack_cmd import down, status, up
 
     app.command("up")(up)
     app.command("status")(status)
     app.command("down")(down)
     app.command("processor")(processor)
+    app.command("runner")(runner)
     from agl_stream.cli.gateway_cmd import gateway
 
     app.command("gateway")(gateway)

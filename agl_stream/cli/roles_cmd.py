@@ -4,11 +4,16 @@ so the library never imports the roles (DESIGN.md, dependency direction)."""
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import subprocess
+import sys
 from typing import Annotated
 
 import typer
 
 from agl_stream.cli import settings_of
+from agl_stream.config import Settings
 
 
 def sink(
@@ -41,3 +46,73 @@ def processor(
     overrides = {"watchdog_interval_s": watchdog_interval, "finished_retention_s": finished_retention}
     settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
     importlib.import_module("processors.rollouts").main(settings)
+
+
+def runner(
+    ctx: typer.Context,
+    agent: Annotated[
+        str,
+        typer.Option(help="The agent as pkg.module:name (a LitAgent, LitAgent subclass or @rollout function)."),
+    ],
+    concurrency: Annotated[int, typer.Option(min=1, help="Attempts one runner process runs at once.")] = 4,
+    workers: Annotated[int, typer.Option(min=1, help="Runner processes to start (one group member each).")] = 1,
+    grace: Annotated[
+        float, typer.Option(min=0.0, help="Seconds live attempts may finish after SIGTERM before they are released.")
+    ] = 30.0,
+    heartbeat_interval: Annotated[
+        float, typer.Option(min=0.05, help="Seconds between heartbeats of live attempts and of the worker.")
+    ] = 5.0,
+    max_rollouts: Annotated[
+        int | None, typer.Option(min=1, help="Stop after claiming this many rollouts (per process).")
+    ] = None,
+    worker_id: Annotated[str | None, typer.Option(help="Worker id (default: runner-<host>-<pid>).")] = None,
+) -> None:
+    """Run an agent on every task of agl.tasks until SIGTERM or Ctrl-C.
+
+    Each process claims tasks as a member of the runners' consumer group, resolves resources
+    from agl.resources, traces the agent's spans into agl.spans and reports the attempt's status.
+    On SIGTERM it stops claiming, lets live attempts finish for --grace seconds and releases the
+    rest so they are retried.
+
+    Example: agl-stream runner --agent my_pkg.agents:solve --concurrency 8 --workers 2
+    """
+    settings = settings_of(ctx)
+    sys.path.insert(0, os.getcwd())  # agents are usually modules of the project being run
+    if workers > 1:
+        child_args = ["--agent", agent, "--concurrency", str(concurrency), "--grace", str(grace)]
+        child_args += ["--heartbeat-interval", str(heartbeat_interval)]
+        child_args += ["--max-rollouts", str(max_rollouts)] if max_rollouts else []
+        _supervise_runners(settings, workers, child_args)
+        return
+    module = importlib.import_module("consumers.runner")
+    options = module.RunnerOptions(
+        concurrency=concurrency, grace_s=grace, heartbeat_interval_s=heartbeat_interval, max_rollouts=max_rollouts
+    )
+    if worker_id:
+        options.worker_id = worker_id
+    try:
+        module.load_agent(agent)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--agent") from error
+    module.main(settings, agent, options)
+
+
+def _supervise_runners(settings: Settings, workers: int, child_args: list[str]) -> None:
+    """Start ``workers`` single-process runners with the same options; forward SIGTERM/SIGINT to them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
+    env.update(settings.as_env())
+    children = [
+        subprocess.Popen([sys.executable, "-m", "agl_stream", "runner", *child_args, "--workers", "1"], env=env)
+        for _ in range(workers)
+    ]
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [child.wait() for child in children]
+    if any(codes):
+        raise typer.Exit(max(codes))

@@ -374,9 +374,33 @@ class AglStore(StoreReads):
         if not spans:
             return
         beats = [self._encode_event(rid, beat) for rid, beat in _heartbeats(spans)]
-        topic = self.settings.topic("rollouts")
-        acks = [await self._producer.send(topic, data, key=event.rollout_id.encode()) for event, data in beats]
+        acks = await self._send_events(beats)
         await self._write("spans", [(span.rollout_id, span) for span in spans])
+        await self._await_acks(acks)
+
+    async def beat(
+        self, attempts: Sequence[tuple[str, str]], *, worker_id: str | None = None, heartbeat_stats: Any = None
+    ) -> None:
+        """A runner's periodic liveness: one heartbeat per live attempt, plus the worker's record.
+
+        Like ``export_spans`` it waits only for the broker: heartbeats keep the watchdog from
+        judging long-running attempts unresponsive, and nobody needs the folded result.
+        """
+        beats = [
+            self._encode_event(rollout_id, AttemptHeartbeat(attempt_id=attempt_id, worker_id=worker_id))
+            for rollout_id, attempt_id in attempts
+        ]
+        acks = await self._send_events(beats)
+        if worker_id is not None:
+            record = Worker(worker_id=worker_id, heartbeat_stats=heartbeat_stats, last_heartbeat_time=time.time())
+            await self._write("workers", [(worker_id, record)])
+        await self._await_acks(acks)
+
+    async def _send_events(self, events: Sequence[tuple[RolloutEvent, bytes]]) -> list[asyncio.Future[Any]]:
+        topic = self.settings.topic("rollouts")
+        return [await self._producer.send(topic, data, key=event.rollout_id.encode()) for event, data in events]
+
+    async def _await_acks(self, acks: Sequence[asyncio.Future[Any]]) -> None:
         for metadata in await asyncio.gather(*acks):
             self._note(metadata.topic, metadata.partition, metadata.offset)
 

@@ -1,0 +1,20 @@
+"""Tracing of agent attempts: spans stamped with their attempt and sequence id, exported in batches."""
+
+from agl_stream.tracing.batching import BatchPolicy, Cut, Wait
+from agl_stream.tracing.buffer import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY, AttemptTrace
+from agl_stream.tracing.processor import current_attempt
+from agl_stream.tracing.tracer import AttemptTracer, SpanSink, TracerStats
+
+__all__ = [
+    "ATTEMPT_ID_KEY",
+    "ROLLOUT_ID_KEY",
+    "SEQUENCE_ID_KEY",
+    "AttemptTrace",
+    "AttemptTracer",
+    "BatchPolicy",
+    "Cut",
+    "SpanSink",
+    "TracerStats",
+    "Wait",
+    "current_attempt",
+]

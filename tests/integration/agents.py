@@ -1,0 +1,47 @@
+"""Agents the runner tests run (loaded by runner processes as ``tests.integration.agents:<name>``).
+
+``scripted`` does what the task says, so one runner serves every scenario:
+``{"kind": "ok", "i": n}``          two nested spans and a message, reward ``n % 2``
+``{"kind": "raise"}``               raises ValueError (the attempt fails)
+``{"kind": "sleep_first", "seconds": s}``  the first attempt works for ``s`` seconds, later ones finish at once
+``{"kind": "sleep", "seconds": s}``  every attempt works for ``s`` seconds, then succeeds
+``{"kind": "spans"}``               returns a list of OpenTelemetry spans instead of tracing them
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from opentelemetry import trace
+
+from agl_stream.emitters import emit_message
+from agl_stream.litagent import rollout
+from agl_stream.models import Rollout
+
+
+@rollout
+async def scripted(task: dict[str, Any], rollout: Rollout) -> Any:
+    kind = task.get("kind", "ok")
+    attempt = getattr(rollout, "attempt", None)
+    if kind == "raise":
+        raise ValueError(f"scripted failure of {rollout.rollout_id}")
+    if kind == "sleep_first" and attempt is not None and attempt.sequence_id == 1:
+        await asyncio.sleep(task["seconds"])  # the agent's own work, not synchronisation
+    if kind == "sleep":
+        await asyncio.sleep(task["seconds"])
+    tracer = trace.get_tracer("tests.agents")
+    with tracer.start_as_current_span("agent.step") as step:
+        step.set_attribute("task.i", task.get("i", -1))
+        with tracer.start_as_current_span("tool.call") as tool:
+            tool.set_attribute("tool.name", "calculator")
+    emit_message(f"finished {rollout.rollout_id}")
+    return float(task.get("i", 1) % 2)
+
+
+@rollout
+def sync_scripted(task: dict[str, Any]) -> float:
+    """A plain function: runs in a thread, traced all the same."""
+    with trace.get_tracer("tests.agents").start_as_current_span("sync.step"):
+        pass
+    return 1.0

@@ -1,0 +1,199 @@
+"""Runner processes against the real stack: many rollouts, failures, kill -9 and SIGTERM.
+
+Each test has a stack of its own (runners consume every task of their topic prefix), and starts
+runners as real processes: `agl-stream runner --agent tests.integration.agents:scripted`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+
+from agl_stream import connect, stack
+from agl_stream.config import Settings
+from agl_stream.kafka.offsets import end_offsets
+from agl_stream.models import RolloutConfig
+from tests.integration.helpers import start_role, stop_role
+
+pytestmark = pytest.mark.integration
+
+AGENT = "tests.integration.agents:scripted"
+
+
+@pytest.fixture
+def own_stack(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Settings]:
+    settings = Settings(
+        kafka_bootstrap=kafka_bootstrap,
+        data_dir=tmp_path,
+        topic_prefix=f"r{uuid4().hex[:10]}",
+        gateway_port=0,
+        watchdog_interval_s=0.2,
+    )
+    stack.up(settings, timeout=120)
+    try:
+        yield stack.local_stack_settings(settings)
+    finally:
+        stack.down(settings)
+
+
+def _runner(settings: Settings, *args: str, name: str) -> subprocess.Popen[bytes]:
+    return start_role(settings, "runner", "--agent", AGENT, *args, log_name=name)
+
+
+async def _until(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    """Wait for a condition the test cannot be notified of (another process's progress)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _spans_fence(settings: Settings) -> dict[str, dict[int, int]]:
+    """A read fence covering every span written so far (the last record of each partition)."""
+    topic = settings.topic("spans")
+    ends = await end_offsets(settings, topic)
+    return {topic: {tp.partition: end - 1 for tp, end in ends.items() if end > 0}}
+
+
+async def test_500_rollouts_across_4_runner_processes(own_stack: Settings) -> None:
+    runners = _runner(own_stack, "--workers", "4", "--concurrency", "8", name="runners")
+    try:
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            made = await store.enqueue_many_rollouts([{"input": {"kind": "ok", "i": i}} for i in range(500)])
+            ids = [r.rollout_id for r in made]
+            finished = await store.wait_for_rollouts(rollout_ids=ids, timeout=300)
+            assert len(finished) == 500
+            assert {r.status for r in finished} == {"succeeded"}
+            table = f"{own_stack.clickhouse_database}.otel_traces"
+            result = await store.side.query(
+                "SELECT RolloutId, AttemptId, groupArray(SequenceId) AS seqs, groupArray(SpanName) AS names, "
+                f"count() AS n FROM {table} WHERE RolloutId IN {{ids:Array(String)}} GROUP BY RolloutId, AttemptId",
+                {"ids": ids},
+                fence=await _spans_fence(own_stack),
+                timeout=60,
+            )
+            rows = result.dicts()
+            assert len(rows) == 500, "every rollout has spans from exactly one attempt"
+            for row in rows:
+                assert row["n"] == 4, row  # agent.step, tool.call, the message, the reward: each exactly once
+                assert sorted(row["seqs"]) == [1, 2, 3, 4], row  # gap-free, from 1
+                assert sorted(row["names"]) == sorted(
+                    ["agent.step", "tool.call", "agentlightning.message", "agentlightning.annotation"]
+                )
+            sample = made[7]
+            [attempt] = await store.query_attempts(sample.rollout_id)
+            assert {row["AttemptId"] for row in rows if row["RolloutId"] == sample.rollout_id} == {attempt.attempt_id}
+            spans = await store.query_spans(sample.rollout_id, attempt.attempt_id)
+            step = next(s for s in spans if s.name == "agent.step")
+            tool = next(s for s in spans if s.name == "tool.call")
+            assert tool.parent_id == step.span_id and step.attributes["task.i"] == 7
+            assert attempt.worker_id is not None and attempt.worker_id.startswith("runner-")
+    finally:
+        assert stop_role(runners, timeout=60) == 0
+
+
+async def test_an_agent_that_raises_fails_the_attempt_and_is_retried(own_stack: Settings) -> None:
+    runner = _runner(own_stack, name="runner")
+    try:
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+            rollout = await store.enqueue_rollout({"kind": "raise"}, config=config)
+            [final] = await store.wait_for_rollouts(rollout_ids=[rollout.rollout_id], timeout=60)
+            assert final.status == "failed"
+            attempts = await store.query_attempts(rollout.rollout_id)
+            assert [(a.sequence_id, a.status) for a in attempts] == [(1, "failed"), (2, "failed")]
+            fence = await _spans_fence(own_stack)
+            for attempt in attempts:
+                await store.side.query("SELECT 1", fence=fence)
+                spans = await store.query_spans(rollout.rollout_id, attempt.attempt_id)
+                [exception] = [s for s in spans if s.name == "agentlightning.exception"]
+                assert exception.attributes["exception.type"] == "ValueError"
+                assert "scripted failure" in str(exception.attributes["exception.message"])
+    finally:
+        assert stop_role(runner, timeout=60) == 0
+
+
+async def test_a_runner_killed_mid_attempt_is_retried_on_another_runner(own_stack: Settings) -> None:
+    first = _runner(own_stack, "--heartbeat-interval", "0.3", name="first")
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            config = RolloutConfig(unresponsive_seconds=2, max_attempts=2, retry_condition=["unresponsive"])
+            rollout = await store.enqueue_rollout({"kind": "sleep_first", "seconds": 120}, config=config)
+
+            async def running() -> bool:
+                latest = await store.get_latest_attempt(rollout.rollout_id)
+                return latest is not None and latest.status == "running"
+
+            await _until(running, 60, "the first runner to run the attempt")
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+            second = _runner(own_stack, "--heartbeat-interval", "0.3", name="second")
+            [final] = await store.wait_for_rollouts(rollout_ids=[rollout.rollout_id], timeout=90)
+            assert final.status == "succeeded"
+            attempts = await store.query_attempts(rollout.rollout_id)
+            assert [(a.sequence_id, a.status) for a in attempts] == [(1, "unresponsive"), (2, "succeeded")]
+            assert attempts[0].worker_id != attempts[1].worker_id
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        if second is not None:
+            assert stop_role(second, timeout=60) == 0
+
+
+async def test_sigterm_finishes_or_releases_every_live_attempt(own_stack: Settings) -> None:
+    first = _runner(own_stack, "--grace", "3", "--concurrency", "4", name="first")
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            slow = await store.enqueue_rollout({"kind": "sleep_first", "seconds": 120})
+            quick = await store.enqueue_rollout({"kind": "sleep", "seconds": 1})
+
+            async def both_running() -> bool:
+                rollouts = await store.query_rollouts(rollout_id_in=[slow.rollout_id, quick.rollout_id])
+                return len(rollouts) == 2 and all(r.status == "running" for r in rollouts)
+
+            await _until(both_running, 60, "both attempts to run")
+            first.send_signal(signal.SIGTERM)
+            assert first.wait(timeout=60) == 0
+            # The quick attempt finished within the grace period; the slow one was given back.
+            finished = await store.wait_for_rollouts(rollout_ids=[quick.rollout_id], timeout=30)
+            assert [r.status for r in finished] == ["succeeded"]
+            released = await store.get_rollout_by_id(slow.rollout_id)
+            assert released is not None and released.status == "requeuing"
+            second = _runner(own_stack, name="second")
+            [final] = await store.wait_for_rollouts(rollout_ids=[slow.rollout_id], timeout=60)
+            assert final.status == "succeeded"
+            attempts = await store.query_attempts(slow.rollout_id)
+            assert [(a.sequence_id, a.status) for a in attempts] == [(1, "failed"), (2, "succeeded")]
+            assert [a.status for a in await store.query_attempts(quick.rollout_id)] == ["succeeded"]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        if second is not None:
+            assert stop_role(second, timeout=60) == 0
+
+
+async def test_a_sync_agent_runs_in_a_thread_and_is_traced(own_stack: Settings) -> None:
+    runner = start_role(own_stack, "runner", "--agent", "tests.integration.agents:sync_scripted", log_name="sync")
+    try:
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            rollouts = await store.enqueue_many_rollouts([{"input": {"n": n}} for n in range(6)])
+            finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in rollouts], timeout=60)
+            assert [r.status for r in finished] == ["succeeded"] * 6
+            await store.side.query("SELECT 1", fence=await _spans_fence(own_stack))
+            spans = await store.query_spans(rollouts[0].rollout_id, "latest")
+            assert [s.name for s in spans] == ["sync.step", "agentlightning.annotation"]
+            assert [s.sequence_id for s in spans] == [1, 2]
+    finally:
+        assert stop_role(runner, timeout=60) == 0
