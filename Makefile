@@ -42,6 +42,7 @@ demo: venv jars
 bench: venv jars
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/store.py
+	$(BIN)/python benchmarks/runners.py
 
 clean:
 	rm -rf $(VENV) .agl .pytest_cache .mypy_cache .ruff_cache
