@@ -37,7 +37,7 @@ from agl_stream.config import Settings
 from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
 from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
 from agl_stream.logs import get_logger
-from agl_stream.models import Span
+from agl_stream.models import ResourcesUpdate, Span
 from agl_stream.spans import span_from_otel
 from agl_stream.store.client import AglStore
 from agl_stream.store.resources_cache import ResourcesCache
@@ -45,6 +45,10 @@ from agl_stream.store.types import AttemptedRollout
 from agl_stream.tracing import AttemptTracer
 
 log = get_logger("agl.runner")
+
+SEQUENCE_BLOCK = 1 << 20
+"""Sequence ids reserved per attempt for the runner's own spans: an attempt tracing more spans
+than this (a million) could share ids with spans other writers add to it."""
 
 
 @dataclass
@@ -215,13 +219,19 @@ class Runner:
     async def _run_attempt(self, rollout: AttemptedRollout) -> str:
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         await self._hooks("on_rollout_start", agent=self.agent, runner=self, rollout=rollout)
-        await self.store.update_attempt(rid, aid, status="running")
+        # The tracer numbers this attempt's spans inside a reserved block, so spans other writers
+        # add meanwhile (the LLM proxy, OTLP clients) take ids after it and never collide.
+        snapshot = await self.resources.get(rollout.resources_id)
+        # The snapshot the attempt runs with is recorded on it: a rollout enqueued without
+        # resources runs with whatever is latest now, and training must know which policy that was.
+        metadata = {"resources_id": snapshot.resources_id} if snapshot is not None else None
+        _, first_id = await self.store.start_running(rid, aid, reserve_sequence_ids=SEQUENCE_BLOCK, metadata=metadata)
         status = "succeeded"
         returned: list[Any] = []
-        async with self.tracer.attempt(rid, aid) as trace:
+        async with self.tracer.attempt(rid, aid, first_sequence_id=first_id) as trace:
             await self._hooks("on_trace_start", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
             try:
-                result = await self._call_agent(rollout)
+                result = await self._call_agent(rollout, snapshot)
                 check_result(result)
                 if _is_number(result):
                     emit_reward(float(result))
@@ -238,8 +248,7 @@ class Runner:
         await self.store.update_attempt(rid, aid, status=status)
         return status
 
-    async def _call_agent(self, rollout: AttemptedRollout) -> Any:
-        snapshot = await self.resources.get(rollout.resources_id)
+    async def _call_agent(self, rollout: AttemptedRollout, snapshot: ResourcesUpdate | None) -> Any:
         if snapshot is None and rollout.resources_id is not None:
             raise LookupError(f"resources {rollout.resources_id} of rollout {rollout.rollout_id} were never published")
         resources = dict(snapshot.resources) if snapshot is not None else {}

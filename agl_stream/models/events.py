@@ -229,3 +229,4 @@ class RolloutState(AglModel):
     reserved_sequence_id: int | None = None
     finished_time: float | None = None
     input_offset: int = -1
+    span_counts: dict[str, int] = Field(default_factory=dict)

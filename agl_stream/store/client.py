@@ -418,6 +418,36 @@ class AglStore(StoreReads):
         assert state.reserved_sequence_id is not None
         return state.reserved_sequence_id
 
+    async def reserve_span_sequence_ids(self, rollout_id: str, attempt_id: str, count: int) -> int:
+        """Reserve ``count`` consecutive sequence ids of an attempt; returns the first.
+
+        Writers that number spans themselves (the runner's tracer, the LLM proxy) reserve a block
+        once and number within it, so ids from different writers never collide.
+        """
+        if count < 1:
+            raise ValueError("reserve at least one sequence id")
+        state = await self._request(rollout_id, SpanSequenceRequested(attempt_id=attempt_id, count=count))
+        assert state.reserved_sequence_id is not None
+        return state.reserved_sequence_id
+
+    async def start_running(
+        self, rollout_id: str, attempt_id: str, *, reserve_sequence_ids: int, metadata: Any = UNSET
+    ) -> tuple[Attempt, int]:
+        """Mark the attempt running (and set its metadata) and reserve a block of sequence ids,
+        in one round trip."""
+        changes: dict[str, Any] = {"status": "running"}
+        if metadata is not UNSET:
+            changes["metadata"] = metadata
+        running, reserved = await self._request_many(
+            [
+                (rollout_id, AttemptUpdated.of(attempt_id, **changes)),
+                (rollout_id, SpanSequenceRequested(attempt_id=attempt_id, count=reserve_sequence_ids)),
+            ]
+        )
+        attempt = next(a for a in running.attempts if a.attempt_id == attempt_id)
+        assert reserved.reserved_sequence_id is not None
+        return attempt, reserved.reserved_sequence_id
+
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> Sequence[int]:
         wanted: dict[tuple[str, str], int] = defaultdict(int)
         for pair in rollout_attempt_ids:

@@ -64,11 +64,12 @@ Notes, per event:
   another rollout. The attempt gets sequence_id n+1 (the writer's is ignored), ``preparing``,
   start_time = event time, heartbeat and end cleared, worker = the event's else the attempt's.
 * AttemptHeartbeat: unknown attempt rejected. last_heartbeat_time = event time, worker if
-  given, next sequence id raised to max_sequence_id + 1. ``preparing`` -> ``running``;
+  given, next sequence id raised to max_sequence_id + 1, ``span_counts[attempt]`` += span_count
+  (how many spans the triplet builder waits for once the attempt finished). ``preparing`` -> ``running``;
   ``unresponsive`` -> ``running`` (revived, end_time cleared) only for the latest attempt of a
   non-terminal rollout; other statuses only record the time. When the latest attempt is now
   ``running``, a ``preparing``/``requeuing`` rollout becomes ``running`` (its pending task is
-  stale). ``span_count`` is informational.
+  stale).
 * AttemptUpdated: ``"latest"`` = highest sequence_id (rejected without attempts); unknown
   attempt rejected. A finished attempt (succeeded/failed/timeout/unresponsive) cannot return
   to preparing/running ("illegal transition failed -> running"), except unresponsive ->
@@ -224,6 +225,7 @@ def _commit(
     attempts: list[Attempt],
     next_sequence_ids: dict[str, int],
     reserved_sequence_id: int | None = None,
+    span_counts: dict[str, int] | None = None,
 ) -> FoldResult:
     """Build the applied state: version, cause, end/finished times and tasks of the new status."""
     old_status = old.rollout.status if old is not None else None
@@ -255,6 +257,7 @@ def _commit(
         next_sequence_ids=next_sequence_ids,
         reserved_sequence_id=reserved_sequence_id,
         finished_time=finished_time,
+        span_counts=span_counts if span_counts is not None else (old.span_counts if old is not None else {}),
     )
     return FoldResult(outcome="applied", state=state, tasks=tasks)
 
@@ -364,7 +367,10 @@ def _heartbeat(state: RolloutState, event: RolloutEvent, payload: AttemptHeartbe
     next_ids = dict(state.next_sequence_ids)
     if payload.max_sequence_id is not None:
         next_ids[attempt.attempt_id] = max(next_ids.get(attempt.attempt_id, 1), payload.max_sequence_id + 1)
-    return _commit(state, event, rollout, _replace(state.attempts, index, new_attempt), next_ids)
+    counts = state.span_counts
+    if payload.span_count:
+        counts = {**counts, attempt.attempt_id: counts.get(attempt.attempt_id, 0) + payload.span_count}
+    return _commit(state, event, rollout, _replace(state.attempts, index, new_attempt), next_ids, span_counts=counts)
 
 
 def _attempt_updated(state: RolloutState, event: RolloutEvent, payload: AttemptUpdated) -> FoldResult:

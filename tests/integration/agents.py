@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from agl_stream.emitters import emit_message
 from agl_stream.litagent import rollout
-from agl_stream.models import Rollout
+from agl_stream.models import LLM, Rollout
 
 
 @rollout
@@ -45,3 +45,10 @@ def sync_scripted(task: dict[str, Any]) -> float:
     with trace.get_tracer("tests.agents").start_as_current_span("sync.step"):
         pass
     return 1.0
+
+
+@rollout
+async def needs_llm(task: dict[str, Any], llm: LLM) -> float:
+    """Reports the LLM it was given (as a message) and rewards the expected model."""
+    emit_message(f"{llm.model} at {llm.endpoint}")
+    return 1.0 if llm.model == task["expected_model"] else 0.0

@@ -197,3 +197,40 @@ async def test_a_sync_agent_runs_in_a_thread_and_is_traced(own_stack: Settings) 
             assert [s.sequence_id for s in spans] == [1, 2]
     finally:
         assert stop_role(runner, timeout=60) == 0
+
+
+async def test_resources_come_from_the_rollouts_snapshot_or_the_latest(own_stack: Settings) -> None:
+    from agl_stream.models import LLM, ProxyLLM
+
+    runner = start_role(own_stack, "runner", "--agent", "tests.integration.agents:needs_llm", log_name="llm")
+    try:
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            old = await store.add_resources({"policy": LLM(endpoint="http://127.0.0.1:1/v1", model="v1")})
+            await store.add_resources(
+                {
+                    "policy": ProxyLLM(endpoint="http://127.0.0.1:2/v1", model="v2"),
+                    "other": LLM(endpoint="x", model="o"),
+                }
+            )
+            pinned = await store.enqueue_rollout({"expected_model": "v1"}, resources_id=old.resources_id)
+            # No snapshot named: the runner takes the latest one when it runs the rollout.
+            latest = await store.enqueue_rollout({"expected_model": "v2"})
+            finished = await store.wait_for_rollouts(rollout_ids=[pinned.rollout_id, latest.rollout_id], timeout=60)
+            assert [r.status for r in finished] == ["succeeded", "succeeded"]
+            await store.side.query("SELECT 1", fence=await _spans_fence(own_stack))
+            messages = {}
+            for rollout in finished:
+                spans = await store.query_spans(rollout.rollout_id, "latest")
+                rewards = [s for s in spans if s.name == "agentlightning.annotation"]
+                assert [s.attributes["agentlightning.reward.0.value"] for s in rewards] == [1.0]
+                [message] = [s for s in spans if s.name == "agentlightning.message"]
+                messages[rollout.rollout_id] = message.attributes["agentlightning.message.body"]
+            assert messages[pinned.rollout_id] == "v1 at http://127.0.0.1:1/v1"
+            attempt = (await store.get_latest_attempt(latest.rollout_id)).attempt_id  # type: ignore[union-attr]
+            # A ProxyLLM reaches the agent as an LLM on this attempt's proxy URL.
+            assert (
+                messages[latest.rollout_id]
+                == f"v2 at http://127.0.0.1:2/rollout/{latest.rollout_id}/attempt/{attempt}/v1"
+            )
+    finally:
+        assert stop_role(runner, timeout=60) == 0

@@ -501,6 +501,18 @@ def test_reservations_move_past_heartbeat_max_sequence_id() -> None:
     assert state.next_sequence_ids[aid(1)] == 43
 
 
+def test_heartbeats_add_up_span_counts_per_attempt_and_other_events_keep_them() -> None:
+    state = make_state("running", ("failed", "running"))
+    state = applied(state, AttemptHeartbeat(attempt_id=aid(2), span_count=3, max_sequence_id=3))
+    state = applied(state, AttemptHeartbeat(attempt_id=aid(1), span_count=2))
+    state = applied(state, AttemptHeartbeat(attempt_id=aid(2), span_count=4))
+    state = applied(state, AttemptHeartbeat(attempt_id=aid(2)))  # a liveness beat reports no spans
+    assert state.span_counts == {aid(2): 7, aid(1): 2}
+    state = applied(state, SpanSequenceRequested(attempt_id=aid(2), count=5))
+    state = applied(state, AttemptUpdated.of(aid(2), status="succeeded"))
+    assert state.span_counts == {aid(2): 7, aid(1): 2}
+
+
 def test_heartbeat_max_sequence_id_zero_or_first() -> None:
     state = make_state("running", ("running",))
     state = applied(state, AttemptHeartbeat(attempt_id=aid(1), max_sequence_id=0))
