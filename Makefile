@@ -11,7 +11,7 @@ AGL := $(BIN)/agl-stream
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,model]'
 	touch $(STAMP)
 
 venv: $(STAMP)

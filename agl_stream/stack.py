@@ -26,6 +26,10 @@ from agl_stream.processes import role_alive, start_role
 log = get_logger("agl.stack")
 
 ROLES = ("processor", "gateway")
+"""The store: always started."""
+TRAINING_ROLES = ("triplets",)
+"""Training data: the triplet builder and the batcher (``up(training=True)``)."""
+READY_FILES = {"processor": "processor.ready", "triplets": "triplets.ready", "batcher": "batcher.ready"}
 
 
 class StackError(AglError):
@@ -93,12 +97,12 @@ def _gateway_ready(settings: Settings) -> str | None:
     return url if response.status_code == 200 else None
 
 
-def _processor_ready(settings: Settings) -> bool:
-    return (settings.run_dir / "processor.ready").exists()
+def up(settings: Settings, *, timeout: float = 120.0, training: bool = False) -> StackInfo:
+    """Start what is not running yet and wait until every part answers.
 
-
-def up(settings: Settings, *, timeout: float = 120.0) -> StackInfo:
-    """Start what is not running yet and wait until every part answers."""
+    ``training``: also the triplet builder and the batcher (the RL data path).
+    """
+    roles = ROLES + (TRAINING_ROLES if training else ())
     existing = read_stack(settings)
     if existing is not None and all(role_alive(pid) for pid in existing.pids.values()):
         return existing
@@ -110,10 +114,10 @@ def up(settings: Settings, *, timeout: float = 120.0) -> StackInfo:
     bootstrap = settings.bootstrap_servers
     running = settings.model_copy(update={"kafka_bootstrap": bootstrap})
     asyncio.run(admin.apply(running))
-    for stale in ("gateway.json", "processor.ready"):
+    for stale in ("gateway.json", *READY_FILES.values()):
         (settings.run_dir / stale).unlink(missing_ok=True)
     processes = {
-        role: start_role(running, role, log_path=settings.run_dir / f"{role}.log", detach=True) for role in ROLES
+        role: start_role(running, role, log_path=settings.run_dir / f"{role}.log", detach=True) for role in roles
     }
     stack = StackInfo(
         bootstrap=bootstrap,
@@ -131,13 +135,12 @@ def up(settings: Settings, *, timeout: float = 120.0) -> StackInfo:
             processes["gateway"],
             settings.run_dir / "gateway.log",
         )
-        _wait_for(
-            lambda: _processor_ready(settings),
-            timeout,
-            "the rollout processor",
-            processes["processor"],
-            settings.run_dir / "processor.log",
-        )
+        for role in roles:
+            if role in READY_FILES:
+                ready_file = settings.run_dir / READY_FILES[role]
+                _wait_for(
+                    ready_file.exists, timeout, f"the {role} role", processes[role], settings.run_dir / f"{role}.log"
+                )
     except BaseException:
         down(settings)
         raise
@@ -151,7 +154,7 @@ def down(settings: Settings, *, timeout: float = 30.0) -> list[str]:
     stopped: list[str] = []
     if stack is None:
         return stopped
-    for role in reversed(ROLES):
+    for role in reversed(list(stack.pids)):
         pid = stack.pids.get(role)
         if pid is not None and role_alive(pid):
             os.kill(pid, signal.SIGTERM)

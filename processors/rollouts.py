@@ -30,6 +30,7 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import CodecError
 from agl_stream.ids import new_event_id
+from agl_stream.kafka.faust_apps import RAW_TOPIC, make_app, run_app
 from agl_stream.kafka.io import make_producer
 from agl_stream.logs import get_logger
 from agl_stream.models import DlqRecord, RolloutEvent, RolloutState, TaskItem, WatchdogFired
@@ -40,7 +41,7 @@ from agl_stream.store.watchdog import due_verdicts, next_deadline
 log = get_logger("agl.processor")
 
 PROCESSOR = "processor.rollouts"
-_RAW = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+_RAW = RAW_TOPIC
 
 
 class RolloutStates:
@@ -119,49 +120,20 @@ class RolloutStates:
             self._untrack(rollout_id)
 
 
-def faust_credentials(settings: Settings) -> Any:
-    """The settings' SASL/TLS options in faust's terms (None for PLAINTEXT)."""
-    options = settings.kafka_client_options()
-    if settings.kafka_security_protocol.startswith("SASL"):
-        return faust.SASLCredentials(
-            username=options.get("sasl_plain_username"),
-            password=options.get("sasl_plain_password"),
-            mechanism=settings.kafka_sasl_mechanism,
-            ssl_context=options.get("ssl_context"),
-        )
-    if settings.kafka_security_protocol == "SSL":
-        return faust.SSLCredentials(options["ssl_context"])
-    return None
-
-
 def create_app(settings: Settings, *, partitions: int) -> faust.App:
     watchdog_interval_s = settings.watchdog_interval_s
     finished_retention_s = settings.finished_retention_s
     codec = Codec.default()
-    app = faust.App(
-        f"{settings.topic_prefix}.{PROCESSOR}",
-        broker=[f"kafka://{server}" for server in settings.bootstrap_servers.split(",")],
-        broker_credentials=faust_credentials(settings),
-        store="memory://",
-        # At-least-once plus an idempotent fold (input_offset) rather than transactions: faust
-        # left the last transaction of a burst open here, hiding states from read_committed
-        # readers. Effects are flushed before offsets are committed either way.
-        processing_guarantee="at_least_once",
-        topic_partitions=partitions,
-        topic_allow_declare=False,  # topics come from topics/topics.toml
-        web_enabled=False,
-        consumer_auto_offset_reset="earliest",
-        producer_acks=-1,
+    # At-least-once with an idempotent fold (input_offset): see make_app.
+    app = make_app(
+        settings,
+        PROCESSOR,
+        partitions=partitions,
         producer_linger=0.002,  # batch the state/task writes of events arriving together
-        stream_wait_empty=False,
         broker_commit_every=100,
         broker_commit_interval=0.05,
         table_cleanup_interval=3600.0,
         table_standby_replicas=0,  # the changelog is the standby; recovery replays it
-        # A processor killed with -9 holds its partitions until its session times out: keep
-        # that short (the broker's minimum is 6 s), so a restarted one takes over quickly.
-        broker_session_timeout=6.0,
-        broker_heartbeat_interval=1.5,
     )
     events_topic = app.topic(settings.topic("rollouts"), partitions=partitions, **_RAW)
     state_topic = app.topic(settings.topic("rollout-state"), partitions=partitions, **_RAW)
@@ -286,5 +258,4 @@ def main(settings: Settings) -> None:
 
     partitions = next(s.partitions for s in load_topic_specs() if s.name == "rollouts")
     app = create_app(settings, partitions=partitions)
-    worker = faust.Worker(app, loglevel=settings.log_level.lower().replace("warning", "warn"), quiet=True)
-    worker.execute_from_commandline()
+    run_app(app, settings)

@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
 
     app.add_typer(schemas_app, name="schemas", help="Snapshot schema versions; check compatibility")
 
-    from agl_stream.cli.roles_cmd import processor, runner
+    from agl_stream.cli.roles_cmd import processor, runner, triplets
     from agl_stream.cli.stack_cmd import down, status, up
 
     app.command("up")(up)
@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
     app.command("down")(down)
     app.command("processor")(processor)
     app.command("runner")(runner)
+    app.command("triplets")(triplets)
     from agl_stream.cli.gateway_cmd import gateway
 
     app.command("gateway")(gateway)

@@ -116,3 +116,38 @@ def _supervise_runners(settings: Settings, workers: int, child_args: list[str]) 
     codes = [child.wait() for child in children]
     if any(codes):
         raise typer.Exit(max(codes))
+
+
+def triplets(
+    ctx: typer.Context,
+    llm_call_match: Annotated[
+        str | None, typer.Option(help="Regex on span names that marks LLM calls (default: the openai spans).")
+    ] = None,
+    agent_match: Annotated[
+        str | None, typer.Option(help="Regex on agent names: keep only LLM calls made inside matching agents.")
+    ] = None,
+    reward_match: Annotated[
+        str, typer.Option(help="How rewards find their LLM call: first_occurrence or first_sibling.")
+    ] = "first_occurrence",
+    exclude_llm_call_in_reward: Annotated[
+        bool, typer.Option(help="Drop LLM calls made inside reward spans (LLM-as-judge calls).")
+    ] = True,
+    settle: Annotated[
+        float, typer.Option(min=0.0, help="Seconds a finished attempt may wait for late spans before it is built.")
+    ] = 5.0,
+) -> None:
+    """Run the triplet builder: each finished attempt's spans -> one record of triplets on agl.triplets."""
+    from agl_stream.adapter import AdapterConfig
+
+    options: dict[str, object] = {
+        "agent_match": agent_match,
+        "reward_match": reward_match,
+        "exclude_llm_call_in_reward": exclude_llm_call_in_reward,
+    }
+    if llm_call_match is not None:
+        options["llm_call_match"] = llm_call_match
+    try:
+        adapter = AdapterConfig.model_validate(options)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
+    importlib.import_module("processors.triplets").main(settings_of(ctx), adapter=adapter, settle_s=settle)

@@ -32,14 +32,18 @@ def up(
     ctx: typer.Context,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once everything is ready.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for every part to be ready.")] = 120.0,
+    training: Annotated[
+        bool, typer.Option(help="Also the triplet builder and the batcher (the RL training data path).")
+    ] = True,
 ) -> None:
-    """Start the local stack: broker (unless AGL_KAFKA_BOOTSTRAP), topics, processor, gateway.
+    """Start the local stack: broker (unless AGL_KAFKA_BOOTSTRAP), topics, processor, gateway,
+    and (unless --no-training) the triplet builder and the batcher.
 
     Without --detach it stays in the foreground and stops everything on Ctrl-C.
     """
     settings = settings_of(ctx)
     with console.status("starting the local stack ..."):
-        info = stack.up(settings, timeout=timeout)
+        info = stack.up(settings, timeout=timeout, training=training)
     _show(settings)
     console.print(
         f"connect with [bold]agl_stream.connect(data_dir={str(settings.data_dir)!r})[/] or the same AGL_DATA_DIR"

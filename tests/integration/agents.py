@@ -52,3 +52,19 @@ async def needs_llm(task: dict[str, Any], llm: LLM) -> float:
     """Reports the LLM it was given (as a message) and rewards the expected model."""
     emit_message(f"{llm.model} at {llm.endpoint}")
     return 1.0 if llm.model == task["expected_model"] else 0.0
+
+
+@rollout
+async def llm_like(task: dict[str, Any]) -> None:
+    """Two LLM-call spans shaped like the proxy's (token ids, response id), then a reward span."""
+    from agl_stream.emitters import emit_reward
+
+    tracer = trace.get_tracer("tests.agents")
+    base = int(task["i"]) * 10
+    for call in range(2):
+        with tracer.start_as_current_span("openai.chat.completion") as span:
+            span.set_attribute("gen_ai.response.id", f"chatcmpl-{task['i']}-{call}")
+            span.set_attribute("prompt_token_ids", [base + call, base + call + 1])
+            span.set_attribute("response_token_ids", [base + call + 2])
+    emit_reward(float(task["i"]) / 10)
+    return None

@@ -1,0 +1,34 @@
+"""Trace -> triplet adapter: pure functions from the spans of one attempt to training triplets.
+
+No I/O here: the triplet processor feeds spans in and publishes what comes out.
+"""
+
+from agl_stream.adapter.tree import (
+    VIRTUAL_ROOT_ID,
+    TraceNode,
+    TraceTree,
+    agent_name_of,
+    build_tree,
+    repair_hierarchy,
+)
+from agl_stream.adapter.triplets import (
+    DEFAULT_LLM_CALL_MATCH,
+    AdapterConfig,
+    AdapterResult,
+    RewardMatchPolicy,
+    extract_triplets,
+)
+
+__all__ = [
+    "DEFAULT_LLM_CALL_MATCH",
+    "VIRTUAL_ROOT_ID",
+    "AdapterConfig",
+    "AdapterResult",
+    "RewardMatchPolicy",
+    "TraceNode",
+    "TraceTree",
+    "agent_name_of",
+    "build_tree",
+    "extract_triplets",
+    "repair_hierarchy",
+]

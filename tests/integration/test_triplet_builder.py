@@ -1,0 +1,138 @@
+"""The triplet builder against the real stack: records per finished attempt, kill -9, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from agl_stream import connect, stack
+from agl_stream.codec import Codec
+from agl_stream.config import Settings
+from agl_stream.kafka.io import make_producer
+from agl_stream.models import DlqRecord, TripletRecord
+from tests.integration.helpers import start_role, stop_role
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def own_stack(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Settings]:
+    settings = Settings(
+        kafka_bootstrap=kafka_bootstrap, data_dir=tmp_path, topic_prefix=f"x{uuid4().hex[:10]}", gateway_port=0
+    )
+    stack.up(settings, timeout=120)
+    try:
+        yield stack.local_stack_settings(settings)
+    finally:
+        stack.down(settings)
+
+
+def _builder(settings: Settings) -> subprocess.Popen[bytes]:
+    ready = settings.run_dir / "triplets.ready"
+    ready.unlink(missing_ok=True)
+    process = start_role(settings, "triplets", "--settle", "2", log_name="triplets")
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert process.poll() is None, (settings.data_dir / "triplets.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the triplet builder never got its partitions"
+        time.sleep(0.05)  # waiting for another process's ready file
+    return process
+
+
+async def _records(settings: Settings, topic: str, wanted: int, timeout: float = 90.0) -> list[bytes]:
+    consumer = AIOKafkaConsumer(topic, **settings.kafka_client_options(), auto_offset_reset="earliest")
+    await consumer.start()
+    values: list[bytes] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while len(values) < wanted and time.monotonic() < deadline:
+            for messages in (await consumer.getmany(timeout_ms=500)).values():
+                values += [m.value for m in messages if m.value is not None]
+    finally:
+        await consumer.stop()
+    return values
+
+
+async def _records_covering(settings: Settings, wanted: set[str], timeout: float) -> list[TripletRecord]:
+    """Triplet records from the start of the topic until every wanted rollout has one (or the timeout)."""
+    consumer = AIOKafkaConsumer(
+        settings.topic("triplets"), **settings.kafka_client_options(), auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    records: list[TripletRecord] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while not wanted <= {r.rollout_id for r in records} and time.monotonic() < deadline:
+            for messages in (await consumer.getmany(timeout_ms=500)).values():
+                records += [Codec.default().decode(m.value, TripletRecord) for m in messages if m.value]
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def test_each_finished_attempt_becomes_one_record_with_its_token_ids(own_stack: Settings) -> None:
+    builder = _builder(own_stack)
+    runner = start_role(own_stack, "runner", "--agent", "tests.integration.agents:llm_like", log_name="runner")
+    try:
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            made = await store.enqueue_many_rollouts([{"input": {"i": i}, "mode": "train"} for i in range(1, 21)])
+            finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=120)
+            assert [r.status for r in finished] == ["succeeded"] * 20
+        codec = Codec.default()
+        records = [codec.decode(v, TripletRecord) for v in await _records(own_stack, own_stack.topic("triplets"), 20)]
+        by_rollout = {r.rollout_id: r for r in records}
+        assert len(records) == 20 and set(by_rollout) == {r.rollout_id for r in made}
+        for rollout in made:
+            i = rollout.input["i"]  # type: ignore[index]
+            record = by_rollout[rollout.rollout_id]
+            base = i * 10
+            assert [(t.prompt_token_ids, t.response_token_ids) for t in record.triplets] == [
+                ([base, base + 1], [base + 2]),
+                ([base + 1, base + 2], [base + 3]),
+            ]
+            assert record.final_reward == pytest.approx(i / 10)
+            assert record.triplets[-1].reward == pytest.approx(i / 10)
+            assert record.group_id.startswith("g-")
+        assert len({r.group_id for r in records}) == 20  # different inputs, different groups
+    finally:
+        assert stop_role(runner, timeout=60) == 0
+        stop_role(builder, timeout=30)
+
+
+async def test_a_killed_builder_loses_no_attempt_and_garbage_goes_to_the_dlq(own_stack: Settings) -> None:
+    builder = _builder(own_stack)
+    runner = start_role(own_stack, "runner", "--agent", "tests.integration.agents:llm_like", log_name="runner")
+    producer = make_producer(own_stack)
+    await producer.start()
+    try:
+        garbage = await producer.send_and_wait(own_stack.topic("spans"), b"not a span", key=b"ro-garbage0000")
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            made = await store.enqueue_many_rollouts([{"input": {"i": i}} for i in range(1, 61)])
+            wanted = {r.rollout_id for r in made}
+
+            # Kill it while attempts are finishing: some emitted, some collecting, some not started.
+            await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made[:10]], timeout=60)
+            os.kill(builder.pid, signal.SIGKILL)
+            builder.wait()
+            finished = await store.wait_for_rollouts(rollout_ids=list(wanted), timeout=120)
+            assert len(finished) == 60
+        builder = _builder(own_stack)
+        records = await _records_covering(own_stack, wanted, timeout=120)
+        assert {r.rollout_id for r in records} >= wanted  # none lost (a repeat after the crash is allowed)
+        assert all(len(r.triplets) == 2 for r in records if r.rollout_id in wanted)
+        dlq = [Codec.default().decode(v, DlqRecord) for v in await _records(own_stack, own_stack.topic("dlq"), 1)]
+        assert any(d.source_topic == own_stack.topic("spans") and d.source_offset == garbage.offset for d in dlq), (
+            "the undecodable span was not dead-lettered"
+        )
+    finally:
+        await producer.stop()
+        assert stop_role(runner, timeout=60) == 0
+        stop_role(builder, timeout=30)
