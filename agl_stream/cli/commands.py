@@ -33,6 +33,9 @@ def register(app: typer.Typer) -> None:
     app.command("processor")(processor)
     app.command("runner")(runner)
     app.command("triplets")(triplets)
+    from agl_stream.cli.inference_cmd import inference
+
+    app.command("inference")(inference)
     from agl_stream.cli.gateway_cmd import gateway
 
     app.command("gateway")(gateway)
