@@ -27,7 +27,7 @@ log = get_logger("agl.stack")
 
 ROLES = ("processor", "gateway")
 """The store: always started."""
-TRAINING_ROLES = ("triplets",)
+TRAINING_ROLES = ("triplets", "batcher")
 """Training data: the triplet builder and the batcher (``up(training=True)``)."""
 READY_FILES = {"processor": "processor.ready", "triplets": "triplets.ready", "batcher": "batcher.ready"}
 

@@ -157,7 +157,28 @@ WORKERS = SinkSpec(
     skip_tombstones=True,
     flush_ms=0,
 )
-SPECS: tuple[SinkSpec, ...] = (SPANS, ROLLOUT_STATE, RESOURCES, WORKERS)
+# Training data: a TripletRecord can be MBs of token ids and a TripletBatch up to 16 MiB, so
+# batches of records are counted in hundreds, not thousands. Two targets for triplets (one
+# INSERT is not atomic across them) and batches a batcher may send twice: both resume from the
+# committed offset and rely on ReplacingMergeTree + FINAL (infra/clickhouse/004_training_tables.sql).
+TRIPLETS = SinkSpec(
+    "clickhouse-triplets",
+    "triplets",
+    "agl.TripletRecord",
+    (Target("triplets", "triplets.sql"), Target("triplet_records", "triplet_records.sql")),
+    ingest="triplets",
+    batch_size=500,
+)
+TRIPLET_BATCHES = SinkSpec(
+    "clickhouse-triplet-batches",
+    "triplet-batches",
+    "agl.TripletBatch",
+    (Target("batches", "batches.sql"),),
+    ingest="triplet_batches",
+    batch_size=50,
+    flush_ms=0,
+)
+SPECS: tuple[SinkSpec, ...] = (SPANS, ROLLOUT_STATE, RESOURCES, WORKERS, TRIPLETS, TRIPLET_BATCHES)
 
 
 def ingest_ddl(spec: SinkSpec, database: str, fingerprint_hex: str, record_schema: dict[str, Any]) -> list[str]:

@@ -1,44 +1,58 @@
 """The triplet builder: when an attempt finishes, turn all of its spans into one TripletRecord.
 
-A faust-streaming app over two co-partitioned topics, ``agl.spans`` and ``agl.rollout-state``
-(both keyed by rollout id, so one worker sees every span and every state of a rollout). The
+A consumer-group member over two co-partitioned topics, ``agl.spans`` and ``agl.rollout-state``
+(both keyed by rollout id, so one member sees every span and every state of a rollout). The
 pure :class:`~agl_stream.trace_collector.TraceCollector` holds each attempt's spans until the
 attempt finished and the span count its writers reported has arrived (or it settled); then the
 pure adapter (:mod:`agl_stream.adapter`) extracts the triplets and the record goes to
-``agl.triplets`` with the group id, the resources snapshot the attempt ran with and its policy
-version.
+``agl.triplets`` (keyed by group id, so a GRPO group meets in one batcher partition) with the
+resources snapshot the attempt ran with and its policy version.
 
-Input records are acknowledged by hand (a ``noack`` stream): a span or state is acknowledged
-only with the attempt it belongs to, after that attempt's record was sent, and faust commits an
-offset only once everything before it is acknowledged and the producer is flushed. A crash
-therefore re-reads the spans of every attempt not emitted yet; an attempt emitted just before
-a crash may be emitted again (same rollout and attempt ids; the batcher drops the repeat).
-Undecodable records go to ``agl.dlq``; spans of attempts that never finish are evicted after a
-bound (counted, logged), so memory and the uncommitted range stay bounded.
+Nothing is lost when the process dies: each input partition is committed only up to its
+lowest *pending* offset (a span or state whose attempt has not been emitted yet), after the
+records of the emitted attempts were acknowledged. A restart or a new owner reads every
+pending record again; an attempt emitted just before a crash may be emitted again, with the
+same rollout and attempt ids (the batcher drops the repeat). This is a plain aiokafka member,
+not a faust agent, for that reason: faust commits past the first unacknowledged offset of a
+partition when later ones are acknowledged (the batcher's notes say more).
+
+Undecodable records go to ``agl.dlq`` (acknowledged before their offset is committed); spans of
+attempts that never finish are evicted after a bound (counted, logged), so memory and the
+uncommitted range stay bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import time
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
-import faust
+from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.structs import OffsetAndMetadata
 
 from agl_stream.adapter import AdapterConfig, extract_triplets
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import CodecError
-from agl_stream.kafka.faust_apps import RAW_TOPIC, make_app, run_app
+from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer, make_producer
 from agl_stream.logs import get_logger
-from agl_stream.models import DlqRecord, ModelCheckpoint, ResourcesUpdate, RolloutState, Span, TripletRecord
+from agl_stream.models import ModelCheckpoint, ResourcesUpdate, RolloutState, Span, TripletRecord
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.trace_collector import EvictedAttempt, ReadyAttempt, TraceCollector, group_id_of
 
 log = get_logger("agl.triplets")
 
 PROCESSOR = "processor.triplets"
-_RAW = RAW_TOPIC
+READY_FILE = "triplets.ready"
+_POLL_MS = 200
+_COMMIT_EVERY_S = 0.5
+
+Token = tuple[TopicPartition, int]
 
 
 def policy_version_of(snapshot: ResourcesUpdate | None) -> int | None:
@@ -49,77 +63,146 @@ def policy_version_of(snapshot: ResourcesUpdate | None) -> int | None:
     return max(versions) if versions else None
 
 
-def create_app(
-    settings: Settings,
-    *,
-    partitions: int,
-    adapter: AdapterConfig | None = None,
-    settle_s: float = 5.0,
-    max_wait_s: float = 600.0,
-    max_spans: int = 200_000,
-) -> faust.App:
-    config = adapter or AdapterConfig()
-    codec = Codec.default()
-    app = make_app(
-        settings,
-        PROCESSOR,
-        partitions=partitions,
-        producer_linger=0.005,
-        broker_commit_every=500,
-        broker_commit_interval=0.5,
-        # Attempts hold their partition's commit until they finish; that is by design.
-        broker_commit_livelock_soft_timeout=max_wait_s * 2,
-    )
-    spans_topic = settings.topic("spans")
-    source = app.topic(spans_topic, settings.topic("rollout-state"), partitions=partitions, **_RAW)
-    triplets_topic = app.topic(settings.topic("triplets"), **_RAW)
-    dlq_topic = app.topic(settings.topic("dlq"), **_RAW)
-    collector: TraceCollector[Any] = TraceCollector(settle_s=settle_s, max_wait_s=max_wait_s, max_spans=max_spans)
-    shared: dict[str, Any] = {}
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, builder: TripletBuilder) -> None:
+        self.builder = builder
 
-    async def resources() -> ResourcesCache:
-        cache = shared.get("resources")
-        if cache is None:
-            cache = shared["resources"] = ResourcesCache(settings, codec)
-            await cache.start()
-        return cache
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self.builder.commit(force=True)
+        # Eager rebalancing: every partition is re-assigned and read again from its commit
+        # point, so what this member holds in memory is dropped, not handed over.
+        self.builder.reset()
 
-    async def ack(events: list[Any]) -> None:
-        stream = shared["stream"]
-        for event in events:
-            await stream.ack(event)
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.builder.settings.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.builder.settings.run_dir / READY_FILE).write_text(str(os.getpid()))
+        log.info("triplet builder assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
 
-    async def dead_letter(event: Any, reason: str, error_type: str) -> None:
-        record = DlqRecord(
-            source_topic=event.message.topic,
-            source_partition=event.message.partition,
-            source_offset=event.message.offset,
-            key=event.key,
-            value=event.value or b"",
-            reason=reason,
-            error_type=error_type,
-            processor=PROCESSOR,
-            time=time.time(),
+
+class TripletBuilder:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        adapter: AdapterConfig | None = None,
+        settle_s: float = 5.0,
+        max_wait_s: float = 600.0,
+        max_spans: int = 200_000,
+    ) -> None:
+        self.settings = settings
+        self.adapter = adapter or AdapterConfig()
+        self.settle_s, self.max_wait_s, self.max_spans = settle_s, max_wait_s, max_spans
+        self.codec = Codec.default()
+        self.spans_topic = settings.topic("spans")
+        self.states_topic = settings.topic("rollout-state")
+        self.collector: TraceCollector[Token] = self._new_collector()
+        self.pending: dict[TopicPartition, set[int]] = defaultdict(set)
+        self.emitted = 0
+        self._last_commit = 0.0
+        self._committed: dict[TopicPartition, int] = {}
+        self.consumer: Any = None
+
+    def _new_collector(self) -> TraceCollector[Token]:
+        return TraceCollector(settle_s=self.settle_s, max_wait_s=self.max_wait_s, max_spans=self.max_spans)
+
+    def reset(self) -> None:
+        self.collector = self._new_collector()
+        self.pending.clear()
+        self._committed.clear()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        producer = make_producer(self.settings)
+        consumer = make_consumer(
+            self.settings, group_id=f"{self.settings.topic_prefix}.{PROCESSOR}", max_poll_records=5000
         )
-        await dlq_topic.send(key=event.message.topic.encode(), value=codec.encode(record))
+        self.consumer = consumer
+        resources = ResourcesCache(self.settings, self.codec)
+        await producer.start()
+        try:
+            await resources.start()
+            dead_letters = DeadLetters(self.settings, producer, PROCESSOR, self.codec)
+            consumer.subscribe([self.spans_topic, self.states_topic], listener=_Rebalance(self))
+            await consumer.start()
+            last_tick = 0.0
+            while not stop.is_set():
+                fetched = await consumer.getmany(timeout_ms=_POLL_MS, max_records=5000)
+                now = time.monotonic()
+                ready: list[ReadyAttempt[Token]] = []
+                rejected: list[tuple[Token, Rejected]] = []
+                done: list[Token] = []
+                for tp, messages in fetched.items():
+                    for message in messages:
+                        token = (tp, message.offset)
+                        self.pending[tp].add(message.offset)
+                        got, at_once = self._take(tp, message, token, now, rejected)
+                        ready += got
+                        done += at_once
+                if rejected:  # durable in the DLQ before their offsets can be committed
+                    await dead_letters.send_many([r for _, r in rejected])
+                    done += [token for token, _ in rejected]
+                if now - last_tick >= min(1.0, max(0.1, self.settle_s / 5)):
+                    last_tick = now
+                    settled, evicted = self.collector.tick(now)
+                    ready += settled
+                    done += self._evicted(evicted)
+                await self._emit(producer, resources, ready)
+                for attempt in ready:
+                    done += attempt.tokens
+                self._done(done)
+                await self.commit()
+            await self.commit(force=True)
+        finally:
+            await consumer.stop()
+            await resources.stop()
+            await producer.stop()
+        log.info("triplet builder stopped", emitted=self.emitted, **vars(self.collector.stats))
 
-    async def emit(ready: ReadyAttempt[Any]) -> None:
+    def _take(
+        self, tp: TopicPartition, message: Any, token: Token, now: float, rejected: list[tuple[Token, Rejected]]
+    ) -> tuple[list[ReadyAttempt[Token]], list[Token]]:
+        if message.value is None:  # a tombstone on the state topic: a forgotten rollout
+            return [], [token]
+        try:
+            if tp.topic == self.spans_topic:
+                return self.collector.add_span(self.codec.decode(message.value, Span), token, now)
+            return self.collector.add_state(self.codec.decode(message.value, RolloutState), token, now)
+        except CodecError as error:
+            rejected.append((token, Rejected.of(message, error)))
+            return [], []
+
+    def _evicted(self, evicted: Iterable[EvictedAttempt[Token]]) -> list[Token]:
+        tokens: list[Token] = []
+        for attempt in evicted:
+            log.warning(
+                "spans of an unfinished attempt evicted",
+                rollout=attempt.rollout_id,
+                attempt=attempt.attempt_id,
+                spans=attempt.spans,
+                reason=attempt.reason,
+            )
+            tokens += attempt.tokens
+        return tokens
+
+    async def _emit(self, producer: Any, resources: ResourcesCache, ready: list[ReadyAttempt[Token]]) -> None:
+        sends = []
+        for attempt in ready:
+            record = await self._record(resources, attempt)
+            sends.append(
+                await producer.send(
+                    self.settings.topic("triplets"), self.codec.encode(record), key=record.group_id.encode()
+                )
+            )
+        await asyncio.gather(*sends)  # acknowledged before the inputs count as done
+        self.emitted += len(ready)
+
+    async def _record(self, resources: ResourcesCache, ready: ReadyAttempt[Token]) -> TripletRecord:
         rollout, attempt = ready.finished.rollout, ready.finished.attempt
-        result = extract_triplets(ready.spans, config)
+        result = extract_triplets(ready.spans, self.adapter)
         metadata = attempt.metadata if isinstance(attempt.metadata, dict) else {}
         resources_id = metadata.get("resources_id") or rollout.resources_id
-        snapshot = await (await resources()).get(resources_id) if resources_id else None
-        record = TripletRecord(
-            rollout_id=rollout.rollout_id,
-            attempt_id=attempt.attempt_id,
-            group_id=group_id_of(rollout),
-            resources_id=resources_id,
-            policy_version=policy_version_of(snapshot),
-            triplets=result.triplets,
-            final_reward=result.final_reward,
-            finish_time=ready.finished.finish_time,
-        )
-        await triplets_topic.send(key=rollout.rollout_id.encode(), value=codec.encode(record))
+        snapshot = await resources.get(resources_id) if resources_id else None
         if result.issues or not ready.complete:
             log.info(
                 "attempt's trace had issues",
@@ -130,64 +213,60 @@ def create_app(
                 expected=ready.finished.expected_spans,
                 issues=result.issues[:5],
             )
-        await ack(ready.tokens)
+        return TripletRecord(
+            rollout_id=rollout.rollout_id,
+            attempt_id=attempt.attempt_id,
+            group_id=group_id_of(rollout),
+            resources_id=resources_id,
+            policy_version=policy_version_of(snapshot),
+            triplets=result.triplets,
+            final_reward=result.final_reward,
+            finish_time=ready.finished.finish_time,
+        )
 
-    async def evicted(gone: list[EvictedAttempt[Any]]) -> None:
-        for attempt in gone:
-            log.warning(
-                "spans of an unfinished attempt evicted",
-                rollout=attempt.rollout_id,
-                attempt=attempt.attempt_id,
-                spans=attempt.spans,
-                reason=attempt.reason,
-            )
-            await ack(attempt.tokens)
+    def _done(self, tokens: Iterable[Token]) -> None:
+        for tp, offset in tokens:
+            self.pending[tp].discard(offset)
 
-    @app.agent(source)
-    async def build_triplets(stream: Any) -> None:
-        manual = stream.noack()
-        shared["stream"] = manual
-        async for event in manual.events():
-            now = time.monotonic()
-            if event.value is None:  # a tombstone on the state topic: a forgotten rollout
-                await ack([event])
-                continue
-            try:
-                if event.message.topic == spans_topic:
-                    ready, at_once = collector.add_span(codec.decode(event.value, Span), event, now)
-                else:
-                    ready, at_once = collector.add_state(codec.decode(event.value, RolloutState), event, now)
-            except CodecError as error:
-                await dead_letter(event, str(error), type(error).__name__)
-                await ack([event])
-                continue
-            await ack(at_once)
-            for attempt in ready:
-                await emit(attempt)
-
-    @app.timer(interval=max(0.2, min(1.0, settle_s / 5)))
-    async def settle() -> None:
-        if "stream" not in shared:
+    async def commit(self, *, force: bool = False) -> None:
+        """Commit each partition up to its lowest pending offset (or all it read)."""
+        consumer = self.consumer
+        if consumer is None or (not force and time.monotonic() - self._last_commit < _COMMIT_EVERY_S):
             return
-        ready, gone = collector.tick(time.monotonic())
-        for attempt in ready:
-            await emit(attempt)
-        await evicted(gone)
+        self._last_commit = time.monotonic()
+        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
+        for tp in consumer.assignment():
+            held = self.pending.get(tp)
+            position = min(held) if held else await consumer.position(tp)
+            if self._committed.get(tp) != position:
+                offsets[tp] = OffsetAndMetadata(position, "")
+        if not offsets:
+            return
+        try:
+            await consumer.commit(offsets)
+            self._committed.update({tp: o.offset for tp, o in offsets.items()})
+        except (CommitFailedError, KafkaError) as error:  # a rebalance: the next owner re-reads
+            log.warning("commit failed; pending records will be read again", error=str(error))
 
-    @app.on_rebalance_complete.connect
-    async def _ready(app_: Any, **_: Any) -> None:
-        settings.run_dir.mkdir(parents=True, exist_ok=True)
-        (settings.run_dir / "triplets.ready").write_text(str(os.getpid()))
-        log.info("triplet builder ready", group=app.conf.id, partitions=partitions)
 
-    app.agl_collector = collector  # type: ignore[attr-defined]
-    return app
-
-
-def main(settings: Settings, *, adapter: AdapterConfig | None = None, settle_s: float = 5.0) -> None:
+def main(
+    settings: Settings,
+    *,
+    adapter: AdapterConfig | None = None,
+    settle_s: float = 5.0,
+    max_wait_s: float = 600.0,
+    max_spans: int = 200_000,
+) -> None:
     """Run the triplet builder in the foreground until SIGTERM/SIGINT."""
-    from agl_stream.topics import load_topic_specs
 
-    partitions = next(s.partitions for s in load_topic_specs() if s.name == "spans")
-    app = create_app(settings, partitions=partitions, adapter=adapter, settle_s=settle_s)
-    run_app(app, settings)
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        builder = TripletBuilder(
+            settings, adapter=adapter, settle_s=settle_s, max_wait_s=max_wait_s, max_spans=max_spans
+        )
+        await builder.run(stop)
+
+    asyncio.run(run())

@@ -33,9 +33,15 @@ def register(app: typer.Typer) -> None:
     app.command("processor")(processor)
     app.command("runner")(runner)
     app.command("triplets")(triplets)
+    from agl_stream.cli.batcher_cmd import batcher
+
+    app.command("batcher")(batcher)
     from agl_stream.cli.inference_cmd import inference
 
     app.command("inference")(inference)
+    from agl_stream.cli.llm_proxy_cmd import llm_proxy
+
+    app.command("llm-proxy")(llm_proxy)
     from agl_stream.cli.gateway_cmd import gateway
 
     app.command("gateway")(gateway)

@@ -40,6 +40,8 @@ def make_app(settings: Settings, processor: str, *, partitions: int, **overrides
         "broker": [f"kafka://{server}" for server in settings.bootstrap_servers.split(",")],
         "broker_credentials": faust_credentials(settings),
         "store": "memory://",
+        # faust keeps a data dir even with memory tables: under ours, not the working directory.
+        "datadir": str(settings.data_dir / "faust"),
         "processing_guarantee": "at_least_once",
         "topic_partitions": partitions,
         "topic_allow_declare": False,

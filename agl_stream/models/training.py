@@ -24,7 +24,11 @@ class Triplet(AglModel):
 
 
 class TripletRecord(AglModel):
-    """The triplets of one finished attempt (topic agl.triplets, key rollout_id)."""
+    """The triplets of one finished attempt (topic agl.triplets, key group_id).
+
+    Keyed by group_id so every rollout of a GRPO group lands in one partition, where one
+    batcher instance sees the whole group.
+    """
 
     avro_name: ClassVar[str] = "agl.TripletRecord"
 
@@ -49,3 +53,16 @@ class TripletBatch(AglModel):
     min_policy_version: int | None = None
     max_policy_version: int | None = None
     n_tokens: int = 0
+    # What the batcher decided, and its restart journal (agl_stream/batching.py).
+    sequence: int = 0
+    source_partition: int | None = None
+    input_offsets: list[int] = Field(default_factory=list)
+    input_position: int = 0
+    newest_policy_version: int | None = None
+    group_size: int | None = None
+    incomplete_groups: int = 0
+    kept_stale: int = 0
+    dropped_stale: int = 0
+    dropped_incomplete: int = 0
+    dropped_duplicate: int = 0
+    dropped_offsets: list[int] = Field(default_factory=list)

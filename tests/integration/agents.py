@@ -68,3 +68,27 @@ async def llm_like(task: dict[str, Any]) -> None:
             span.set_attribute("response_token_ids", [base + call + 2])
     emit_reward(float(task["i"]) / 10)
     return None
+
+
+@rollout
+async def ask_model(task: dict[str, Any], llm: LLM) -> float:
+    """One chat call through the LLM resource (the proxy on this attempt's URL); reward = answer length / 10.
+
+    The answer's text goes into a message span, so a test can compare it with the triplet.
+    """
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=llm.endpoint, api_key=llm.api_key or "none", max_retries=0)
+    try:
+        reply = await client.chat.completions.create(
+            model=llm.model,
+            messages=[{"role": "user", "content": task["question"]}],
+            max_tokens=6,
+            temperature=1.0,
+            seed=int(task.get("seed", 0)),
+        )
+    finally:
+        await client.close()
+    text = reply.choices[0].message.content or ""
+    emit_message(text)
+    return len(text) / 10

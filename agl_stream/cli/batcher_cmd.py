@@ -1,0 +1,86 @@
+"""``agl-stream batcher``: finished attempts (agl.triplets) -> training batches (agl.triplet-batches).
+
+The role lives in ``processors.batcher`` and is loaded by module name, so the library never
+imports the roles (DESIGN.md, dependency direction). The rules are agl_stream/batching.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from agl_stream.batching import BatchPolicy
+from agl_stream.cli import settings_of
+
+
+class OnStale(str, Enum):
+    drop = "drop"
+    keep = "keep"
+
+
+class OnGroupTimeout(str, Enum):
+    flush = "flush"
+    drop = "drop"
+
+
+def batcher(
+    ctx: typer.Context,
+    max_rollouts: Annotated[int, typer.Option(min=1, help="Most records (finished attempts) per batch.")] = 64,
+    max_tokens: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(min=1, help="Most prompt + response tokens per batch (default: no limit)."),
+    ] = None,
+    group_size: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(min=1, help="Records per GRPO group (same group_id); groups are never split. Default: none."),
+    ] = None,
+    wait_for_groups: Annotated[
+        bool,
+        typer.Option(
+            "--wait-for-groups/--no-wait-for-groups",
+            help="Hold a group until it has --group-size records (else a linger flush ships it as it is).",
+        ),
+    ] = True,
+    max_group_wait: Annotated[
+        float, typer.Option(min=0.0, help="Seconds a group may stay incomplete before --on-group-timeout applies.")
+    ] = 600.0,
+    on_group_timeout: Annotated[
+        OnGroupTimeout, typer.Option(help="An incomplete group that waited too long: flush it as it is, or drop it.")
+    ] = OnGroupTimeout.flush,
+    max_staleness: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(min=0, help="Policy versions a record may lag the newest one seen (default: no limit)."),
+    ] = None,
+    on_stale: Annotated[
+        OnStale, typer.Option(help="A record over --max-staleness: drop it, or keep it (counted either way).")
+    ] = OnStale.drop,
+    linger: Annotated[
+        float, typer.Option(min=0.0, help="Seconds a partial batch waits for more before it goes out anyway.")
+    ] = 30.0,
+) -> None:
+    """Batch finished attempts from agl.triplets into training batches on agl.triplet-batches.
+
+    One batching state per partition of agl.triplets (keyed by group id, so a group is in one
+    partition). Every record ends in exactly one batch or is counted as dropped in the next
+    batch, across crashes and restarts. Runs until SIGTERM or Ctrl-C.
+
+    Example: agl-stream batcher --max-rollouts 64 --group-size 8 --max-staleness 1
+    """
+    try:
+        policy = BatchPolicy(
+            max_rollouts=max_rollouts,
+            max_tokens=max_tokens,
+            group_size=group_size,
+            wait_for_groups=wait_for_groups,
+            max_group_wait_s=max_group_wait,
+            on_group_timeout=on_group_timeout.value,
+            max_staleness=max_staleness,
+            on_stale=on_stale.value,
+            linger_s=linger,
+        )
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
+    importlib.import_module("processors.batcher").main(settings_of(ctx), policy)

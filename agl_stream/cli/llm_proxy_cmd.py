@@ -1,0 +1,118 @@
+"""``agl-stream llm-proxy``: the OpenAI-compatible proxy that records every LLM call as a span.
+
+The role lives in ``producers.llm_proxy`` and is loaded by module name, so the library never
+imports the roles (DESIGN.md, dependency direction).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from agl_stream.cli import settings_of
+
+
+def _load_model_list(path: Path) -> list[dict[str, Any]]:
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise typer.BadParameter(f"cannot read {path}: {error}", param_hint="--model-list") from error
+    entries = loaded.get("model_list") if isinstance(loaded, dict) else loaded
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and "model_name" in e and "litellm_params" in e for e in entries
+    ):
+        raise typer.BadParameter(
+            f"{path} must hold a LiteLLM model_list: a JSON list (or {{'model_list': [...]}}) of "
+            '{"model_name": ..., "litellm_params": {"model": "openai/<served name>", "api_base": ...}}',
+            param_hint="--model-list",
+        )
+    return entries
+
+
+def llm_proxy(
+    ctx: typer.Context,
+    backend: Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option(
+            "--backend",
+            metavar="MODEL=URL",
+            help=(
+                "An OpenAI-compatible backend (vLLM) serving MODEL at URL, e.g. "
+                "Qwen/Qwen2.5-7B-Instruct=http://10.0.0.5:8000/v1 (repeatable; a model named "
+                "twice is load-balanced)."
+            ),
+        ),
+    ] = None,
+    model_list: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(
+            help="A LiteLLM Router model_list as JSON, for what --backend cannot say (served names, keys, rpm).",
+            exists=True,
+            dir_okay=False,
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 for every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind, 0 for a free one.")] = 8090,
+    api_key: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(envvar="AGL_LLM_BACKEND_API_KEY", help="API key the --backend servers expect."),
+    ] = None,
+    logprobs: Annotated[
+        bool,
+        typer.Option(
+            "--logprobs/--no-logprobs",
+            help="Ask the backend for the sampled tokens' logprobs even when the agent did not (training uses them).",
+        ),
+    ] = True,
+    retries: Annotated[
+        int, typer.Option(min=0, help="Retries of a failed backend call (on another backend of the model if any).")
+    ] = 0,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Longest a backend call may take, in seconds.")] = 600.0,
+    sequence_block: Annotated[
+        int, typer.Option(min=1, help="Span sequence ids reserved per attempt at a time (one processor round trip).")
+    ] = 256,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Processes sharing the port (LiteLLM costs a few ms of CPU per call: one per core scales)."
+        ),
+    ] = 1,
+) -> None:
+    """Run the LLM proxy until SIGTERM or Ctrl-C.
+
+    Agents call http://HOST:PORT/rollout/<rollout_id>/attempt/<attempt_id>/v1 (a ProxyLLM
+    resource with endpoint http://HOST:PORT/v1 gives them that URL). Each chat or text completion
+    is forwarded through LiteLLM with vLLM's return_token_ids, and recorded as one span of the
+    attempt (token ids, logprobs, messages) before the agent gets its answer. /v1 without a
+    rollout and attempt works too, unrecorded. GET /health shows the counters.
+
+    Example: agl-stream llm-proxy --backend Qwen/Qwen2.5-0.5B-Instruct=http://127.0.0.1:8000/v1
+    """
+    from agl_stream.stack import local_stack_settings
+
+    module = importlib.import_module("producers.llm_proxy")
+    try:
+        models = module.model_list_of(backend or [], api_key=api_key)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--backend") from error
+    if model_list is not None:
+        models += _load_model_list(model_list)
+    if not models:
+        raise typer.BadParameter(
+            "name at least one backend, e.g. --backend Qwen/Qwen2.5-0.5B-Instruct=http://127.0.0.1:8000/v1",
+            param_hint="--backend",
+        )
+    options = module.ProxyOptions(
+        host=host,
+        port=port,
+        logprobs=logprobs,
+        num_retries=retries,
+        timeout_s=timeout,
+        sequence_block=sequence_block,
+        workers=workers,
+    )
+    module.main(local_stack_settings(settings_of(ctx)), models, options)

@@ -1,0 +1,839 @@
+"""The LLM proxy (``agl-stream llm-proxy``): OpenAI-compatible, built on LiteLLM, every call a span.
+
+Agents reach it on a per-attempt base URL, ``http://host:port/rollout/<rollout_id>/attempt/
+<attempt_id>/v1`` (``ProxyLLM.get_base_url``), and call ``chat/completions`` or ``completions``
+(streamed or not). The proxy forwards each call through a LiteLLM Router to the model's
+OpenAI-compatible backends (vLLM; several per model are load-balanced), asking for token ids
+and logprobs (``agl_stream.llm_calls.backend_request``), and records the call as one span of the
+attempt before the agent gets the answer. This module is the I/O edge; the rules are in
+``agl_stream.llm_calls``.
+
+- **Raw responses.** LiteLLM 1.110 keeps vLLM's token ids in non-streamed answers, but drops
+  ``prompt_token_ids`` from streams (a text completion's always, chat's with the
+  ``hosted_vllm/`` provider). So the proxy reads what the backend really sent: LiteLLM's
+  ``openai/`` provider sends every request through ``litellm.aclient_session``, an httpx client
+  whose transport (:class:`CaptureTransport`, wrapping LiteLLM's own) copies the response bytes
+  of requests that carry the proxy's call header. Spans are built from those bytes (the
+  backend's truth); the agent receives LiteLLM's response.
+- **Sequence ids.** The first call of an attempt reserves a block (:class:`SequenceBlocks`,
+  one processor round trip, started with the backend call so the two overlap); later calls
+  number inside it, in the order they arrived. An unknown rollout or attempt is remembered as
+  such: its calls are answered and counted, never recorded.
+- **The agent's request** reaches the backend as sent (plus ``return_token_ids`` and
+  logprobs): LiteLLM routes it, but the body travels in ``extra_body``, so LiteLLM's message
+  rewriting cannot change what the model sees.
+- **Ordering.** The span is acknowledged by the broker before the response (or a stream's
+  final ``[DONE]``) goes out, so an attempt that finishes after its last call finds every
+  proxy span already in Kafka.
+- **Failures.** Backend errors reach the agent as OpenAI error bodies with the backend's
+  status and message, and are recorded as ERROR spans. A span that cannot be written (store
+  down, unknown attempt) never costs the agent its answer: it is logged and counted
+  (``GET /health``).
+- ``/v1/...`` without the rollout and attempt is served too, unrecorded (there is no attempt
+  to attach a span to), and counted as ``unattributed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import httpx
+import uvicorn
+from aiokafka.errors import MessageSizeTooLargeError
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from agl_stream.config import Settings
+from agl_stream.errors import AglError
+from agl_stream.llm_calls import (
+    CHAT,
+    COMPLETION,
+    CallError,
+    CallKind,
+    LLMCall,
+    backend_error,
+    backend_request,
+    build_span,
+    error_of_status,
+    merge_chunks,
+    parse_sse,
+    slim,
+)
+from agl_stream.logs import configure_logging, get_logger
+from agl_stream.store.client import AglStore
+
+log = get_logger("agl.llm_proxy")
+
+CALL_HEADER = "x-agl-proxy-call"
+"""Header that ties a backend request to the proxy call that made it (see CaptureTransport)."""
+
+_LOG_EVERY_S = 10.0
+
+
+@dataclass
+class ProxyOptions:
+    """How the proxy runs (``agl-stream llm-proxy``'s options)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8090
+    logprobs: bool = True
+    """Ask the backend for the sampled tokens' logprobs even when the agent did not."""
+    sequence_block: int = 256
+    """Sequence ids reserved per attempt at a time."""
+    max_attempts: int = 10_000
+    """Attempts whose id blocks are remembered (least recently used ones are forgotten)."""
+    num_retries: int = 0
+    """LiteLLM retries of a failed backend call (another backend of the model when it has several)."""
+    timeout_s: float = 600.0
+    """Longest a backend call may take."""
+    span_write_timeout_s: float = 30.0
+    """Longest the proxy waits for the broker to acknowledge a span before answering anyway."""
+    workers: int = 1
+    """Processes serving the port together (SO_REUSEPORT): LiteLLM costs milliseconds of CPU per
+    call, so one process tops out at a few hundred calls a second."""
+    reuse_port: bool = False
+
+
+@dataclass
+class ProxyStats:
+    """Counters served by ``GET /health``."""
+
+    calls: int = 0
+    recorded: int = 0
+    errors: int = 0
+    """Calls answered with an error (their spans are recorded like the others)."""
+    unattributed: int = 0
+    unknown_attempts: int = 0
+    """Calls of a rollout or attempt the store does not know (answered, not recorded)."""
+    store_errors: int = 0
+    """Calls whose sequence id could not be reserved (processor unreachable)."""
+    span_write_failures: int = 0
+    truncated_spans: int = 0
+    """Spans written without their text attributes because they were over the message size."""
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+ZERO_PRICES = {
+    "input_cost_per_token": 0.0,
+    "output_cost_per_token": 0.0,
+    "cache_creation_input_token_cost": 0.0,
+    "cache_read_input_token_cost": 0.0,
+}
+"""Our own models cost nothing per token. LiteLLM prices every call; with an explicit price it
+skips looking the model up in its price map, ~1.6 ms of CPU per call here (measured, a third of
+LiteLLM's time), and the proxy never reads the price."""
+
+
+def backend_url(url: str) -> str:
+    """A backend's OpenAI base URL: ``http://host:8000`` and ``http://host:8000/v1`` both give ``.../v1``."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"backend URL {url!r} must start with http:// or https://")
+    return url if url.endswith("/v1") else f"{url}/v1"
+
+
+def model_list_of(backends: Sequence[str], *, api_key: str | None = None) -> list[dict[str, Any]]:
+    """A LiteLLM Router ``model_list`` from ``MODEL=URL`` pairs (a model named twice is load-balanced).
+
+    Every backend is LiteLLM's ``openai/`` provider: the proxy reads raw responses through the
+    client that provider uses (see the module docstring). The backend is asked for the model by
+    the same name the agent used.
+    """
+    model_list = []
+    for spec in backends:
+        name, sep, url = spec.partition("=")
+        if not sep or not name.strip() or not url.strip():
+            raise ValueError(f"a backend is MODEL=URL (e.g. Qwen/Qwen2.5-7B=http://127.0.0.1:8000/v1), got {spec!r}")
+        name = name.strip()
+        model_list.append(
+            {
+                "model_name": name,
+                "litellm_params": {
+                    "model": f"openai/{name}",
+                    "api_base": backend_url(url),
+                    "api_key": api_key or "none",
+                    **ZERO_PRICES,
+                },
+            }
+        )
+    return model_list
+
+
+# -- raw responses ----------------------------------------------------------------------------
+
+
+@dataclass
+class Capture:
+    """What the backend answered to one proxy call (the last try, when LiteLLM retried)."""
+
+    status: int | None = None
+    url: str | None = None
+    body: bytearray = field(default_factory=bytearray)
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+
+class _TeeStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, sink: bytearray) -> None:
+        self._inner = inner
+        self._sink = sink
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._inner:
+            self._sink.extend(chunk)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class CaptureTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that copies the response bytes of requests with :data:`CALL_HEADER`.
+
+    The header, not a contextvar, links a request to its call: LiteLLM's router may run the
+    request in tasks of its own. Captured requests ask for an uncompressed answer, so the copy
+    is the JSON or event stream itself.
+    """
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.captures: dict[str, Capture] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        capture = self.captures.get(request.headers.get(CALL_HEADER, ""))
+        if capture is None:
+            return await self.inner.handle_async_request(request)
+        request.headers["Accept-Encoding"] = "identity"
+        capture.status, capture.url = None, str(request.url)
+        capture.body.clear()
+        response = await self.inner.handle_async_request(request)
+        capture.status = response.status_code
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        response.stream = _TeeStream(response.stream, capture.body)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[tuple[str, Capture]]:
+        call_id, capture = uuid.uuid4().hex, Capture()
+        self.captures[call_id] = capture
+        try:
+            yield call_id, capture
+        finally:
+            del self.captures[call_id]
+
+
+# -- sequence ids -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Block:
+    next: int = 0
+    end: int = 0
+    unknown: str | None = None  # the processor's reason when the attempt is unknown
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class SequenceBlocks:
+    """Sequence ids for the proxy's spans, reserved a block per attempt at a time.
+
+    ``reserve(rollout_id, attempt_id, count)`` is ``AglStore.reserve_span_sequence_ids``. Blocks
+    live in an LRU of ``capacity`` attempts; a forgotten attempt that calls again gets a new block
+    (the ids left in the old one stay unused, which is harmless). An attempt the store refused
+    (ValueError) is remembered as unknown, so its later calls cost no round trip.
+    """
+
+    def __init__(
+        self, reserve: Callable[[str, str, int], Awaitable[int]], *, block: int = 256, capacity: int = 10_000
+    ) -> None:
+        if block < 1 or capacity < 1:
+            raise ValueError("block and capacity must be at least 1")
+        self._reserve = reserve
+        self.block = block
+        self.capacity = capacity
+        self._blocks: OrderedDict[tuple[str, str], _Block] = OrderedDict()
+        self.reservations = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _entry(self, key: tuple[str, str]) -> _Block:
+        entry = self._blocks.get(key)
+        if entry is None:
+            entry = self._blocks[key] = _Block()
+            while len(self._blocks) > self.capacity:
+                self._blocks.popitem(last=False)
+        else:
+            self._blocks.move_to_end(key)
+        return entry
+
+    async def next_id(self, rollout_id: str, attempt_id: str) -> int | None:
+        """The attempt's next sequence id; None when the store does not know the attempt.
+
+        Other store failures (processor unreachable) raise and leave nothing cached.
+        """
+        entry = self._entry((rollout_id, attempt_id))
+        if entry.next >= entry.end and entry.unknown is None:
+            async with entry.lock:  # one reservation at a time per attempt; the others wait for it
+                if entry.next >= entry.end and entry.unknown is None:
+                    try:
+                        first = await self._reserve(rollout_id, attempt_id, self.block)
+                    except ValueError as error:
+                        entry.unknown = str(error)
+                        log.warning(
+                            "LLM calls of an unknown rollout or attempt are answered but not recorded",
+                            rollout_id=rollout_id,
+                            attempt_id=attempt_id,
+                            reason=str(error),
+                        )
+                    else:
+                        self.reservations += 1
+                        entry.next, entry.end = first, first + self.block
+        if entry.unknown is not None:
+            return None
+        sequence_id = entry.next
+        entry.next += 1
+        return sequence_id
+
+
+class _SpanStore(AglStore):
+    """The proxy's store client: it only writes, so it needs no read side (no gateway)."""
+
+    async def _start_reads(self) -> None:
+        return None
+
+
+# -- the proxy --------------------------------------------------------------------------------
+
+
+def _import_litellm() -> Any:
+    # Without it, importing litellm fetches a price map over the network (5 s timeout) and
+    # starts a retry thread; the proxy never prices calls.
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    litellm.suppress_debug_info = True  # else every exception also prints help text to stdout
+    litellm.drop_params = False
+    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+    return litellm
+
+
+def _new_inner_transport(litellm: Any) -> httpx.AsyncBaseTransport:
+    """LiteLLM's own transport (aiohttp-based: measured faster here), else httpx's."""
+    try:
+        from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
+
+        transport = AsyncHTTPHandler.create_async_transport()
+    except Exception as error:  # LiteLLM internals move fast; httpx's transport works everywhere
+        log.info("using httpx's transport for backends", reason=f"{type(error).__name__}: {error}")
+        transport = None
+    if isinstance(transport, httpx.AsyncBaseTransport):
+        return transport
+    return httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
+
+
+@dataclass(frozen=True)
+class _Attribution:
+    rollout_id: str
+    attempt_id: str
+    sequence_id: asyncio.Task[int | None]
+
+
+class LLMProxy:
+    """The proxy's state: the LiteLLM Router, the capture transport, the store client, counters."""
+
+    def __init__(self, settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions) -> None:
+        if not model_list:
+            raise ValueError("the LLM proxy needs at least one backend (--backend MODEL=URL)")
+        self.settings = settings
+        self.options = options
+        self.model_list = [_priced(entry) for entry in model_list]
+        self.models = sorted({str(entry["model_name"]) for entry in self.model_list})
+        for entry in self.model_list:
+            provider = str(entry.get("litellm_params", {}).get("model", "")).split("/", 1)[0]
+            if provider != "openai":
+                log.warning(
+                    "backends should use LiteLLM's openai/ provider: the proxy reads raw responses through it, "
+                    "and other providers may lose streamed token ids",
+                    model=entry.get("model_name"),
+                    provider=provider,
+                )
+        self.stats = ProxyStats()
+        self.started = int(time.time())
+        self.url: str | None = None
+        self.store: AglStore | None = None
+        self.blocks: SequenceBlocks | None = None
+        self.router: Any = None
+        self.transport: CaptureTransport | None = None
+        self._litellm: Any = None
+        self._previous_session: Any = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._last_log: dict[str, float] = {}
+
+    async def start(self) -> LLMProxy:
+        litellm = self._litellm = await asyncio.to_thread(_import_litellm)  # ~3 s of imports
+        self.transport = CaptureTransport(_new_inner_transport(litellm))
+        self._previous_session = litellm.aclient_session
+        litellm.aclient_session = httpx.AsyncClient(transport=self.transport, timeout=self.options.timeout_s)
+        self.router = litellm.Router(
+            model_list=self.model_list, num_retries=self.options.num_retries, timeout=self.options.timeout_s
+        )
+        store = _SpanStore(self.settings)
+        await store.start()
+        self.store = store
+        self.blocks = SequenceBlocks(
+            store.reserve_span_sequence_ids, block=self.options.sequence_block, capacity=self.options.max_attempts
+        )
+        return self
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self.store is not None:
+            await self.store.close()
+            self.store = None
+        if self._litellm is not None:
+            session = self._litellm.aclient_session
+            self._litellm.aclient_session = self._previous_session
+            if isinstance(session, httpx.AsyncClient):
+                await session.aclose()
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "models": self.models, "stats": asdict(self.stats)}
+
+    def _log_limited(self, kind: str, message: str, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_log.get(kind, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            self._last_log[kind] = now
+            log.error(message, **fields)
+
+    # -- one call ------------------------------------------------------------------------------
+
+    async def handle(self, kind: CallKind, body: Any, rollout_id: str | None, attempt_id: str | None) -> Response:
+        """Serve one chat or text completion call and record it (when attributed)."""
+        self.stats.calls += 1
+        start = time.time()
+        where = self._attribution(rollout_id, attempt_id)
+        if not isinstance(body, dict):
+            return self._error_response(error_of_status(400, "the request body must be a JSON object"))
+        stream = bool(body.get("stream"))
+        invalid = self._invalid(kind, body)
+        if invalid is not None:
+            await self._record(LLMCall(kind, body, start, time.time(), error=invalid, stream=stream), where)
+            return self._error_response(invalid)
+        assert self.transport is not None
+        with contextlib.ExitStack() as stack:
+            call_id, capture = stack.enter_context(self.transport.capturing())
+            try:
+                result = await self._forward(kind, body, call_id, stream)
+            except Exception as error:
+                failure = self._call_error(error, capture, str(body["model"]))
+                backend = _base_of(capture.url)
+                call = LLMCall(kind, body, start, time.time(), error=failure, stream=stream, backend=backend)
+                await self._record(call, where)
+                return self._error_response(failure)
+            if stream:
+                # The capture must outlive this function: the stream is read by the response.
+                pending = stack.pop_all()
+                chunks = self._stream(kind, body, result, capture, pending, start, where)
+                return StreamingResponse(chunks, media_type="text/event-stream")
+            answer = result.model_dump_json()
+            raw = capture.json() if capture.status is not None and capture.status < 400 else None
+            response = raw if isinstance(raw, dict) else json.loads(answer)
+            call = LLMCall(kind, body, start, time.time(), response=response, backend=_base_of(capture.url))
+        await self._record(call, where)
+        return Response(answer, media_type="application/json")
+
+    def _invalid(self, kind: CallKind, body: Mapping[str, Any]) -> CallError | None:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return error_of_status(400, "the request names no model", param="model")
+        if model not in self.models:
+            return error_of_status(
+                404,
+                f"the model {model!r} is not served by this proxy; it serves {', '.join(self.models)}",
+                code="model_not_found",
+                param="model",
+            )
+        if kind == CHAT and not isinstance(body.get("messages"), list):
+            return error_of_status(400, "a chat completion needs a list of messages", param="messages")
+        if kind == COMPLETION and body.get("prompt") is None:
+            return error_of_status(400, "a completion needs a prompt", param="prompt")
+        return None
+
+    async def _forward(self, kind: CallKind, body: Mapping[str, Any], call_id: str, stream: bool) -> Any:
+        sent = backend_request(kind, body, logprobs=self.options.logprobs)
+        model = sent.pop("model")
+        sent.pop("stream", None)
+        # The agent's body travels in extra_body, which the openai SDK merges into the request
+        # last: the backend gets exactly what the agent sent (LiteLLM rewrites messages, e.g. it
+        # drops an assistant message's "content": null, which can change a chat template's
+        # rendering), vLLM extensions pass untouched, LiteLLM translates nothing (fewer cycles),
+        # and an agent cannot steer LiteLLM itself (api_base, mock_response, ... stay body fields).
+        # The messages or prompt also go as LiteLLM's own argument, which its routing needs.
+        kwargs: dict[str, Any] = {"model": model, "extra_headers": {CALL_HEADER: call_id}, "extra_body": sent}
+        if stream:
+            kwargs["stream"] = True
+            if "stream_options" in sent:
+                kwargs["stream_options"] = sent.pop("stream_options")
+        if kind == CHAT:
+            return await self.router.acompletion(messages=sent["messages"], **kwargs)
+        return await self.router.atext_completion(prompt=sent["prompt"], **kwargs)
+
+    async def _stream(
+        self,
+        kind: CallKind,
+        body: Mapping[str, Any],
+        result: Any,
+        capture: Capture,
+        pending: contextlib.ExitStack,
+        start: float,
+        where: _Attribution | None,
+    ) -> AsyncIterator[bytes]:
+        failure: CallError | None = None
+        recording: asyncio.Task[None] | None = None
+        try:
+            try:
+                async for chunk in result:
+                    if kind == COMPLETION:
+                        for choice in chunk.choices:
+                            # LiteLLM ends a text stream with a finish chunk whose text is null;
+                            # OpenAI's schema (and agents joining the texts) need a string.
+                            if choice.text is None:
+                                choice.text = ""
+                    yield b"data: " + chunk.model_dump_json().encode() + b"\n\n"
+            except Exception as error:
+                failure = self._call_error(error, capture, str(body["model"]))
+            call = self._stream_call(kind, body, capture, start, failure)
+            if call.error is not None:
+                # OpenAI's (and vLLM's) way to fail a stream that already started: an error event.
+                self.stats.errors += 1
+                yield b"data: " + json.dumps(call.error.body()).encode() + b"\n\n"
+            # Before [DONE] (see the module docstring), and shielded: a client that leaves now
+            # must not cancel the write halfway.
+            recording = self._in_background(self._record(call, where))
+            await asyncio.shield(recording)
+            yield b"data: [DONE]\n\n"
+        finally:
+            if recording is None:
+                # The client went away mid-stream (this generator was closed or cancelled): record
+                # what the backend produced so far and stop its generation, in a task of its own
+                # because this one may be cancelled again at its next await.
+                gone = CallError(499, "the client closed the stream before it ended", "client_closed_request")
+                call = self._stream_call(kind, body, capture, start, gone)
+                self._in_background(self._close_and_record(result, call, where))
+            pending.close()
+
+    async def _close_and_record(self, result: Any, call: LLMCall, where: _Attribution | None) -> None:
+        with contextlib.suppress(Exception):
+            await result.aclose()  # closes the backend connection: vLLM then aborts the request
+        await self._record(call, where)
+
+    def _stream_call(
+        self, kind: CallKind, body: Mapping[str, Any], capture: Capture, start: float, failure: CallError | None
+    ) -> LLMCall:
+        response = merge_chunks(kind, parse_sse(capture.body))
+        raw_error = response.get("error")
+        if isinstance(raw_error, Mapping) and (failure is None or failure.status != 499):
+            # The backend's own words beat LiteLLM's rewording of them.
+            code = raw_error.get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            failure = backend_error(status, {"error": raw_error}, failure.message if failure else "the backend failed")
+        backend = _base_of(capture.url)
+        return LLMCall(kind, body, start, time.time(), response=response, error=failure, stream=True, backend=backend)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A task the proxy waits for when it closes."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _call_error(self, error: Exception, capture: Capture, model: str) -> CallError:
+        """The agent's view of a failed call: the backend's own error when it answered one."""
+        litellm = self._litellm
+        text = str(error).split("\n\nLiteLLM:", 1)[0].strip() or type(error).__name__
+        if capture.status is not None and capture.status >= 400:
+            return backend_error(capture.status, bytes(capture.body), text)
+        if isinstance(error, litellm.Timeout):
+            return error_of_status(504, f"the backend of {model!r} did not answer within {self.options.timeout_s:g}s")
+        if capture.status is None and isinstance(error, litellm.APIConnectionError | litellm.InternalServerError):
+            return error_of_status(
+                502, f"cannot reach the backend of {model!r} ({capture.url or 'no backend tried'}): {text}"
+            )
+        status = getattr(error, "status_code", None)
+        if not isinstance(status, int) or not 400 <= status < 600:
+            status = 500
+        return error_of_status(status, text)
+
+    def _error_response(self, error: CallError) -> JSONResponse:
+        self.stats.errors += 1
+        return JSONResponse(error.body(), status_code=error.status)
+
+    def _attribution(self, rollout_id: str | None, attempt_id: str | None) -> _Attribution | None:
+        """The call's attempt, its sequence id already on the way: a first call's reservation (a
+        processor round trip) then overlaps the backend's work instead of adding to it."""
+        if rollout_id is None or attempt_id is None:
+            return None
+        assert self.blocks is not None
+        task = asyncio.get_running_loop().create_task(self.blocks.next_id(rollout_id, attempt_id))
+        # A call whose stream never started records nothing; its failure must not go unretrieved.
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return _Attribution(rollout_id, attempt_id, task)
+
+    async def _record(self, call: LLMCall, where: _Attribution | None) -> None:
+        """Write the call's span and wait for the broker; failures are logged and counted, never raised."""
+        if where is None:
+            self.stats.unattributed += 1
+            return
+        assert self.store is not None
+        rollout_id, attempt_id = where.rollout_id, where.attempt_id
+        try:
+            sequence_id = await where.sequence_id
+        except Exception as error:
+            self.stats.store_errors += 1
+            self._log_limited(
+                "reserve",
+                "cannot reserve sequence ids, LLM calls go unrecorded: is the rollout processor running?",
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                error=f"{type(error).__name__}: {error}",
+            )
+            return
+        if sequence_id is None:
+            self.stats.unknown_attempts += 1
+            return
+        try:
+            span = build_span(call, rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id)
+        except ValueError as error:  # pydantic's ValidationError: a value no span attribute can hold
+            self.stats.span_write_failures += 1
+            self._log_limited(
+                "build",
+                "an LLM call could not become a span (a proxy bug: please report it with this error)",
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                error=str(error),
+            )
+            return
+        timeout = self.options.span_write_timeout_s
+        try:
+            try:
+                await asyncio.wait_for(self.store.export_spans([span]), timeout)
+            except MessageSizeTooLargeError:
+                self.stats.truncated_spans += 1
+                await asyncio.wait_for(self.store.export_spans([slim(span)]), timeout)
+        except Exception as error:
+            self.stats.span_write_failures += 1
+            self._log_limited(
+                "write",
+                "cannot write LLM call spans: is the broker up (`agl-stream status`)?",
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                error=f"{type(error).__name__}: {error}" if str(error) else type(error).__name__,
+            )
+            return
+        self.stats.recorded += 1
+
+
+def _priced(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A model_list entry with zero prices unless it names prices of its own."""
+    params = dict(entry.get("litellm_params") or {})
+    if not any(key in params for key in ZERO_PRICES):
+        params.update(ZERO_PRICES)
+    return {**entry, "litellm_params": params}
+
+
+def _base_of(url: str | None) -> str | None:
+    """The backend's base URL from the URL of a request to it."""
+    if url is None:
+        return None
+    for suffix in ("/chat/completions", "/completions"):
+        if url.endswith(suffix):
+            return url[: -len(suffix)]
+    return url
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError:
+        return None
+
+
+def create_app(proxy: LLMProxy) -> FastAPI:
+    app = FastAPI(title="agl-stream LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def models() -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": proxy.started, "owned_by": "agl-stream"} for m in proxy.models]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return proxy.health()
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return models()
+
+    @app.get("/rollout/{rollout_id}/attempt/{attempt_id}/v1/models")
+    async def list_attempt_models(rollout_id: str, attempt_id: str) -> dict[str, Any]:
+        return models()
+
+    @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions")
+    async def attempt_chat(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await proxy.handle(CHAT, await _json_body(request), rollout_id, attempt_id)
+
+    @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/completions")
+    async def attempt_completion(rollout_id: str, attempt_id: str, request: Request) -> Response:
+        return await proxy.handle(COMPLETION, await _json_body(request), rollout_id, attempt_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy.handle(CHAT, await _json_body(request), None, None)
+
+    @app.post("/v1/completions")
+    async def completion(request: Request) -> Response:
+        return await proxy.handle(COMPLETION, await _json_body(request), None, None)
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: whoever runs the proxy decides when it stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    # Accepted connections inherit it; without it a response can wait for the client's delayed
+    # ACK (~40 ms, measured on the gateway), eight times the proxy's whole overhead budget.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise AglError(
+            f"cannot listen on {host}:{port} ({error}); choose another --port (0 picks a free one)"
+        ) from error
+    return sock
+
+
+def _listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    sock = _bind(host, port, reuse_port=reuse_port)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions | None = None
+) -> AsyncIterator[LLMProxy]:
+    """Run the proxy on ``options.host:port`` (0: a free port) until the block exits; ``proxy.url`` is its URL."""
+    options = options or ProxyOptions()
+    proxy = LLMProxy(settings, model_list, options)
+    sock = _listen(options.host, options.port, reuse_port=options.reuse_port)  # a taken port fails fast
+    try:
+        await proxy.start()
+    except BaseException:
+        sock.close()
+        raise
+    host, port = sock.getsockname()[:2]
+    url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    proxy.url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
+    config = uvicorn.Config(
+        create_app(proxy), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
+    )
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="llm-proxy:http")
+    try:
+        # The socket already listens: clients connecting now queue until uvicorn accepts them.
+        yield proxy
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await task
+        sock.close()
+        await proxy.close()
+
+
+async def run(settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with serving(settings, model_list, options) as proxy:
+        attempt_url = f"{proxy.url}/rollout/<rollout_id>/attempt/<attempt_id>/v1"
+        log.info("LLM proxy started", url=proxy.url, models=proxy.models, attempt_url=attempt_url)
+        await stop.wait()
+        log.info("LLM proxy stopping", **asdict(proxy.stats))
+
+
+def main(settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions) -> None:
+    """Run the proxy until SIGTERM or Ctrl-C (``agl-stream llm-proxy``)."""
+    if options.workers <= 1:
+        asyncio.run(run(settings, model_list, options))
+        return
+    # The parent holds the port (bound, never listening, so the kernel hands it no connection):
+    # port 0 resolves once and every worker joins the same SO_REUSEPORT group.
+    holder = _bind(options.host, options.port, reuse_port=True)
+    child = replace(options, port=holder.getsockname()[1], workers=1, reuse_port=True)
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(target=_worker, args=(settings, list(model_list), child), name=f"llm-proxy-{i}")
+        for i in range(options.workers)
+    ]
+    for process in children:
+        process.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for process in children:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for process in children:
+        process.join()
+    holder.close()
+    failed = [p.exitcode for p in children if p.exitcode]
+    if failed:
+        raise AglError(
+            f"{len(failed)} of {len(children)} LLM proxy workers failed (exit codes {failed}); see their logs"
+        )
+
+
+def _worker(settings: Settings, model_list: list[dict[str, Any]], options: ProxyOptions) -> None:
+    configure_logging(settings.log_level, settings.log_format)  # a spawned process starts bare
+    asyncio.run(run(settings, model_list, options))

@@ -1,0 +1,156 @@
+"""Triplets and training batches in ClickHouse: the row transforms, and the sinks on the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agl_stream.batching import Batcher, BatchPolicy
+from agl_stream.codec import HEADER_SIZE, Codec
+from agl_stream.config import Settings
+from agl_stream.kafka import admin
+from agl_stream.kafka.io import Fetched, TypedProducer, make_producer
+from agl_stream.kafka.offsets import end_offsets
+from agl_stream.models import AglModel, Triplet, TripletBatch, TripletRecord
+from consumers.clickhouse_sink import TRIPLET_BATCHES, TRIPLETS, SinkGroup, TableSink
+from tests.integration.helpers import clickhouse
+
+pytestmark = pytest.mark.integration
+
+
+def record(i: int, group: str, *, reward: float | None, triplets: int = 2) -> TripletRecord:
+    return TripletRecord(
+        rollout_id=f"ro-{i:012x}",
+        attempt_id=f"at-{i:08x}",
+        group_id=group,
+        resources_id="rs-000000000001",
+        policy_version=3,
+        triplets=[
+            Triplet(
+                prompt_token_ids=[10 + k, 11, 12],
+                response_token_ids=[20 + k, 2**40],
+                response_logprobs=[-0.5, -0.25] if k == 0 else None,
+                reward=0.5 if k == 0 else None,
+                metadata={"response_id": f"r{k}"},
+                response_extra={"finish_reason": "stop"},
+            )
+            for k in range(triplets)
+        ],
+        final_reward=reward,
+        finish_time=1_700_000_000.0 + i,
+    )
+
+
+def _fetched(items: Sequence[AglModel], partition: int = 2) -> list[Fetched[memoryview]]:
+    codec = Codec.default()
+    out = []
+    for offset, item in enumerate(items):
+        raw = codec.encode(item)
+        out.append(Fetched("t", partition, offset, b"k", memoryview(raw)[HEADER_SIZE:], raw, 0))
+    return out
+
+
+def _rows(ch: Any, sql: str) -> list[dict[str, Any]]:
+    result = ch.query(sql)
+    return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
+
+
+def test_triplet_records_and_batches_become_rows_and_copies_collapse(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    records = [record(0, "g-a", reward=1.0), record(1, "g-a", reward=0.0), record(2, "g-b", reward=None, triplets=0)]
+    batcher = Batcher(BatchPolicy(max_rollouts=3, max_staleness=0), partition=2)
+    [batch] = [b for offset, r in enumerate(records) for b in batcher.add(r, offset + 7, 5.0)]
+    unrewarded = TripletBatch(batch_id="tb-none", records=[records[2]], created_time=6.0)
+    with clickhouse(settings) as ch:
+        triplets, batches = TableSink(settings, ch, TRIPLETS), TableSink(settings, ch, TRIPLET_BATCHES)
+        triplets.prepare_tables()
+        batches.prepare_tables()
+        for _ in range(2):  # a replay (or a batch the batcher sent twice) inserts again
+            triplets._insert(_fetched(records), {})
+            batches._insert(_fetched([batch, unrewarded]), {})
+        rows = _rows(ch, "SELECT * FROM agl.triplets FINAL ORDER BY rollout_id, triplet_index")
+        attempts = _rows(ch, "SELECT * FROM agl.triplet_records FINAL ORDER BY rollout_id")
+        [row, empty] = _rows(ch, "SELECT * FROM agl.batches FINAL ORDER BY created_time")
+
+    assert [(r["rollout_id"], r["triplet_index"]) for r in rows] == [
+        ("ro-000000000000", 0),
+        ("ro-000000000000", 1),
+        ("ro-000000000001", 0),
+        ("ro-000000000001", 1),
+    ]
+    first = rows[0]
+    assert (first["prompt_token_ids"], first["response_token_ids"]) == ([10, 11, 12], [20, 2**40])
+    assert (first["prompt_tokens"], first["response_tokens"]) == (3, 2)
+    assert (first["response_logprobs"], rows[1]["response_logprobs"]) == ([-0.5, -0.25], [])
+    assert (first["reward"], rows[1]["reward"], first["final_reward"]) == (0.5, None, 1.0)
+    assert first["metadata"] == '{"response_id":"r0"}' and first["prompt_extra"] is None
+    assert (first["group_id"], first["resources_id"], first["policy_version"]) == ("g-a", "rs-000000000001", 3)
+    assert (first["kafka_partition"], first["kafka_offset"]) == (2, 0)
+
+    assert [(a["rollout_id"], a["n_triplets"], a["prompt_tokens"], a["response_tokens"]) for a in attempts] == [
+        ("ro-000000000000", 2, 6, 4),
+        ("ro-000000000001", 2, 6, 4),
+        ("ro-000000000002", 0, 0, 0),  # no triplets: no triplets rows, but the attempt is here
+    ]
+    assert [a["final_reward"] for a in attempts] == [1.0, 0.0, None]
+
+    assert row["batch_id"] == batch.batch_id and row["sequence"] == 1 and row["source_partition"] == 2
+    assert (row["n_records"], row["n_triplets"], row["n_tokens"]) == (3, 4, 20)
+    assert row["group_ids"] == ["g-a", "g-b"] and row["mean_final_reward"] == 0.5
+    assert row["rollout_ids"] == [r.rollout_id for r in records]
+    assert row["attempt_ids"] == [r.attempt_id for r in records]
+    assert (row["input_offsets"], row["input_position"]) == ([7, 8, 9], 10)
+    assert (row["min_policy_version"], row["max_policy_version"], row["newest_policy_version"]) == (3, 3, 3)
+    assert (row["group_size"], row["incomplete_groups"], row["dropped_offsets"]) == (None, 0, [])
+    assert (row["created_time"], row["kafka_partition"], row["kafka_offset"]) == (5.0, 2, 0)
+    assert empty["batch_id"] == "tb-none" and empty["mean_final_reward"] is None
+
+
+async def test_the_sinks_materialize_triplets_and_batches_from_the_topics(settings: Settings) -> None:
+    await admin.apply(settings)
+    records = [record(i, f"g-{i % 3}", reward=float(i)) for i in range(12)]
+    batch = TripletBatch(
+        batch_id="tb-x", records=records[:4], created_time=1.0, n_tokens=80, sequence=1, source_partition=0
+    )
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        typed = TypedProducer(producer)
+        await typed.send_many(settings.topic("triplets"), [(r.group_id, r) for r in records])
+        # The same batch twice, as after a lost acknowledgement: one row.
+        await typed.send_many(settings.topic("triplet-batches"), [(batch.batch_id, batch), (batch.batch_id, batch)])
+    finally:
+        await producer.stop()
+    targets: dict[str, dict[int, int]] = {}
+    for spec in (TRIPLETS, TRIPLET_BATCHES):
+        topic = settings.topic(spec.topic)
+        targets[topic] = {tp.partition: offset for tp, offset in (await end_offsets(settings, topic)).items()}
+    applied: dict[str, dict[int, int]] = {topic: {} for topic in targets}
+    done = asyncio.Event()
+
+    def on_applied(topic: str, offsets: Mapping[int, int]) -> None:
+        applied[topic].update(offsets)
+        if all(applied[t].get(p, 0) >= o for t, ends in targets.items() for p, o in ends.items()):
+            done.set()
+
+    sinks = SinkGroup(settings, (TRIPLETS, TRIPLET_BATCHES), on_applied=on_applied)
+    task = asyncio.create_task(sinks.run())
+    try:
+        await asyncio.wait_for(done.wait(), timeout=120)
+    finally:
+        sinks.stop()
+        await asyncio.wait_for(task, timeout=60)
+
+    with clickhouse(settings) as ch:
+        db = settings.clickhouse_database
+        counts = ch.query(
+            f"SELECT (SELECT count() FROM {db}.triplets FINAL), (SELECT count() FROM {db}.triplet_records FINAL), "
+            f"(SELECT count() FROM {db}.batches FINAL)"
+        ).result_rows
+        [row] = _rows(ch, f"SELECT * FROM {db}.batches FINAL")
+    assert counts == [(24, 12, 1)]
+    assert row["batch_id"] == "tb-x" and row["n_records"] == 4 and row["mean_final_reward"] == 1.5
