@@ -26,3 +26,15 @@ async def chatty(task: dict[str, Any]) -> float:
             span.set_attribute("gen_ai.prompt", _PAYLOAD)
             span.set_attribute("step", i)
     return 1.0
+
+
+@rollout
+async def ten_calls(task: dict[str, Any]) -> float:
+    """Ten LLM-call spans shaped like the proxy's (token ids, response id, logprobs), then a reward."""
+    tracer = trace.get_tracer("bench")
+    for call in range(10):
+        with tracer.start_as_current_span("openai.chat.completion") as span:
+            span.set_attribute("gen_ai.response.id", f"chatcmpl-{task['i']}-{call}")
+            span.set_attribute("prompt_token_ids", list(range(100 + call, 164 + call)))
+            span.set_attribute("response_token_ids", list(range(16)))
+    return 1.0
