@@ -21,7 +21,7 @@ def sink(
     batch_size: Annotated[int, typer.Option(min=1, help="Most span rows per INSERT.")] = 10_000,
     flush_ms: Annotated[int, typer.Option(min=1, help="Longest wait to fill a span batch, in ms.")] = 200,
 ) -> None:
-    """Run the ClickHouse sinks (spans, rollout states, resources, workers) until SIGTERM or Ctrl-C.
+    """Run the ClickHouse sinks (spans, rollout states, resources, workers, triplets, batches) until SIGTERM.
 
     The gateway runs the same sinks plus the query API; run this only without a gateway.
 
