@@ -11,7 +11,7 @@ AGL := $(BIN)/agl-stream
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,model]'
+	$(BIN)/python -m pip install -q -e '.[dev,train]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -23,7 +23,7 @@ jars: venv
 # The test suite starts its own broker on free ports in a temporary folder and stops it
 # (tests/conftest.py); set AGL_KAFKA_BOOTSTRAP to run it against an existing cluster.
 test: venv jars
-	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks
+	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider
 

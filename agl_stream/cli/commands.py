@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
 
     app.add_typer(schemas_app, name="schemas", help="Snapshot schema versions; check compatibility")
 
-    from agl_stream.cli.roles_cmd import processor, runner, triplets
+    from agl_stream.cli.roles_cmd import processor, runner, trainer, triplets
     from agl_stream.cli.stack_cmd import down, status, up
 
     app.command("up")(up)
@@ -33,6 +33,7 @@ def register(app: typer.Typer) -> None:
     app.command("processor")(processor)
     app.command("runner")(runner)
     app.command("triplets")(triplets)
+    app.command("trainer")(trainer)
     from agl_stream.cli.batcher_cmd import batcher
 
     app.command("batcher")(batcher)

@@ -1,0 +1,103 @@
+"""The trainer against a real broker: every batch trained once across kill -9, bad batches dead-lettered."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from agl_stream.codec import Codec
+from agl_stream.config import Settings
+from agl_stream.kafka import admin
+from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.models import DlqRecord, ResourcesUpdate, Triplet, TripletBatch, TripletRecord
+from tests.integration.helpers import read_topic, start_role, stop_role
+
+pytestmark = pytest.mark.integration
+
+
+def _batch(index: int, *, empty: bool = False, version: int | None = 0) -> TripletBatch:
+    records = [
+        TripletRecord(
+            rollout_id=f"ro-{index:04d}{member:08d}",
+            attempt_id=f"at-{index:04d}{member:04d}",
+            group_id=f"g-{index}",
+            policy_version=version,
+            triplets=[
+                Triplet(
+                    prompt_token_ids=[2, 10 + member, 11, 1],
+                    response_token_ids=[] if empty else [20 + member, 21, 1],
+                    reward=float(member % 2),
+                )
+            ],
+            final_reward=float(member % 2),
+            finish_time=1.0,
+        )
+        for member in range(4)
+    ]
+    return TripletBatch(
+        batch_id=f"tb-{index:04d}",
+        records=records,
+        created_time=1.0,
+        min_policy_version=version,
+        max_policy_version=version,
+    )
+
+
+def _progress(root: Path) -> dict:  # type: ignore[type-arg]
+    path = root / "progress.json"
+    return json.loads(path.read_text()) if path.exists() else {"trained": [], "skipped": []}
+
+
+def _wait_progress(root: Path, process: subprocess.Popen[bytes], done: int, timeout: float = 120) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout
+    while True:
+        progress = _progress(root)
+        if len(progress["trained"]) + len(progress.get("skipped", [])) >= done:
+            return progress
+        assert process.poll() is None, "the trainer exited"
+        assert time.monotonic() < deadline, f"trainer progress stuck at {progress}"
+        time.sleep(0.05)  # another process's progress file
+
+
+async def test_a_killed_trainer_trains_every_batch_exactly_once(settings: Settings, tmp_path: Path) -> None:
+    await admin.apply(settings)
+    good = [_batch(i) for i in range(8)]
+    bad = [_batch(100, empty=True), _batch(101, version=99)]  # empty responses; a version from the future
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        typed = TypedProducer(producer)
+        # All into one partition (one key), in this order: bad ones in the middle.
+        for batch in good[:3] + bad + good[3:]:
+            await typed.send(settings.topic("triplet-batches"), batch, key="p0")
+    finally:
+        await producer.stop()
+    root = tmp_path / "checkpoints"
+    trainer = start_role(settings, "trainer", "--checkpoints", str(root), "--lr", "0.01", log_name="trainer")
+    try:
+        _wait_progress(root, trainer, 4)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        trainer = start_role(settings, "trainer", "--checkpoints", str(root), "--lr", "0.01", log_name="trainer2")
+        progress = _wait_progress(root, trainer, 10)
+    finally:
+        stop_role(trainer, timeout=60)
+    assert progress["trained"] == [b.batch_id for b in good]  # no duplicates, no gaps, in order
+    assert sorted(progress["skipped"]) == ["tb-0100", "tb-0101"]
+    assert progress["policy_version"] == 8 and (root / "v8").is_dir()
+    codec = Codec.default()
+    dlq = [codec.decode(r.value, DlqRecord) for r in await read_topic(settings, settings.topic("dlq"), 2)]
+    reasons = " | ".join(d.reason for d in dlq)
+    assert "future" in reasons or "version 99" in reasons
+    assert len(dlq) >= 2
+    published = [
+        codec.decode(r.value, ResourcesUpdate) for r in await read_topic(settings, settings.topic("resources"), 9)
+    ]
+    versions = sorted({u.version for u in published})
+    assert versions[-1] == 8 and 0 in versions
