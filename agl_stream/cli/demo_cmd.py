@@ -1,6 +1,6 @@
-"""``agl-stream demo``: the main job on a local stack.
+"""``agl-stream demo``: the main job, the RL loop on CPU (:mod:`agl_stream.demo.loop`).
 
-Today it is the smoke pipeline: start the broker (unless AGL_KAFKA_BOOTSTRAP is set), create
+``--smoke`` runs the backbone's smoke pipeline instead: start the broker (unless AGL_KAFKA_BOOTSTRAP is set), create
 the topics, run the ClickHouse sink, produce synthetic spans, wait until the sink has applied
 all of them (an offset fence, not a sleep), stop everything it started, then show counts and
 SQL results from ClickHouse.
@@ -100,11 +100,38 @@ def _show_results(settings: Settings) -> None:
 
 def demo(
     ctx: typer.Context,
-    spans: Annotated[int, typer.Option(min=1, help="How many synthetic spans to push through.")] = 5_000,
-    keep_broker: Annotated[bool, typer.Option(help="Leave the local broker running afterwards.")] = False,
+    versions: Annotated[int, typer.Option(min=1, help="Stop once the trainer published this many new policies.")] = 20,
+    minutes: Annotated[float, typer.Option(min=0.5, help="Stop after this long in any case.")] = 8.0,
+    smoke: Annotated[bool, typer.Option(help="Run the backbone smoke pipeline (synthetic spans) instead.")] = False,
+    spans: Annotated[int, typer.Option(min=1, help="With --smoke: how many synthetic spans to push through.")] = 5_000,
+    keep_broker: Annotated[bool, typer.Option(help="With --smoke: leave the local broker running.")] = False,
 ) -> None:
-    """Run the main job on a local stack and stop everything it started."""
+    """The main job: train a tiny policy from random weights with the whole RL loop, on CPU.
+
+    Starts every role as a process (broker, rollout processor, gateway with the embedded
+    ClickHouse, triplet builder, batcher, trainer, CPU inference backend, LLM proxy, runner),
+    runs rounds of the toy task (answer with digits; reward = the answer's digit fraction) while
+    the trainer trains, shows the mean reward per policy version from SQL on ClickHouse, and
+    stops everything it started.
+    """
     settings = settings_of(ctx)
+    if smoke:
+        _run_smoke(settings, spans, keep_broker)
+        return
+    from agl_stream.demo import loop
+
+    # A fresh topic prefix per run: the loop starts from random weights and empty topics.
+    run = f"demo{int(time.time())}"
+    settings = settings.model_copy(update={"topic_prefix": run, "gateway_port": 0, "data_dir": settings.data_dir / run})
+    with loop.running_loop(settings, console) as running:
+        result = asyncio.run(loop.drive(running, console, versions=versions, minutes=minutes))
+    loop.show(result, console)
+    first, last = result.first_and_last()
+    if len(result.versions) < 2 or last <= first:
+        console.print("[yellow]the reward did not rise in this run; see the logs under[/] " + str(settings.data_dir))
+
+
+def _run_smoke(settings: Settings, spans: int, keep_broker: bool) -> None:
     started_broker = False
     if settings.uses_local_broker:
         info = broker.start(settings)

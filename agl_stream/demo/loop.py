@@ -1,0 +1,206 @@
+"""The RL loop of ``agl-stream demo``: every role as its own process, driven and watched from here.
+
+Started in order: the local stack (broker unless AGL_KAFKA_BOOTSTRAP, topics, rollout processor,
+gateway with the embedded ClickHouse), the triplet builder, the batcher (GRPO groups of
+``GROUP`` samples), the trainer (publishes policy version 0 at once), the CPU inference backend
+(loads every published version), the LLM proxy, and a runner with the toy agent
+(:mod:`agl_stream.demo.task`). This process enqueues rounds of task groups while the trainer
+trains (asynchronous RL: rollouts never wait for training), shows progress, and reads the
+reward per policy version back from ClickHouse with SQL. Everything it started is stopped at
+the end, also on Ctrl-C or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from agl_stream import stack
+from agl_stream.config import Settings
+from agl_stream.demo.task import PROMPTS
+from agl_stream.kafka import broker
+from agl_stream.processes import start_role, stop_role
+from agl_stream.store.client import AglStore
+
+GROUP = 8  # samples per task: one GRPO group
+GROUPS_PER_ROUND = 4  # one batch = one round: 32 rollouts
+MODEL = "agl-tiny"
+
+REWARD_BY_VERSION = (
+    "SELECT policy_version, count() AS rollouts, round(avg(final_reward), 3) AS mean_reward "
+    "FROM {db}.triplet_records FINAL WHERE policy_version IS NOT NULL "
+    "GROUP BY policy_version ORDER BY policy_version"
+)
+
+
+@dataclass
+class DemoResult:
+    versions: list[tuple[int, int, float]]  # (policy version, rollouts, mean reward)
+    seconds: float
+    rollouts: int
+
+    def first_and_last(self, window: int = 3) -> tuple[float, float]:
+        rewards = [r for _, _, r in self.versions]
+        head, tail = rewards[:window], rewards[-window:]
+        return sum(head) / max(len(head), 1), sum(tail) / max(len(tail), 1)
+
+
+def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        if process.poll() is not None:
+            raise RuntimeError(f"{log.stem} exited; its log ends with:\n{log.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{log.stem} did not answer {url} within {timeout:.0f}s (log: {log})")
+        time.sleep(0.2)  # another process starting up
+
+
+@contextlib.contextmanager
+def running_loop(settings: Settings, console: Console) -> Iterator[Settings]:
+    """Start every role; stop them all on the way out."""
+    started: list[subprocess.Popen[bytes]] = []
+    logs = settings.data_dir / "logs"
+    with console.status("starting the local stack (broker, topics, processor, gateway) ..."):
+        stack.up(settings, training=False)
+    try:
+        running = stack.local_stack_settings(settings)
+        model_port, proxy_port = broker.free_ports(2)
+        proxy_url = f"http://127.0.0.1:{proxy_port}/v1"
+
+        def role(*args: str, name: str) -> subprocess.Popen[bytes]:
+            process = start_role(running, *args, log_path=logs / f"{name}.log")
+            started.append(process)
+            return process
+
+        with console.status("starting the triplet builder, batcher, trainer, model, proxy and runner ..."):
+            role("triplets", "--settle", "2", name="triplets")
+            role(
+                "batcher",
+                "--group-size",
+                str(GROUP),
+                "--max-rollouts",
+                str(GROUP * GROUPS_PER_ROUND),
+                "--linger",
+                "5",
+                name="batcher",
+            )
+            role(
+                "trainer",
+                "--checkpoints",
+                str(settings.data_dir / "checkpoints"),
+                "--model-name",
+                MODEL,
+                "--proxy-endpoint",
+                proxy_url,
+                name="trainer",
+            )
+            model = role("inference", "--port", str(model_port), "--model-name", MODEL, name="inference")
+            _wait_http(f"http://127.0.0.1:{model_port}/health", model, logs / "inference.log")
+            proxy = role(
+                "llm-proxy",
+                "--port",
+                str(proxy_port),
+                "--backend",
+                f"{MODEL}=http://127.0.0.1:{model_port}/v1",
+                name="llm-proxy",
+            )
+            _wait_http(f"http://127.0.0.1:{proxy_port}/health", proxy, logs / "llm-proxy.log")
+            role("runner", "--agent", "agl_stream.demo.task:digits", "--concurrency", "16", name="runner")
+        yield running
+    finally:
+        with console.status("stopping everything the demo started ..."):
+            for process in reversed(started):
+                stop_role(process, timeout=30)
+            stack.down(settings)
+
+
+async def _reward_by_version(store: AglStore, settings: Settings) -> list[tuple[int, int, float]]:
+    assert store.side is not None, "the store is started"
+    result = await store.side.query(REWARD_BY_VERSION.format(db=settings.clickhouse_database))
+    return [(int(v), int(n), float(r)) for v, n, r in result.rows]
+
+
+async def drive(settings: Settings, console: Console, *, versions: int, minutes: float) -> DemoResult:
+    """Enqueue rounds of task groups until the trainer published ``versions`` new policies."""
+    started = time.monotonic()
+    deadline = started + minutes * 60
+    done = 0
+    store = await AglStore(settings).start()
+    try:
+        with Progress(
+            TextColumn("[bold]policy versions"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            bar = progress.add_task("train", total=versions, status="waiting for policy version 0")
+            while (await store.get_latest_resources()) is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the trainer never published policy version 0 (see logs/trainer.log)")
+                await asyncio.sleep(0.2)  # the trainer process starting (imports torch and VERL)
+            in_flight: list[asyncio.Task[Any]] = []
+            round_no = 0
+            version = 0
+            while version < versions and time.monotonic() < deadline:
+                # Two rounds in flight: rollouts keep running while the trainer trains.
+                while len(in_flight) < 2:
+                    requests = [
+                        {
+                            "input": {"prompt": PROMPTS[(round_no + g) % len(PROMPTS)]},
+                            "mode": "train",
+                            "metadata": {"group_id": f"demo-{round_no}-{g}"},
+                        }
+                        for g in range(GROUPS_PER_ROUND)
+                        for _ in range(GROUP)
+                    ]
+                    made = await store.enqueue_many_rollouts(requests)
+                    in_flight.append(
+                        asyncio.create_task(
+                            store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=300)
+                        )
+                    )
+                    round_no += 1
+                finished = await in_flight.pop(0)
+                done += len(finished)
+                latest = await store.get_latest_resources()
+                version = latest.version if latest is not None else 0
+                rows = await _reward_by_version(store, settings)
+                last = f"v{rows[-1][0]}: reward {rows[-1][2]:.2f}" if rows else "no records yet"
+                first = f"v{rows[0][0]}: {rows[0][2]:.2f}" if rows else ""
+                progress.update(bar, completed=min(version, versions), status=f"{done} rollouts | {first} -> {last}")
+            for task in in_flight:
+                task.cancel()
+        rows = await _reward_by_version(store, settings)
+    finally:
+        await store.close()
+    return DemoResult(rows, time.monotonic() - started, done)
+
+
+def show(result: DemoResult, console: Console) -> None:
+    table = Table(title="mean reward per policy version (SQL on ClickHouse: triplet_records)")
+    for column in ("policy version", "rollouts", "mean reward"):
+        table.add_column(column, justify="right")
+    for version, rollouts, reward in result.versions:
+        table.add_row(str(version), str(rollouts), f"{reward:.3f}")
+    console.print(table)
+    first, last = result.first_and_last()
+    console.print(
+        f"{result.rollouts} rollouts in {result.seconds:.0f}s; mean reward of the first 3 versions {first:.3f}, "
+        f"of the last 3 {last:.3f}"
+    )
