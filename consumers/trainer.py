@@ -274,6 +274,7 @@ class Trainer:
         if batch.min_policy_version is not None:
             self.stats.staleness.append(float(self.progress.policy_version - 1 - batch.min_policy_version))
         await self._publish(records)
+        self._write_metrics(metrics)
         log.info(
             "trained",
             batch=batch.batch_id,
@@ -282,6 +283,27 @@ class Trainer:
             loss=round(metrics.get("loss", float("nan")), 4),
             seconds=round(time.monotonic() - started, 2),
         )
+
+    def _write_metrics(self, last_step: dict[str, float]) -> None:
+        """``metrics.json`` beside the checkpoints: how busy the trainer is and how stale its data."""
+        stats = self.stats
+        busy = stats.busy_s / max(stats.busy_s + stats.idle_s, 1e-9)
+        staleness = stats.staleness
+        body = {
+            "policy_version": self.progress.policy_version,
+            "trained_batches": stats.trained,
+            "skipped_batches": stats.skipped,
+            "tokens": stats.tokens,
+            "busy_fraction": busy,
+            "idle_fraction": 1.0 - busy,
+            "tokens_per_busy_s": stats.tokens / max(stats.busy_s, 1e-9),
+            "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "staleness_max": max(staleness) if staleness else 0.0,
+            "last_step": last_step,
+        }
+        tmp = self.root / ".metrics.json.tmp"
+        tmp.write_text(json.dumps(body, indent=1))
+        os.replace(tmp, self.root / "metrics.json")
 
     def _save_after(self, batch_id: str) -> None:
         # The checkpoint directory is complete before progress.json names it: a crash in

@@ -125,7 +125,8 @@ def demo(
     settings = settings.model_copy(update={"topic_prefix": run, "gateway_port": 0, "data_dir": settings.data_dir / run})
     with loop.running_loop(settings, console) as running:
         result = asyncio.run(loop.drive(running, console, versions=versions, minutes=minutes))
-    loop.show(result, console)
+        metrics = loop.trainer_metrics(running)
+    loop.show(result, console, metrics)
     first, last = result.first_and_last()
     if len(result.versions) < 2 or last <= first:
         console.print("[yellow]the reward did not rise in this run; see the logs under[/] " + str(settings.data_dir))

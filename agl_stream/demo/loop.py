@@ -192,7 +192,15 @@ async def drive(settings: Settings, console: Console, *, versions: int, minutes:
     return DemoResult(rows, time.monotonic() - started, done)
 
 
-def show(result: DemoResult, console: Console) -> None:
+def trainer_metrics(settings: Settings) -> dict[str, Any]:
+    """What the trainer reported last (``metrics.json`` beside its checkpoints), if anything."""
+    import json
+
+    path = settings.data_dir / "checkpoints" / "metrics.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def show(result: DemoResult, console: Console, metrics: dict[str, Any] | None = None) -> None:
     table = Table(title="mean reward per policy version (SQL on ClickHouse: triplet_records)")
     for column in ("policy version", "rollouts", "mean reward"):
         table.add_column(column, justify="right")
@@ -204,3 +212,9 @@ def show(result: DemoResult, console: Console) -> None:
         f"{result.rollouts} rollouts in {result.seconds:.0f}s; mean reward of the first 3 versions {first:.3f}, "
         f"of the last 3 {last:.3f}"
     )
+    if metrics:
+        console.print(
+            f"trainer: {metrics['trained_batches']} batches, {metrics['tokens_per_busy_s']:,.0f} tokens/s while "
+            f"training, idle {metrics['idle_fraction']:.0%} of the time (waiting for batches), data staleness "
+            f"{metrics['staleness_mean']:.2f} versions on average (max {metrics['staleness_max']:.0f})"
+        )
