@@ -40,6 +40,9 @@ def register(app: typer.Typer) -> None:
     from agl_stream.cli.inference_cmd import inference
 
     app.command("inference")(inference)
+    from agl_stream.cli.sql_cmd import sql
+
+    app.command("sql")(sql)
     from agl_stream.cli.llm_proxy_cmd import llm_proxy
 
     app.command("llm-proxy")(llm_proxy)
