@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _measure import cpu_seconds  # type: ignore[import-not-found]
 
 from agl_stream import connect, stack
 from agl_stream.config import Settings
@@ -140,11 +141,6 @@ async def _wait_http(url: str, timeout: float = 120.0) -> None:
                 await asyncio.sleep(0.1)  # a child process starting up: nothing to wait on but its port
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 async def measure(
     settings: Settings, backend_url: str, proxy_url: str, proxy_pid: int, calls: int, attempts: int
 ) -> dict[str, Any]:
@@ -192,10 +188,10 @@ async def measure(
         # CPU the proxy spends per call: unlike latency, it barely depends on what else runs here.
         cpu: dict[str, float] = {}
         for name, base in (("unrecorded", f"{proxy_url}/v1"), ("recorded", None)):
-            before = _cpu_seconds(proxy_pid)
+            before = cpu_seconds(proxy_pid)
             for i in range(calls):
                 await timed(base or urls[i % len(urls)], body)
-            cpu[name] = round(1000 * (_cpu_seconds(proxy_pid) - before) / calls, 2)
+            cpu[name] = round(1000 * (cpu_seconds(proxy_pid) - before) / calls, 2)
         health = (await client.get(f"{proxy_url}/health")).json()
     results: dict[str, Any] = {name: _percentiles(values) for name, values in samples.items()}
     results["overhead_p50_ms"] = round(results["recorded"]["p50_ms"] - results["direct"]["p50_ms"], 2)

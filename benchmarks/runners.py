@@ -18,23 +18,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from _measure import cpu_seconds  # type: ignore[import-not-found]
+
 from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
-from agl_stream.kafka.offsets import end_offsets
+from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.processes import start_role, stop_role
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _children(pid: int) -> list[int]:
@@ -44,26 +40,20 @@ def _children(pid: int) -> list[int]:
     return children
 
 
-async def _spans_fence(settings: Settings) -> dict[str, dict[int, int]]:
-    topic = settings.topic("spans")
-    ends = await end_offsets(settings, topic)
-    return {topic: {tp.partition: end - 1 for tp, end in ends.items() if end > 0}}
-
-
 async def _phase(
     settings: Settings, inputs: list[dict[str, Any]], timeout: float, processes: dict[str, int]
 ) -> dict[str, Any]:
     async with connect(**settings.model_dump(exclude_none=True)) as store:
-        cpu_before = {name: _cpu_seconds(pid) for name, pid in processes.items()}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
         started = time.perf_counter()
         made = []
         for start in range(0, len(inputs), 500):
             made += await store.enqueue_many_rollouts([{"input": i} for i in inputs[start : start + 500]])
         finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=timeout)
         finished_at = time.perf_counter()
-        await store.side.query("SELECT 1", fence=await _spans_fence(settings), timeout=timeout)
+        await store.side.query("SELECT 1", fence=await fence_at_end(settings, "spans"), timeout=timeout)
         queryable_at = time.perf_counter()
-        cpu = {name: round(_cpu_seconds(pid) - cpu_before[name], 2) for name, pid in processes.items()}
+        cpu = {name: round(cpu_seconds(pid) - cpu_before[name], 2) for name, pid in processes.items()}
         table = f"{settings.clickhouse_database}.otel_traces"
         counted = await store.side.query(
             f"SELECT count() FROM {table} WHERE RolloutId IN {{ids:Array(String)}}",

@@ -26,6 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _measure import cpu_seconds, percentile  # type: ignore[import-not-found]
+
 from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
@@ -39,16 +41,6 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def _spans(rollout_id: str, attempt_id: str, count: int) -> list[Span]:
@@ -132,7 +124,7 @@ async def run(
         # Join the claimers' consumer group before the clock starts: a one-time cost per worker.
         await asyncio.gather(*(s.dequeue_rollout(worker_id="warm-up") for s in stores[1:]))
         started = time.perf_counter()
-        cpu_before = {name: _cpu_seconds(pid) for name, pid in processes.items()}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
         tasks = [
             asyncio.create_task(worker(s, f"w{i}-{j}"))
             for i, s in enumerate(stores[1:])
@@ -142,7 +134,7 @@ async def run(
         await done.wait()
         elapsed = time.perf_counter() - started
         # Where the two cores went: CPU seconds per process over the measured run.
-        cpu = {name: round(_cpu_seconds(pid) - cpu_before[name], 2) for name, pid in processes.items()}
+        cpu = {name: round(cpu_seconds(pid) - cpu_before[name], 2) for name, pid in processes.items()}
         await probe(stores[0])
         stop.set()
         for task in tasks:
@@ -172,14 +164,14 @@ async def run(
         "cpu_ms_per_rollout": sum(cpu.values()) / rollouts * 1e3,
         "spans_per_s": rollouts * spans / elapsed,
         "enqueue_to_claim_ms_idle_queue": {
-            "p50": _percentile(probe_latency, 0.5) * 1e3,
-            "p99": _percentile(probe_latency, 0.99) * 1e3,
+            "p50": percentile(probe_latency, 0.5) * 1e3,
+            "p99": percentile(probe_latency, 0.99) * 1e3,
         },
         "enqueue_to_claim_ms_backlog": {
-            "p50": _percentile(claim_latency, 0.5) * 1e3,
-            "p99": _percentile(claim_latency, 0.99) * 1e3,
+            "p50": percentile(claim_latency, 0.5) * 1e3,
+            "p99": percentile(claim_latency, 0.99) * 1e3,
         },
-        "read_after_write_ms": {"p50": _percentile(raw, 0.5) * 1e3, "p99": _percentile(raw, 0.99) * 1e3},
+        "read_after_write_ms": {"p50": percentile(raw, 0.5) * 1e3, "p99": percentile(raw, 0.99) * 1e3},
         "processor_rss_mb": rss,
         "processor_rss_growth_mb": rss[-1][1] - statistics.median(v for _, v in rss[1:3]) if len(rss) > 2 else 0.0,
     }

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _measure import percentile  # type: ignore[import-not-found]
 from aiokafka import AIOKafkaConsumer
 
 from agl_stream import connect, stack
@@ -28,11 +29,6 @@ from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.models import TripletRecord
 from agl_stream.processes import start_role, stop_role
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def _measure(settings: Settings, rollouts: int, rate: float) -> dict[str, Any]:
@@ -73,8 +69,8 @@ async def _measure(settings: Settings, rollouts: int, rate: float) -> dict[str, 
         "rollouts_per_s": len(made) / elapsed,
         "llm_calls_per_s": 10 * len(made) / elapsed,
         "finish_to_record_ms": {
-            "p50": _percentile(values, 0.5) * 1e3,
-            "p99": _percentile(values, 0.99) * 1e3,
+            "p50": percentile(values, 0.5) * 1e3,
+            "p99": percentile(values, 0.99) * 1e3,
             "max": max(values) * 1e3 if values else float("nan"),
         },
     }

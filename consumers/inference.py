@@ -42,9 +42,8 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -60,6 +59,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from agl_stream.config import Settings
+from agl_stream.http_serving import QuietServer, listen
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.policy import Generation, StepToken, build_model, build_tokenizer, generate, load_checkpoint
@@ -343,7 +343,7 @@ class InferenceServer:
         self._reload = asyncio.Event()
         self._version_changed = asyncio.Condition()
         self._ready = asyncio.Event()
-        self._server: _Server | None = None
+        self._server: QuietServer | None = None
         self.app = create_app(self)
 
     def _initial_policy(self) -> Policy:
@@ -434,14 +434,14 @@ class InferenceServer:
                 await self.cache.start()  # catches up: the newest published checkpoint is known now
                 await self._load_wanted()
                 tasks.append(asyncio.create_task(self._reloader(), name="inference:reloader"))
-            sock = _listen(self.options.host, self.options.port)
+            sock = listen(self.options.host, self.options.port)
             host, port = sock.getsockname()[:2]
             url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             self.url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
             config = uvicorn.Config(
                 self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
             )
-            self._server = _Server(config)
+            self._server = QuietServer(config)
             self._server.should_exit = self.stopping
             server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="inference:http")
             self._ready.set()
@@ -477,26 +477,6 @@ def _local_path(uri: str) -> Path:
     if parsed.scheme in ("", "file"):
         return Path(parsed.path if parsed.scheme else uri)
     raise ValueError(f"only local checkpoint directories are supported, got {uri!r}")
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the server decides when it stops."""
-
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Without it small responses wait for the client's delayed ACK (~40 ms each; see the gateway).
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
 
 
 # -- request handling -------------------------------------------------------------------------

@@ -42,7 +42,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -58,6 +57,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
+from agl_stream.http_serving import QuietServer, bind, listen
 from agl_stream.llm_calls import (
     CHAT,
     COMPLETION,
@@ -722,40 +722,6 @@ def create_app(proxy: LLMProxy) -> FastAPI:
     return app
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: whoever runs the proxy decides when it stops."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    # Accepted connections inherit it; without it a response can wait for the client's delayed
-    # ACK (~40 ms, measured on the gateway), eight times the proxy's whole overhead budget.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        raise AglError(
-            f"cannot listen on {host}:{port} ({error}); choose another --port (0 picks a free one)"
-        ) from error
-    return sock
-
-
-def _listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
-    sock = _bind(host, port, reuse_port=reuse_port)
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 @contextlib.asynccontextmanager
 async def serving(
     settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions | None = None
@@ -763,7 +729,7 @@ async def serving(
     """Run the proxy on ``options.host:port`` (0: a free port) until the block exits; ``proxy.url`` is its URL."""
     options = options or ProxyOptions()
     proxy = LLMProxy(settings, model_list, options)
-    sock = _listen(options.host, options.port, reuse_port=options.reuse_port)  # a taken port fails fast
+    sock = listen(options.host, options.port, reuse_port=options.reuse_port)  # a taken port fails fast
     try:
         await proxy.start()
     except BaseException:
@@ -775,7 +741,7 @@ async def serving(
     config = uvicorn.Config(
         create_app(proxy), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
     )
-    server = _Server(config)
+    server = QuietServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="llm-proxy:http")
     try:
         # The socket already listens: clients connecting now queue until uvicorn accepts them.
@@ -807,7 +773,7 @@ def main(settings: Settings, model_list: Sequence[Mapping[str, Any]], options: P
         return
     # The parent holds the port (bound, never listening, so the kernel hands it no connection):
     # port 0 resolves once and every worker joins the same SO_REUSEPORT group.
-    holder = _bind(options.host, options.port, reuse_port=True)
+    holder = bind(options.host, options.port, reuse_port=True)
     child = replace(options, port=holder.getsockname()[1], workers=1, reuse_port=True)
     context = multiprocessing.get_context("spawn")
     children = [

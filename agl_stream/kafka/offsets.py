@@ -86,3 +86,14 @@ async def wait_for_group(
             await asyncio.sleep(poll_interval)
     finally:
         await admin.close()
+
+
+async def fence_at_end(settings: Settings, topic_name: str) -> dict[str, dict[int, int]]:
+    """A read fence covering every record written to a topic so far (the last one of each partition).
+
+    For readers of records other processes wrote: a query behind it sees all of them.
+    ``topic_name`` is the short name (``"spans"``); the fence uses the full one.
+    """
+    topic = settings.topic(topic_name)
+    ends = await end_offsets(settings, topic)
+    return {topic: {tp.partition: end - 1 for tp, end in ends.items() if end > 0}}

@@ -20,10 +20,10 @@ import pytest
 from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM
 from agl_stream.policy import build_tokenizer
 from tests.integration.helpers import start_role, stop_role
-from tests.integration.test_runner import _spans_fence
 from tests.integration.test_triplet_builder import _records_covering
 
 pytestmark = pytest.mark.integration
@@ -95,7 +95,7 @@ async def test_an_agents_model_calls_become_exact_triplets(training_stack: Setti
                 r.rollout_id: r for r in await _records_covering(training_stack, {r.rollout_id for r in made}, 120)
             }
             tokenizer = build_tokenizer()
-            await store.side.query("SELECT 1", fence=await _spans_fence(training_stack))  # spans are queryable
+            await store.side.query("SELECT 1", fence=await fence_at_end(training_stack, "spans"))  # spans are queryable
             for rollout in made:
                 record = records[rollout.rollout_id]
                 question = rollout.input["question"]  # type: ignore[index]

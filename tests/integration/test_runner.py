@@ -19,7 +19,7 @@ import pytest
 
 from agl_stream import connect, stack
 from agl_stream.config import Settings
-from agl_stream.kafka.offsets import end_offsets
+from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import RolloutConfig
 from tests.integration.helpers import start_role, stop_role
 
@@ -56,13 +56,6 @@ async def _until(check: Callable[[], Awaitable[bool]], timeout: float, what: str
         await asyncio.sleep(0.05)
 
 
-async def _spans_fence(settings: Settings) -> dict[str, dict[int, int]]:
-    """A read fence covering every span written so far (the last record of each partition)."""
-    topic = settings.topic("spans")
-    ends = await end_offsets(settings, topic)
-    return {topic: {tp.partition: end - 1 for tp, end in ends.items() if end > 0}}
-
-
 async def test_500_rollouts_across_4_runner_processes(own_stack: Settings) -> None:
     runners = _runner(own_stack, "--workers", "4", "--concurrency", "8", name="runners")
     try:
@@ -77,7 +70,7 @@ async def test_500_rollouts_across_4_runner_processes(own_stack: Settings) -> No
                 "SELECT RolloutId, AttemptId, groupArray(SequenceId) AS seqs, groupArray(SpanName) AS names, "
                 f"count() AS n FROM {table} WHERE RolloutId IN {{ids:Array(String)}} GROUP BY RolloutId, AttemptId",
                 {"ids": ids},
-                fence=await _spans_fence(own_stack),
+                fence=await fence_at_end(own_stack, "spans"),
                 timeout=60,
             )
             rows = result.dicts()
@@ -110,7 +103,7 @@ async def test_an_agent_that_raises_fails_the_attempt_and_is_retried(own_stack: 
             assert final.status == "failed"
             attempts = await store.query_attempts(rollout.rollout_id)
             assert [(a.sequence_id, a.status) for a in attempts] == [(1, "failed"), (2, "failed")]
-            fence = await _spans_fence(own_stack)
+            fence = await fence_at_end(own_stack, "spans")
             for attempt in attempts:
                 await store.side.query("SELECT 1", fence=fence)
                 spans = await store.query_spans(rollout.rollout_id, attempt.attempt_id)
@@ -191,7 +184,7 @@ async def test_a_sync_agent_runs_in_a_thread_and_is_traced(own_stack: Settings) 
             rollouts = await store.enqueue_many_rollouts([{"input": {"n": n}} for n in range(6)])
             finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in rollouts], timeout=60)
             assert [r.status for r in finished] == ["succeeded"] * 6
-            await store.side.query("SELECT 1", fence=await _spans_fence(own_stack))
+            await store.side.query("SELECT 1", fence=await fence_at_end(own_stack, "spans"))
             spans = await store.query_spans(rollouts[0].rollout_id, "latest")
             assert [s.name for s in spans] == ["sync.step", "agentlightning.annotation"]
             assert [s.sequence_id for s in spans] == [1, 2]
@@ -217,7 +210,7 @@ async def test_resources_come_from_the_rollouts_snapshot_or_the_latest(own_stack
             latest = await store.enqueue_rollout({"expected_model": "v2"})
             finished = await store.wait_for_rollouts(rollout_ids=[pinned.rollout_id, latest.rollout_id], timeout=60)
             assert [r.status for r in finished] == ["succeeded", "succeeded"]
-            await store.side.query("SELECT 1", fence=await _spans_fence(own_stack))
+            await store.side.query("SELECT 1", fence=await fence_at_end(own_stack, "spans"))
             messages = {}
             for rollout in finished:
                 spans = await store.query_spans(rollout.rollout_id, "latest")
