@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeAlias, cast
 
 from agl_stream.models import OtelResource, Span, SpanStatus
 from agl_stream.models.spans import Attributes, AttributeScalar
+from agl_stream.semconv import POLICY_VERSION
 
 __all__ = [
     "CHAT",
@@ -473,6 +474,7 @@ class LLMCall:
     error: CallError | None = None
     stream: bool = False
     backend: str | None = None
+    policy_version: int | None = None  # the version the backend says answered (vLLM says none)
 
 
 def _is_attribute_number(value: Any) -> bool:
@@ -551,7 +553,19 @@ def span_attributes(call: LLMCall) -> Attributes:
     if call.error is not None:
         attributes["error.type"] = call.error.type
         attributes["http.response.status_code"] = call.error.status
+    if call.policy_version is not None:
+        attributes[POLICY_VERSION] = call.policy_version
     return attributes
+
+
+def policy_version_of_header(value: str | None) -> int | None:
+    """The policy version a backend named in :data:`POLICY_VERSION_HEADER`; None if absent or not a number."""
+    if value is None:
+        return None
+    try:
+        return int(value.strip())
+    except ValueError:
+        return None
 
 
 def build_span(

@@ -59,6 +59,15 @@ AGL_VIRTUAL = "agentlightning.virtual"
 PRIMARY_REWARD_NAME = "primary"
 """Dimension name given to a reward emitted as a bare number."""
 
+POLICY_VERSION = "agentlightning.policy_version"
+"""agl-stream's own span attribute: the policy version that produced the span. Runners set it on
+every span of an attempt (the version of the resources snapshot the attempt runs with); the LLM
+proxy sets it on a call's span from the version the inference backend reports for that answer
+(``x-agl-policy-version``), which is exact even while a new checkpoint is loading."""
+
+POLICY_VERSION_HEADER = "x-agl-policy-version"
+"""HTTP response header by which an inference backend names the policy version that answered."""
+
 
 class LightningResourceAttributes(str, Enum):
     """Resource attributes that tie a span to its rollout, attempt and position in the attempt."""

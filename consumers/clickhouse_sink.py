@@ -178,7 +178,15 @@ TRIPLET_BATCHES = SinkSpec(
     batch_size=50,
     flush_ms=0,
 )
-SPECS: tuple[SinkSpec, ...] = (SPANS, ROLLOUT_STATE, RESOURCES, WORKERS, TRIPLETS, TRIPLET_BATCHES)
+TRAINER_STEPS = SinkSpec(
+    "clickhouse-trainer-steps",
+    "trainer-metrics",
+    "agl.TrainerStep",
+    (Target("trainer_steps", "trainer_steps.sql"),),
+    ingest="trainer_steps",
+    flush_ms=0,
+)
+SPECS: tuple[SinkSpec, ...] = (SPANS, ROLLOUT_STATE, RESOURCES, WORKERS, TRIPLETS, TRIPLET_BATCHES, TRAINER_STEPS)
 
 
 def ingest_ddl(spec: SinkSpec, database: str, fingerprint_hex: str, record_schema: dict[str, Any]) -> list[str]:

@@ -63,12 +63,13 @@ from agl_stream.http_serving import QuietServer, listen
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.policy import Generation, StepToken, build_model, build_tokenizer, generate, load_checkpoint
+from agl_stream.semconv import POLICY_VERSION_HEADER
 from agl_stream.store.resources_cache import ResourcesCache
 
 log = get_logger("agl.inference")
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-VERSION_HEADER = "x-agl-policy-version"
+VERSION_HEADER = POLICY_VERSION_HEADER
 
 
 # -- the loaded policy and the generation worker ---------------------------------------------

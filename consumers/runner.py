@@ -224,11 +224,14 @@ class Runner:
         snapshot = await self.resources.get(rollout.resources_id)
         # The snapshot the attempt runs with is recorded on it: a rollout enqueued without
         # resources runs with whatever is latest now, and training must know which policy that was.
-        metadata = {"resources_id": snapshot.resources_id} if snapshot is not None else None
+        version = snapshot.policy_version if snapshot is not None else None
+        metadata: dict[str, Any] | None = None
+        if snapshot is not None:
+            metadata = {"resources_id": snapshot.resources_id, "policy_version": version}
         _, first_id = await self.store.start_running(rid, aid, reserve_sequence_ids=SEQUENCE_BLOCK, metadata=metadata)
         status = "succeeded"
         returned: list[Any] = []
-        async with self.tracer.attempt(rid, aid, first_sequence_id=first_id) as trace:
+        async with self.tracer.attempt(rid, aid, first_sequence_id=first_id, policy_version=version) as trace:
             await self._hooks("on_trace_start", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
             try:
                 result = await self._call_agent(rollout, snapshot)

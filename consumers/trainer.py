@@ -39,7 +39,7 @@ from agl_stream.errors import AglError, CodecError
 from agl_stream.ids import new_resources_id
 from agl_stream.kafka.io import DeadLetters, Rejected, TypedProducer, make_producer
 from agl_stream.logs import get_logger
-from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TripletBatch
+from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TrainerStep, TripletBatch
 
 log = get_logger("agl.trainer")
 
@@ -97,6 +97,7 @@ class Progress:
 @dataclass
 class TrainerOptions:
     checkpoints: Path
+    backend: str = "torch"  # "torch" or "verl" (agl_stream.training: open_backend)
     model_name: str = "agl-tiny"
     proxy_endpoint: str | None = None  # published as the ProxyLLM runners call; None: none published
     lr: float = 1e-2  # the tiny policy learns at about 1e-2 (VERL's 1e-6 is for large models)
@@ -105,6 +106,7 @@ class TrainerOptions:
     max_prompt_length: int | None = None
     max_response_length: int | None = None
     max_batches: int | None = None  # stop after training this many (tests, scripted runs)
+    batches_topic: str | None = None  # full topic name; None: <prefix>.triplet-batches (live data)
 
 
 @dataclass
@@ -134,6 +136,8 @@ class Trainer:
         from agl_stream.policy import build_model, build_tokenizer
         from agl_stream.training.backend import TorchPolicyBackend
 
+        if self.options.backend != "torch":
+            raise AglError(f"policy backend {self.options.backend!r} is not available in this build; use torch")
         if self.progress.checkpoint is not None:
             self.backend = TorchPolicyBackend.load(self.root / self.progress.checkpoint)
             log.info("resumed", checkpoint=self.progress.checkpoint, trained=len(self.progress.trained))
@@ -179,7 +183,7 @@ class Trainer:
         await producer.start()
         records = TypedProducer(producer, self.codec)
         dead_letters = DeadLetters(self.settings, producer, PROCESSOR, self.codec)
-        topic = self.settings.topic("triplet-batches")
+        topic = self.options.batches_topic or self.settings.topic("triplet-batches")
         consumer = AIOKafkaConsumer(
             **self.settings.kafka_client_options(),
             group_id=f"{self.settings.topic_prefix}.{PROCESSOR}",  # for monitoring only: offsets live in progress.json
@@ -211,10 +215,11 @@ class Trainer:
                 fetched = await consumer.getmany(timeout_ms=500, max_records=1)
                 if not fetched:
                     continue
-                self.stats.idle_s += time.monotonic() - idle_since
+                idle = time.monotonic() - idle_since
+                self.stats.idle_s += idle
                 for tp, messages in fetched.items():
                     for message in messages:
-                        await self._one(message, records, dead_letters)
+                        await self._one(message, records, dead_letters, idle)
                         self.progress.offsets[tp.partition] = message.offset + 1
                         self.progress.save(self.root)
                 await consumer.commit(
@@ -231,7 +236,7 @@ class Trainer:
         update = self.resources()
         await records.send(self.settings.topic("resources"), update, key=update.resources_id)
 
-    async def _one(self, message: Any, records: TypedProducer, dead_letters: DeadLetters) -> None:
+    async def _one(self, message: Any, records: TypedProducer, dead_letters: DeadLetters, idle_s: float) -> None:
         from agl_stream.training.data import batch_to_dataproto
 
         try:
@@ -268,12 +273,31 @@ class Trainer:
             await asyncio.to_thread(self._save_after, batch.batch_id)
         else:  # nothing to learn from (all rows masked): same weights, same version
             self.progress.trained.append(batch.batch_id)
-        self.stats.busy_s += time.monotonic() - started
+        seconds = time.monotonic() - started
+        self.stats.busy_s += seconds
         self.stats.trained += 1
         self.stats.tokens += int(metrics.get("tokens", 0))
+        staleness = None
         if batch.min_policy_version is not None:
-            self.stats.staleness.append(float(self.progress.policy_version - 1 - batch.min_policy_version))
+            staleness = float(self.progress.policy_version - 1 - batch.min_policy_version)
+            self.stats.staleness.append(staleness)
         await self._publish(records)
+        # Before progress.json records the batch: a crash in between trains it again and sends
+        # its step again under the same batch_id, which the trainer_steps table keeps once.
+        step = TrainerStep(
+            batch_id=batch.batch_id,
+            model=self.options.model_name,
+            policy_version=self.progress.policy_version,
+            step_time=time.time(),
+            step_seconds=seconds,
+            idle_seconds=idle_s,
+            tokens=int(metrics.get("tokens", 0)),
+            samples=len(data),
+            min_policy_version=batch.min_policy_version,
+            staleness=staleness,
+            metrics={k: float(v) for k, v in metrics.items()},
+        )
+        await records.send(self.settings.topic("trainer-metrics"), step, key=batch.batch_id)
         self._write_metrics(metrics)
         log.info(
             "trained",

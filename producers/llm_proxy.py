@@ -70,9 +70,11 @@ from agl_stream.llm_calls import (
     error_of_status,
     merge_chunks,
     parse_sse,
+    policy_version_of_header,
     slim,
 )
 from agl_stream.logs import configure_logging, get_logger
+from agl_stream.semconv import POLICY_VERSION_HEADER
 from agl_stream.store.client import AglStore
 
 log = get_logger("agl.llm_proxy")
@@ -183,6 +185,7 @@ class Capture:
     status: int | None = None
     url: str | None = None
     body: bytearray = field(default_factory=bytearray)
+    policy_version: int | None = None  # as the backend reported it (POLICY_VERSION_HEADER)
 
     def json(self) -> Any:
         try:
@@ -222,10 +225,11 @@ class CaptureTransport(httpx.AsyncBaseTransport):
         if capture is None:
             return await self.inner.handle_async_request(request)
         request.headers["Accept-Encoding"] = "identity"
-        capture.status, capture.url = None, str(request.url)
+        capture.status, capture.url, capture.policy_version = None, str(request.url), None
         capture.body.clear()
         response = await self.inner.handle_async_request(request)
         capture.status = response.status_code
+        capture.policy_version = policy_version_of_header(response.headers.get(POLICY_VERSION_HEADER))
         assert isinstance(response.stream, httpx.AsyncByteStream)
         response.stream = _TeeStream(response.stream, capture.body)
         return response
@@ -450,7 +454,16 @@ class LLMProxy:
             except Exception as error:
                 failure = self._call_error(error, capture, str(body["model"]))
                 backend = _base_of(capture.url)
-                call = LLMCall(kind, body, start, time.time(), error=failure, stream=stream, backend=backend)
+                call = LLMCall(
+                    kind,
+                    body,
+                    start,
+                    time.time(),
+                    error=failure,
+                    stream=stream,
+                    backend=backend,
+                    policy_version=capture.policy_version,
+                )
                 await self._record(call, where)
                 return self._error_response(failure)
             if stream:
@@ -461,7 +474,15 @@ class LLMProxy:
             answer = result.model_dump_json()
             raw = capture.json() if capture.status is not None and capture.status < 400 else None
             response = raw if isinstance(raw, dict) else json.loads(answer)
-            call = LLMCall(kind, body, start, time.time(), response=response, backend=_base_of(capture.url))
+            call = LLMCall(
+                kind,
+                body,
+                start,
+                time.time(),
+                response=response,
+                backend=_base_of(capture.url),
+                policy_version=capture.policy_version,
+            )
         await self._record(call, where)
         return Response(answer, media_type="application/json")
 
@@ -561,7 +582,17 @@ class LLMProxy:
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
             failure = backend_error(status, {"error": raw_error}, failure.message if failure else "the backend failed")
         backend = _base_of(capture.url)
-        return LLMCall(kind, body, start, time.time(), response=response, error=failure, stream=True, backend=backend)
+        return LLMCall(
+            kind,
+            body,
+            start,
+            time.time(),
+            response=response,
+            error=failure,
+            stream=True,
+            backend=backend,
+            policy_version=capture.policy_version,
+        )
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """A task the proxy waits for when it closes."""

@@ -24,8 +24,9 @@ def register(app: typer.Typer) -> None:
 
     app.add_typer(schemas_app, name="schemas", help="Snapshot schema versions; check compatibility")
 
-    from agl_stream.cli.roles_cmd import processor, runner, trainer, triplets
+    from agl_stream.cli.roles_cmd import processor, runner, triplets
     from agl_stream.cli.stack_cmd import down, status, up
+    from agl_stream.cli.trainer_cmd import trainer
 
     app.command("up")(up)
     app.command("status")(status)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -152,35 +151,3 @@ def triplets(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     importlib.import_module("processors.triplets").main(settings_of(ctx), adapter=adapter, settle_s=settle)
-
-
-def trainer(
-    ctx: typer.Context,
-    checkpoints: Annotated[
-        Path, typer.Option(help="Folder of the policy checkpoints and progress.json (resumes from it).")
-    ],
-    model_name: Annotated[str, typer.Option(help="Model name the checkpoints are published under.")] = "agl-tiny",
-    proxy_endpoint: Annotated[
-        str | None, typer.Option(help="LLM proxy base URL published as the runners' ProxyLLM resource.")
-    ] = None,
-    lr: Annotated[float, typer.Option(min=0.0, help="Learning rate (AdamW).")] = 1e-2,
-    algorithm: Annotated[str, typer.Option(help="grpo or ppo (PPO-clip loss, no critic).")] = "grpo",
-    seed: Annotated[int, typer.Option(help="Seed of the initial random policy and of training.")] = 0,
-    max_batches: Annotated[int | None, typer.Option(min=1, help="Stop after training this many batches.")] = None,
-) -> None:
-    """Train the policy on agl.triplet-batches; publish every new version to agl.resources.
-
-    Exactly once: progress.json in --checkpoints names the last checkpoint and the offsets after
-    the last trained batch; a restarted trainer continues from there.
-    """
-    module = importlib.import_module("consumers.trainer")
-    options = module.TrainerOptions(
-        checkpoints=checkpoints,
-        model_name=model_name,
-        proxy_endpoint=proxy_endpoint,
-        lr=lr,
-        algorithm=algorithm,
-        seed=seed,
-        max_batches=max_batches,
-    )
-    module.main(settings_of(ctx), options)

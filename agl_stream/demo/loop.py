@@ -17,7 +17,7 @@ import contextlib
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,24 @@ REWARD_BY_VERSION = (
 )
 
 
+# How much of what the loop wrote carries the policy version it ran with: (table, with, total).
+VERSION_COVERAGE = (
+    "SELECT 'spans', countIf(PolicyVersion IS NOT NULL), count() FROM {db}.otel_traces FINAL "
+    "UNION ALL SELECT 'attempts', countIf(policy_version IS NOT NULL), count() FROM {db}.attempts FINAL "
+    "WHERE status IN ('succeeded', 'failed') "
+    "UNION ALL SELECT 'rollouts', countIf(policy_version IS NOT NULL), count() FROM {db}.rollouts FINAL "
+    "WHERE status IN ('succeeded', 'failed') "
+    "UNION ALL SELECT 'triplet_records', countIf(policy_version IS NOT NULL), count() FROM {db}.triplet_records FINAL "
+    "UNION ALL SELECT 'trainer_steps', count(), count() FROM {db}.trainer_steps FINAL"
+)
+
+
 @dataclass
 class DemoResult:
     versions: list[tuple[int, int, float]]  # (policy version, rollouts, mean reward)
     seconds: float
     rollouts: int
+    coverage: dict[str, tuple[int, int]] = field(default_factory=dict)  # table -> (rows with a version, rows)
 
     def first_and_last(self, window: int = 3) -> tuple[float, float]:
         rewards = [r for _, _, r in self.versions]
@@ -187,9 +200,11 @@ async def drive(settings: Settings, console: Console, *, versions: int, minutes:
             for task in in_flight:
                 task.cancel()
         rows = await _reward_by_version(store, settings)
+        assert store.side is not None
+        coverage = await store.side.query(VERSION_COVERAGE.format(db=settings.clickhouse_database))
     finally:
         await store.close()
-    return DemoResult(rows, time.monotonic() - started, done)
+    return DemoResult(rows, time.monotonic() - started, done, {str(t): (int(w), int(n)) for t, w, n in coverage.rows})
 
 
 def trainer_metrics(settings: Settings) -> dict[str, Any]:
@@ -212,6 +227,11 @@ def show(result: DemoResult, console: Console, metrics: dict[str, Any] | None = 
         f"{result.rollouts} rollouts in {result.seconds:.0f}s; mean reward of the first 3 versions {first:.3f}, "
         f"of the last 3 {last:.3f}"
     )
+    if result.coverage:
+        console.print(
+            "rows that carry their policy version: "
+            + ", ".join(f"{table} {with_}/{total}" for table, (with_, total) in result.coverage.items())
+        )
     if metrics:
         console.print(
             f"trainer: {metrics['trained_batches']} batches, {metrics['tokens_per_busy_s']:,.0f} tokens/s while "

@@ -58,7 +58,7 @@ from agl_stream.models.spans import (
     SpanStatus,
 )
 from agl_stream.models.tasks import TaskItem, TaskRequest
-from agl_stream.models.training import Triplet, TripletBatch, TripletRecord
+from agl_stream.models.training import TrainerStep, Triplet, TripletBatch, TripletRecord
 
 RECORD_MODELS: tuple[type[AglModel], ...] = (
     RolloutConfig,
@@ -83,6 +83,7 @@ RECORD_MODELS: tuple[type[AglModel], ...] = (
     TaskRequest,
     Triplet,
     TripletRecord,
+    TrainerStep,
     TripletBatch,
     DlqRecord,
 )
@@ -138,6 +139,7 @@ __all__ = [
     "StatusCode",
     "TaskItem",
     "TaskRequest",
+    "TrainerStep",
     "Triplet",
     "TripletBatch",
     "TripletRecord",

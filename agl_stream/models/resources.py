@@ -82,3 +82,9 @@ class ResourcesUpdate(AglModel):
     update_time: float
     version: int
     resources: dict[str, Resource] = Field(default_factory=dict)
+
+    @property
+    def policy_version(self) -> int | None:
+        """The policy version this snapshot serves: its newest model checkpoint's; None without one."""
+        versions = [r.policy_version for r in self.resources.values() if isinstance(r, ModelCheckpoint)]
+        return max(versions) if versions else None

@@ -66,3 +66,21 @@ class TripletBatch(AglModel):
     dropped_incomplete: int = 0
     dropped_duplicate: int = 0
     dropped_offsets: list[int] = Field(default_factory=list)
+
+
+class TrainerStep(AglModel):
+    """One training step (topic agl.trainer-metrics, key batch_id); see ``schemas/TrainerStep.avsc``."""
+
+    avro_name: ClassVar[str] = "agl.TrainerStep"
+
+    batch_id: str
+    model: str
+    policy_version: int
+    step_time: float
+    step_seconds: float
+    idle_seconds: float
+    tokens: int
+    samples: int
+    min_policy_version: int | None = None
+    staleness: float | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)

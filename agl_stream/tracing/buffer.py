@@ -19,7 +19,7 @@ from typing import Protocol, TypeAlias
 from opentelemetry.sdk.trace import ReadableSpan
 
 from agl_stream.models import Span
-from agl_stream.semconv import LightningResourceAttributes
+from agl_stream.semconv import POLICY_VERSION, LightningResourceAttributes
 from agl_stream.tracing.batching import BatchPolicy
 
 ROLLOUT_ID_KEY: str = LightningResourceAttributes.ROLLOUT_ID.value
@@ -45,6 +45,7 @@ class AttemptTrace:
     next_sequence_id: int = 1
     spans: list[Span] = field(default_factory=list)
     dropped: int = 0
+    policy_version: int | None = None  # tagged on every span (POLICY_VERSION) when known
 
 
 class SpanOwner(Protocol):
@@ -150,6 +151,8 @@ class SpanBuffer:
             span.attributes[ROLLOUT_ID_KEY] = trace.rollout_id
             span.attributes[ATTEMPT_ID_KEY] = trace.attempt_id
             span.attributes[SEQUENCE_ID_KEY] = sequence_id
+            if trace.policy_version is not None:
+                span.attributes.setdefault(POLICY_VERSION, trace.policy_version)
             self._queue.append((self._clock(), state, span))
             self._pending += 1
             state.pending += 1

@@ -210,9 +210,11 @@ class AttemptTracer:
 
     @contextlib.asynccontextmanager
     async def attempt(
-        self, rollout_id: str, attempt_id: str, *, first_sequence_id: int = 1
+        self, rollout_id: str, attempt_id: str, *, first_sequence_id: int = 1, policy_version: int | None = None
     ) -> AsyncIterator[AttemptTrace]:
         """Trace the spans started in this context (and in tasks and threads that copy it) as the attempt's.
+
+        ``policy_version``: the policy the attempt runs with, written on each of its spans.
 
         On exit the attempt is closed and its spans flushed: when this returns, the store has
         acknowledged every span in ``trace.spans`` (``trace.dropped`` counts the others).
@@ -227,7 +229,12 @@ class AttemptTracer:
         while self._buffer.pending >= self._buffer.max_spans:
             self._room.clear()
             await self._exporter_or(self._room)
-        trace = AttemptTrace(rollout_id=rollout_id, attempt_id=attempt_id, next_sequence_id=first_sequence_id)
+        trace = AttemptTrace(
+            rollout_id=rollout_id,
+            attempt_id=attempt_id,
+            next_sequence_id=first_sequence_id,
+            policy_version=policy_version,
+        )
         state = AttemptState(trace, self)
         self._attempts[(rollout_id, attempt_id)] = state
         token = current_attempt.set(state)

@@ -16,7 +16,7 @@ from clickhouse_connect.driver.client import Client
 from agl_stream import processes
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
-from agl_stream.kafka.offsets import committed_offsets
+from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.processes import stop_role
 
 __all__ = ["clickhouse", "read_topic", "start_role", "stop_role", "wait_committed_at_least"]
@@ -58,6 +58,25 @@ async def read_topic(settings: Settings, topic: str, count: int, *, timeout: flo
     finally:
         await consumer.stop()
     assert len(records) >= count, f"only {len(records)} of {count} records arrived on {topic}"
+    return records
+
+
+async def read_to_end(settings: Settings, topic: str, *, timeout: float = 30.0) -> list[Any]:
+    """Every record of `topic` up to its end offsets as of the call."""
+    ends = await end_offsets(settings, topic)
+    consumer = AIOKafkaConsumer(**settings.kafka_client_options(), enable_auto_commit=False)
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        consumer.assign(list(ends))
+        await consumer.seek_to_beginning(*ends)
+        deadline = time.monotonic() + timeout
+        while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
+            assert time.monotonic() < deadline, f"{topic} not read to its end in {timeout}s"
+            for messages in (await consumer.getmany(timeout_ms=200)).values():
+                records.extend(messages)
+    finally:
+        await consumer.stop()
     return records
 
 

@@ -11,7 +11,8 @@ from agl_stream.clickhouse.avro_ingest import columns_of, container, container_h
 from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.io import Fetched
-from consumers.clickhouse_sink import TableSink
+from agl_stream.models import Attempt, Rollout, RolloutState
+from consumers.clickhouse_sink import ROLLOUT_STATE, SPANS, TableSink
 from tests.integration.helpers import clickhouse
 from tests.unit.test_codec import span_dict
 
@@ -88,3 +89,47 @@ def test_an_open_span_has_zero_duration(tmp_path: Path) -> None:
         query = "SELECT Duration, StatusCode, StatusMessage FROM agl.otel_traces"
         [(duration, code, message)] = ch.query(query).result_rows
     assert (duration, code, message) == (0, "STATUS_CODE_ERROR", "boom")
+
+
+def test_rows_carry_the_policy_version_their_work_ran_with(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    codec = Codec.default()
+    tagged, untagged = span_dict(), span_dict()
+    tagged["attributes"] = {**tagged["attributes"], "agentlightning.policy_version": 7}
+    untagged["span_id"] = "f" * 16
+
+    def attempt(number: int, version: int | None) -> Attempt:
+        metadata = {"resources_id": "rs-000000000001", "policy_version": version} if version is not None else None
+        return Attempt(
+            rollout_id="ro-0123456789ab",
+            attempt_id=f"at-0000000{number}",
+            sequence_id=number,
+            start_time=50.0 + number,
+            status="failed" if number == 1 else "succeeded",
+            metadata=metadata,
+        )
+
+    rollout = Rollout.model_validate(
+        {"rollout_id": "ro-0123456789ab", "input": {}, "start_time": 10.0, "status": "succeeded"}
+    )
+    retried = RolloutState(
+        rollout=rollout, attempts=[attempt(1, 4), attempt(2, 5)], version=3, cause_event_id="e", cause_time=1
+    )
+    fresh = Rollout.model_validate({"rollout_id": "ro-0123456789ac", "input": {}, "start_time": 11.0})
+    queued = RolloutState(rollout=fresh, attempts=[], version=1, cause_event_id="e", cause_time=1)
+    with clickhouse(settings) as ch:
+        spans, states = TableSink(settings, ch, SPANS), TableSink(settings, ch, ROLLOUT_STATE)
+        spans.prepare_tables()
+        states.prepare_tables()
+        spans._insert(_fetched([codec.encode_dict("agl.Span", s) for s in (tagged, untagged)]), {})
+        states._insert(_fetched([codec.encode(retried), codec.encode(queued)]), {})
+        span_versions = ch.query("SELECT PolicyVersion FROM agl.otel_traces ORDER BY SpanId").result_rows
+        attempts = ch.query("SELECT attempt_id, policy_version FROM agl.attempts FINAL ORDER BY 1").result_rows
+        rollouts = ch.query("SELECT rollout_id, policy_version FROM agl.rollouts FINAL ORDER BY 1").result_rows
+    assert span_versions == [(7,), (None,)]
+    assert attempts == [("at-00000001", 4), ("at-00000002", 5)]
+    assert rollouts == [("ro-0123456789ab", 5), ("ro-0123456789ac", None)]  # the latest attempt's
+
+
+def _fetched(raws: list[bytes]) -> list[Fetched[memoryview]]:
+    return [Fetched("t", 0, offset, b"k", memoryview(raw)[HEADER_SIZE:], raw, 0) for offset, raw in enumerate(raws)]

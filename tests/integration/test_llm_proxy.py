@@ -33,6 +33,7 @@ from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import ProxyLLM, Span
+from agl_stream.semconv import POLICY_VERSION, POLICY_VERSION_HEADER
 from producers.llm_proxy import LLMProxy, ProxyOptions, model_list_of, serving
 
 pytestmark = pytest.mark.integration
@@ -116,7 +117,9 @@ async def _chat(fake: FakeVLLM, request: web.Request) -> web.StreamResponse:
                 "prompt_logprobs": None,
                 "prompt_token_ids": fake.prompt_ids(n),
                 "kv_transfer_params": None,
-            }
+            },
+            # As agl-stream's inference backend names the policy that answered (vLLM does not).
+            headers={POLICY_VERSION_HEADER: str(40 + n)},
         )
     head = {"id": f"chatcmpl-{n}", "object": "chat.completion.chunk", "created": 1_767_225_600, "model": model}
     first, second = fake.response_ids(n)
@@ -378,6 +381,7 @@ async def test_every_call_is_one_span_with_the_backend_token_ids(
     assert json.loads(str(spans[1].attributes["gen_ai.completion"])) == [{"role": "assistant", "content": "hello"}]
     assert spans[0].attributes["gen_ai.request.temperature"] == 0.7
     assert [s.attributes["llm.is_streaming"] for s in spans] == [False, True, False, True]
+    assert [s.attributes.get(POLICY_VERSION) for s in spans] == [41, None, None, None]
     # The spans are heartbeats of the attempt, as the runner's are.
     attempt = await wait_until(
         lambda: store.get_latest_attempt(rid),

@@ -30,3 +30,9 @@ def test_the_reward_rises_with_the_policy_versions(kafka_bootstrap: str, tmp_pat
     assert len(result.versions) >= 4, result.versions
     first, last = result.first_and_last()
     assert last >= first + 0.1, f"reward did not rise: first {first:.3f}, last {last:.3f}: {result.versions}"
+    # Every finished attempt, its rollout, its spans and its triplets carry the policy version
+    # they ran with, and every training step is in the trainer_steps table.
+    for table in ("spans", "attempts", "rollouts", "triplet_records"):
+        with_version, total = result.coverage[table]
+        assert total > 0 and with_version == total, (table, result.coverage)
+    assert result.coverage["trainer_steps"][0] >= len(result.versions) - 1, result.coverage

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,8 +16,8 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import TypedProducer, make_producer
-from agl_stream.models import DlqRecord, ResourcesUpdate, Triplet, TripletBatch, TripletRecord
-from tests.integration.helpers import read_topic, start_role, stop_role
+from agl_stream.models import DlqRecord, ResourcesUpdate, TrainerStep, Triplet, TripletBatch, TripletRecord
+from tests.integration.helpers import read_to_end, read_topic, start_role, stop_role
 
 pytestmark = pytest.mark.integration
 
@@ -101,3 +102,9 @@ async def test_a_killed_trainer_trains_every_batch_exactly_once(settings: Settin
     ]
     versions = sorted({u.version for u in published})
     assert versions[-1] == 8 and 0 in versions
+    # One TrainerStep per trained batch (the batch trained again after the kill may be sent twice).
+    steps = [codec.decode(r.value, TrainerStep) for r in await read_to_end(settings, settings.topic("trainer-metrics"))]
+    assert {s.batch_id for s in steps} == {b.batch_id for b in good}
+    assert {s.policy_version for s in steps} == set(range(1, 9))
+    assert all(s.tokens > 0 and s.samples == 4 and s.staleness is not None for s in steps)
+    assert all(math.isfinite(s.metrics["loss"]) for s in steps)

@@ -15,8 +15,8 @@ from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import Fetched, TypedProducer, make_producer
 from agl_stream.kafka.offsets import end_offsets
-from agl_stream.models import AglModel, Triplet, TripletBatch, TripletRecord
-from consumers.clickhouse_sink import TRIPLET_BATCHES, TRIPLETS, SinkGroup, TableSink
+from agl_stream.models import AglModel, TrainerStep, Triplet, TripletBatch, TripletRecord
+from consumers.clickhouse_sink import TRAINER_STEPS, TRIPLET_BATCHES, TRIPLETS, SinkGroup, TableSink
 from tests.integration.helpers import clickhouse
 
 pytestmark = pytest.mark.integration
@@ -154,3 +154,37 @@ async def test_the_sinks_materialize_triplets_and_batches_from_the_topics(settin
         [row] = _rows(ch, f"SELECT * FROM {db}.batches FINAL")
     assert counts == [(24, 12, 1)]
     assert row["batch_id"] == "tb-x" and row["n_records"] == 4 and row["mean_final_reward"] == 1.5
+
+
+def test_trainer_steps_become_rows_and_a_step_sent_again_is_one_row(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+
+    def step(batch: str, version: int, loss: float) -> TrainerStep:
+        return TrainerStep(
+            batch_id=batch,
+            model="agl-tiny",
+            policy_version=version,
+            step_time=1_700_000_000.0 + version,
+            step_seconds=0.5,
+            idle_seconds=0.25,
+            tokens=120,
+            samples=8,
+            min_policy_version=version - 2,
+            staleness=1.0,
+            metrics={"loss": loss, "reward_mean": 0.5},
+        )
+
+    # tb-1 trained, the trainer killed before recording it, tb-1 trained again: the later row wins.
+    steps = [step("tb-1", 1, 0.9), step("tb-1", 1, 0.8), step("tb-2", 2, 0.7)]
+    with clickhouse(settings) as ch:
+        sink = TableSink(settings, ch, TRAINER_STEPS)
+        sink.prepare_tables()
+        sink._insert(_fetched(steps), {})
+        rows = _rows(ch, "SELECT * FROM agl.trainer_steps FINAL ORDER BY batch_id")
+    assert [(r["batch_id"], r["policy_version"], r["metrics"]["loss"]) for r in rows] == [
+        ("tb-1", 1, 0.8),
+        ("tb-2", 2, 0.7),
+    ]
+    first = rows[0]
+    assert (first["tokens"], first["samples"], first["min_policy_version"], first["staleness"]) == (120, 8, -1, 1.0)
+    assert (first["step_seconds"], first["idle_seconds"], first["model"]) == (0.5, 0.25, "agl-tiny")

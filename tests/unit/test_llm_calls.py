@@ -28,11 +28,13 @@ from agl_stream.llm_calls import (
     new_span_id,
     new_trace_id,
     parse_sse,
+    policy_version_of_header,
     slim,
     span_attributes,
     token_ids,
 )
 from agl_stream.models import Span
+from agl_stream.semconv import POLICY_VERSION
 from producers.llm_proxy import CALL_HEADER, CaptureTransport, SequenceBlocks, backend_url, model_list_of
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm_proxy"
@@ -447,3 +449,11 @@ async def test_the_capture_transport_copies_only_marked_responses() -> None:
         assert transport.captures == {}
         await client.post("http://backend/v1/chat/completions", headers={CALL_HEADER: "not-registered"})
         assert seen[-1].headers["Accept-Encoding"] != "identity"
+
+
+def test_the_policy_version_a_backend_names_is_on_the_span() -> None:
+    assert [policy_version_of_header(v) for v in ("7", " 12 ", None, "v3", "")] == [7, 12, None, None, None]
+    call = LLMCall(CHAT, {"model": "m", "messages": []}, 1.0, 2.0, response={"id": "x"}, policy_version=7)
+    assert span_attributes(call)[POLICY_VERSION] == 7
+    unversioned = LLMCall(CHAT, {"model": "m", "messages": []}, 1.0, 2.0, response={"id": "x"})
+    assert POLICY_VERSION not in span_attributes(unversioned)

@@ -11,6 +11,7 @@ import pytest
 from opentelemetry import trace
 
 from agl_stream.models import Span
+from agl_stream.semconv import POLICY_VERSION
 from agl_stream.tracing import (
     ATTEMPT_ID_KEY,
     ROLLOUT_ID_KEY,
@@ -145,6 +146,19 @@ async def test_nested_spans_keep_parent_ids_and_are_numbered_in_end_order() -> N
     assert by_name["middle"].parent_id == outer_id and by_name["sibling"].parent_id == outer_id
     assert by_name["inner"].parent_id == middle_id
     assert len({s.trace_id for s in attempt_trace.spans}) == 1
+
+
+async def test_spans_carry_the_policy_version_of_their_attempt() -> None:
+    sink = FakeSink()
+    async with AttemptTracer(sink, instrument_openai=False) as tracer:
+        async with tracer.attempt("ro-1", "at-1", policy_version=6) as versioned:
+            with tracer_api.start_as_current_span("step"):
+                pass
+        async with tracer.attempt("ro-2", "at-2") as unversioned:
+            with tracer_api.start_as_current_span("step"):
+                pass
+    assert [s.attributes.get(POLICY_VERSION) for s in versioned.spans] == [6]
+    assert [s.attributes.get(POLICY_VERSION) for s in unversioned.spans] == [None]
 
 
 async def test_spans_outside_an_attempt_are_counted_not_exported() -> None:

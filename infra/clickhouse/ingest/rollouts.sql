@@ -15,5 +15,9 @@ SELECT
     record.cause_event_id AS cause_event_id,
     record.cause_time AS cause_time,
     record.finished_time AS finished_time,
+    -- The latest attempt's (the runner records it in the attempt's metadata).
+    if(empty(record.attempts), NULL,
+       JSONExtract(ifNull(arrayElement(record.attempts, -1).metadata, ''), 'policy_version', 'Nullable(Int64)'))
+        AS policy_version,
     toUInt32(kafka_partition) AS kafka_partition,
     toUInt64(kafka_offset) AS kafka_offset

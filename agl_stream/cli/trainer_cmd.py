@@ -1,0 +1,114 @@
+"""``agl-stream trainer``: the policy trainer, configured by a TOML file and/or flags."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from click.core import ParameterSource
+
+from agl_stream.cli import settings_of
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+# Options a --config file may set: the trainer's flags, with underscores or dashes.
+CONFIG_KEYS = (
+    "checkpoints",
+    "backend",
+    "model_name",
+    "proxy_endpoint",
+    "lr",
+    "algorithm",
+    "seed",
+    "max_batches",
+    "batches_topic",
+    "max_prompt_length",
+    "max_response_length",
+)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The options in a trainer TOML file (top level or a ``[trainer]`` table); unknown keys are an error."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise typer.BadParameter(f"cannot read {path}: {error}", param_hint="--config") from error
+    table = data.get("trainer", data)
+    if not isinstance(table, dict):
+        raise typer.BadParameter(f"{path}: [trainer] must be a table", param_hint="--config")
+    options = {str(k).replace("-", "_"): v for k, v in table.items()}
+    unknown = sorted(set(options) - set(CONFIG_KEYS))
+    if unknown:
+        raise typer.BadParameter(
+            f"{path}: unknown option(s) {unknown}; known: {', '.join(CONFIG_KEYS)}", param_hint="--config"
+        )
+    if "checkpoints" in options:  # relative to the file, like most tools' config paths
+        options["checkpoints"] = (path.parent / str(options["checkpoints"])).resolve()
+    return options
+
+
+def trainer(
+    ctx: typer.Context,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="TOML file of these options (top level or a trainer table); flags given override it."),
+    ] = None,
+    checkpoints: Annotated[
+        Path | None, typer.Option(help="Folder of the policy checkpoints and progress.json (resumes from it).")
+    ] = None,
+    backend: Annotated[
+        str, typer.Option(help="Policy backend: torch (one process, CPU or one GPU) or verl (VERL's FSDP engine).")
+    ] = "torch",
+    model_name: Annotated[str, typer.Option(help="Model name the checkpoints are published under.")] = "agl-tiny",
+    proxy_endpoint: Annotated[
+        str | None, typer.Option(help="LLM proxy base URL published as the runners' ProxyLLM resource.")
+    ] = None,
+    lr: Annotated[float, typer.Option(min=0.0, help="Learning rate (AdamW).")] = 1e-2,
+    algorithm: Annotated[str, typer.Option(help="grpo or ppo (PPO-clip loss, no critic).")] = "grpo",
+    seed: Annotated[int, typer.Option(help="Seed of the initial random policy and of training.")] = 0,
+    max_batches: Annotated[int | None, typer.Option(min=1, help="Stop after training this many batches.")] = None,
+    batches_topic: Annotated[
+        str | None,
+        typer.Option(help="Full name of the batch topic to train on (default <prefix>.triplet-batches)."),
+    ] = None,
+    max_prompt_length: Annotated[
+        int | None, typer.Option(min=1, help="Truncate prompts to this many tokens (their left end goes).")
+    ] = None,
+    max_response_length: Annotated[
+        int | None, typer.Option(min=1, help="Truncate responses to this many tokens.")
+    ] = None,
+) -> None:
+    """Train the policy on batched triplets; publish every new version to agl.resources.
+
+    Each step is also a TrainerStep record on agl.trainer-metrics (table trainer_steps).
+
+    Exactly once: progress.json in --checkpoints names the last checkpoint and the offsets
+    after the last trained batch; a restarted trainer continues from there.
+
+    Example config (trainer.toml):
+
+        checkpoints = "ckpt"
+        algorithm = "grpo"
+        lr = 0.01
+    """
+    given = {
+        name: value
+        for name, value in ctx.params.items()
+        if name != "config" and ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+    }
+    options = {**(read_config(config) if config is not None else {}), **given}
+    merged = {name: options.get(name, ctx.params[name]) for name in CONFIG_KEYS}
+    if merged["checkpoints"] is None:
+        raise typer.BadParameter("give --checkpoints (or `checkpoints` in --config)", param_hint="--checkpoints")
+    if merged["backend"] not in ("torch", "verl"):
+        raise typer.BadParameter(f"unknown backend {merged['backend']!r}: torch or verl", param_hint="--backend")
+    if merged["algorithm"] not in ("grpo", "ppo"):
+        raise typer.BadParameter(f"unknown algorithm {merged['algorithm']!r}: grpo or ppo", param_hint="--algorithm")
+    module = importlib.import_module("consumers.trainer")
+    module.main(settings_of(ctx), module.TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))
