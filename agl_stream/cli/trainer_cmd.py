@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from click.core import ParameterSource
 
 from agl_stream.cli import settings_of
 
@@ -97,10 +96,11 @@ def trainer(
         algorithm = "grpo"
         lr = 0.01
     """
+    # By name: typer may carry its own copy of click's ParameterSource enum.
     given = {
         name: value
         for name, value in ctx.params.items()
-        if name != "config" and ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+        if name != "config" and getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"
     }
     options = {**(read_config(config) if config is not None else {}), **given}
     merged = {name: options.get(name, ctx.params[name]) for name in CONFIG_KEYS}

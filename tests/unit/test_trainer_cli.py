@@ -1,0 +1,64 @@
+"""`agl-stream trainer` options: a TOML --config file, flags over it, clear errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from agl_stream.cli import trainer_cmd
+from agl_stream.cli.trainer_cmd import read_config
+from agl_stream.config import Settings
+
+
+def test_a_config_file_sets_options_and_paths_are_relative_to_it(tmp_path: Path) -> None:
+    path = tmp_path / "conf" / "trainer.toml"
+    path.parent.mkdir()
+    path.write_text('[trainer]\ncheckpoints = "ckpt"\nmax-batches = 3\nalgorithm = "ppo"\n')
+    assert read_config(path) == {
+        "checkpoints": (tmp_path / "conf" / "ckpt").resolve(),
+        "max_batches": 3,
+        "algorithm": "ppo",
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("lr = 0.1\nlearning_rate = 2\n", "unknown option(s) ['learning_rate']"), ("lr = [", "cannot read")],
+)
+def test_bad_config_files_say_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "trainer.toml"
+    path.write_text(text)
+    with pytest.raises(typer.BadParameter, match=re.escape(message)):
+        read_config(path)
+
+
+def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path: Path, monkeypatch: Any) -> None:
+    seen: list[Any] = []
+
+    class FakeTrainerModule:
+        from consumers.trainer import TrainerOptions
+
+        @staticmethod
+        def main(settings: Any, options: Any) -> None:
+            seen.append(options)
+
+    monkeypatch.setattr(trainer_cmd.importlib, "import_module", lambda name: FakeTrainerModule)
+    path = tmp_path / "trainer.toml"
+    path.write_text('checkpoints = "ckpt"\nlr = 0.5\nseed = 7\nbatches_topic = "agl.replayed"\n')
+    app = typer.Typer()
+    app.command()(trainer_cmd.trainer)
+    result = CliRunner().invoke(app, ["--config", str(path), "--lr", "0.25"], obj=Settings())
+    assert result.exit_code == 0, result.output
+    [options] = seen
+    assert (options.lr, options.seed, options.batches_topic) == (0.25, 7, "agl.replayed")
+    assert options.checkpoints == (tmp_path / "ckpt").resolve() and options.backend == "torch"
+
+    result = CliRunner().invoke(app, ["--backend", "tpu", "--checkpoints", str(tmp_path)], obj=Settings())
+    assert result.exit_code != 0 and "unknown backend" in result.output
+    result = CliRunner().invoke(app, [], obj=Settings())
+    assert result.exit_code != 0 and "--checkpoints" in result.output
