@@ -105,10 +105,44 @@ class Settings(BaseSettings):
         60.0, gt=0, description="How long a store call waits for the rollout processor's answer."
     )
 
+    # -- SQL analytics (`GET/POST /v1/sql`, `agl-stream sql`) ----------------------------------
+    sql_time_limit_s: float = Field(
+        30.0, gt=0, le=3600, description="Longest an analytics query may run (ClickHouse max_execution_time)."
+    )
+    sql_max_memory_bytes: int = Field(
+        2 << 30, ge=1 << 20, description="Memory an analytics query may use (ClickHouse max_memory_usage)."
+    )
+    sql_max_result_rows: int = Field(
+        100_000, ge=1, description="Most rows an analytics query may return (ClickHouse max_result_rows)."
+    )
+    sql_max_result_bytes: int = Field(
+        64 << 20, ge=1024, description="Largest result of an analytics query, in bytes (ClickHouse max_result_bytes)."
+    )
+    sql_concurrency: int = Field(4, ge=1, le=64, description="Analytics queries the gateway runs at once.")
+
+    # -- OTLP from Kafka (the OpenTelemetry Collector's Kafka exporter) ---------------------------
+    otlp_kafka_topic: str = Field(
+        # The collector's topic, so never prefixed with topic_prefix.
+        "otlp_spans",
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Topic the collector's Kafka exporter writes OTLP traces to (not prefixed).",
+    )
+    otlp_kafka_group: str = Field(
+        "agl-otlp-kafka", min_length=1, description="Consumer group of `agl-stream otlp-kafka` on that topic."
+    )
+
     # -- rollout processor ---------------------------------------------------------------------
     watchdog_interval_s: float = Field(0.5, gt=0, description="Seconds between the processor's watchdog scans.")
     finished_retention_s: float = Field(
         60.0, ge=0, description="Seconds a finished rollout stays in the processor's memory before it is forgotten."
+    )
+
+    # -- task ingress ----------------------------------------------------------------------------
+    ingress_max_input_bytes: int = Field(
+        512 * 1024, ge=1, le=900_000, description="Largest task request input, in bytes of JSON text."
+    )
+    ingress_max_metadata_bytes: int = Field(
+        64 * 1024, ge=0, le=900_000, description="Largest task request metadata, in bytes of JSON text."
     )
 
     # -- logging -----------------------------------------------------------------------------

@@ -25,11 +25,16 @@ from agl_stream.processes import role_alive, start_role
 
 log = get_logger("agl.stack")
 
-ROLES = ("processor", "gateway")
-"""The store: always started."""
+ROLES = ("processor", "gateway", "ingress")
+"""The store and task ingress from external systems: always started."""
 TRAINING_ROLES = ("triplets", "batcher")
 """Training data: the triplet builder and the batcher (``up(training=True)``)."""
-READY_FILES = {"processor": "processor.ready", "triplets": "triplets.ready", "batcher": "batcher.ready"}
+READY_FILES = {
+    "processor": "processor.ready",
+    "ingress": "ingress.ready",
+    "triplets": "triplets.ready",
+    "batcher": "batcher.ready",
+}
 
 
 class StackError(AglError):

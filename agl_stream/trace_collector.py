@@ -28,10 +28,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from agl_stream.models import Attempt, Rollout, RolloutState, Span
+from agl_stream.adapter import AdapterConfig, AdapterResult, extract_triplets
+from agl_stream.models import Attempt, ModelCheckpoint, ResourcesUpdate, Rollout, RolloutState, Span, TripletRecord
 
 Token = TypeVar("Token")
 
@@ -215,3 +217,38 @@ def group_id_of(rollout: Rollout) -> str:
         return given
     canonical = json.dumps([rollout.input, rollout.mode], sort_keys=True, separators=(",", ":"), default=str)
     return "g-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def policy_version_of(snapshot: ResourcesUpdate | None) -> int | None:
+    """The policy version a resources snapshot serves: its model checkpoint's, if it has one."""
+    if snapshot is None:
+        return None
+    versions = [r.policy_version for r in snapshot.resources.values() if isinstance(r, ModelCheckpoint)]
+    return max(versions) if versions else None
+
+
+def resources_id_of(finished: FinishedAttempt) -> str | None:
+    """The resources snapshot the attempt ran with: the one the runner recorded on the attempt
+    (``metadata["resources_id"]``), else the rollout's."""
+    metadata = finished.attempt.metadata if isinstance(finished.attempt.metadata, dict) else {}
+    found = metadata.get("resources_id") or finished.rollout.resources_id
+    return found if isinstance(found, str) else None
+
+
+def triplet_record(
+    finished: FinishedAttempt, spans: Sequence[Span], adapter: AdapterConfig, snapshot: ResourcesUpdate | None
+) -> tuple[TripletRecord, AdapterResult]:
+    """The record of one finished attempt (pure): shared by the live builder and the replay, so
+    both derive the same bytes from the same spans and settings."""
+    result = extract_triplets(spans, adapter)
+    record = TripletRecord(
+        rollout_id=finished.rollout.rollout_id,
+        attempt_id=finished.attempt.attempt_id,
+        group_id=group_id_of(finished.rollout),
+        resources_id=resources_id_of(finished),
+        policy_version=policy_version_of(snapshot),
+        triplets=result.triplets,
+        final_reward=result.final_reward,
+        finish_time=finished.finish_time,
+    )
+    return record, result

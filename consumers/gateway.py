@@ -15,10 +15,12 @@ HTTP API (JSON):
   within ``timeout`` seconds; 400 ``query_error`` with ClickHouse's message (and code/name) when
   the engine refuses or fails the query; 400 ``unknown_topic`` for a fence on a topic no sink
   reads; 503 while shutting down.
+- ``GET/POST /v1/sql``: read-only SQL analytics with limits, as JSON, CSV or a text table
+  (consumers/gateway_sql.py; system tables refused by the engine's own analysis).
 - ``POST /v1/traces``: an OTLP/HTTP trace receiver (protobuf or JSON, optionally gzip). Spans
   tagged with ``agentlightning.rollout_id``/``agentlightning.attempt_id`` are written to agl.spans
-  through the gateway's own store client (see :class:`TraceReceiver` for the semantics;
-  decoding is agl_stream/otlp.py).
+  through the gateway's own store client (semantics in agl_stream/trace_ingest.py, shared with
+  the Kafka consumer of consumers/otlp_kafka.py; decoding is agl_stream/otlp.py).
 
 Read-only is the engine's doing, not ours: query clients run with the ClickHouse setting
 ``readonly=1`` (``readonly=2`` on a server, where per-request settings must pass), which refuses
@@ -38,7 +40,6 @@ import math
 import os
 import signal
 import time
-from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date, datetime
@@ -57,13 +58,13 @@ from agl_stream import otlp
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 from agl_stream.config import Settings
-from agl_stream.errors import AglError, ConfigError, FenceTimeoutError
+from agl_stream.errors import ConfigError, FenceTimeoutError
 from agl_stream.http_serving import QuietServer, listen
 from agl_stream.logs import get_logger
-from agl_stream.models import Span
-from agl_stream.store.client import AglStore
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
+from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
+from consumers.gateway_tasks import TaskSubmitter, tasks_router
 
 log = get_logger("agl.gateway")
 
@@ -186,6 +187,9 @@ class QueryRunner:
 
     @staticmethod
     def _query(client: Client, sql: str, parameters: dict[str, Any]) -> bytes:
+        # The engine's parser first: only one SELECT parses as a subquery. chDB writes INTO
+        # OUTFILE even under readonly=1, and this endpoint takes SQL from its caller.
+        client.query(f"EXPLAIN AST SELECT * FROM (\n{sql}\n)", parameters=parameters or None)
         result = client.query(sql, parameters=parameters or None)
         body = {
             "columns": list(result.column_names),
@@ -197,147 +201,6 @@ class QueryRunner:
         self._executor.shutdown(wait=True)
         for client in self._clients:
             client.close()
-
-
-class TracesUnavailableError(AglError):
-    """Nothing of the request was written and a retry may succeed (HTTP 503)."""
-
-
-class TracesWriteError(AglError):
-    """Writing failed part way: some spans may be stored, so a retry could store them twice (HTTP 500)."""
-
-
-class TraceReceiver:
-    """``POST /v1/traces`` behind the decoding: sequence ids, validation and the write.
-
-    Semantics of one request (OTLP's ``partial_success``):
-
-    - Spans the decoder rejects (no rollout/attempt id, invalid ids, too large) are counted.
-    - Per attempt named in the request, one SpanSequenceRequested event reserves the ids of its
-      spans that carry no ``agentlightning.span_sequence_id`` (in request order), and one id
-      when all of them carry their own: the reservation is also how an unknown rollout or
-      attempt is found *before* anything is written. The spans of an attempt the processor
-      rejects are counted with its reason; the other attempts' spans go on.
-    - The rest is written with one ``add_many_spans`` (spans, then one heartbeat per attempt).
-    - 200 with ``partial_success`` for the counts, even when every span was rejected: the
-      request was well formed, and OTLP reserves 4xx for requests that must not be retried.
-      A heartbeat refused after the spans were written (the rollout was forgotten meanwhile)
-      is a warning: ``rejected_spans`` 0 with a message.
-    - Nothing written yet and the store failed (processor silent, broker down, gateway still
-      starting its client): :class:`TracesUnavailableError` (503, retryable). Failed while
-      writing: :class:`TracesWriteError` (500, not retryable per OTLP: a retry would store the
-      written spans again under new sequence ids).
-
-    The store client runs with the gateway's settings and starts in the background with the
-    gateway; a client that failed to start is started again by the next request.
-    """
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self._starting: asyncio.Task[AglStore] | None = None
-
-    def start(self, gateway_url: str) -> None:
-        if self.settings.gateway_url is None:
-            # The store's read half must find a read side; this gateway is one (it never reads).
-            self.settings = self.settings.model_copy(update={"gateway_url": gateway_url})
-        self._starting = self._start_task()
-
-    def _start_task(self) -> asyncio.Task[AglStore]:
-        task = asyncio.create_task(self._start(), name="gateway:traces-store")
-        # _start logs a failure; retrieving it here keeps asyncio from reporting it again at exit.
-        task.add_done_callback(lambda done: done.cancelled() or done.exception())
-        return task
-
-    async def _start(self) -> AglStore:
-        store = AglStore(self.settings)
-        try:
-            return await store.start()
-        except Exception as error:
-            log.warning("the trace receiver's store client did not start", error=f"{type(error).__name__}: {error}")
-            raise
-
-    async def store(self) -> AglStore:
-        if self._starting is None:
-            raise TracesUnavailableError("the gateway is still starting")
-        if self._starting.done() and (self._starting.cancelled() or self._starting.exception() is not None):
-            self._starting = self._start_task()
-        try:
-            # shield: one caller giving up must not cancel the start the others wait for.
-            return await asyncio.shield(self._starting)
-        except Exception as error:
-            raise TracesUnavailableError(
-                f"the gateway's store client cannot start ({type(error).__name__}: {error}); is the broker up "
-                "(`agl-stream status`)?"
-            ) from error
-
-    async def close(self) -> None:
-        if self._starting is None:
-            return
-        starting, self._starting = self._starting, None
-        if not starting.done():
-            starting.cancel()
-        try:
-            store = await starting
-        except BaseException:  # it never started, so there is nothing to close
-            return
-        await store.close()
-
-    async def export(self, decoded: otlp.DecodedTraces) -> tuple[int, str]:
-        """Number and write the decoded spans; ``(rejected_spans, error_message)`` for the response."""
-        rejected = Counter(decoded.rejected)
-        message = ""
-        if decoded.spans:
-            store = await self.store()
-            accepted = await self._numbered(store, decoded.spans, rejected)
-            if accepted:
-                try:
-                    await store.add_many_spans(accepted)
-                except ValueError as error:
-                    message = f"{len(accepted)} spans were stored, but their heartbeat was refused: {error}"
-                except Exception as error:
-                    raise TracesWriteError(
-                        f"writing {len(accepted)} spans failed part way ({type(error).__name__}: {error}); some may "
-                        "be stored, so the request is not to be retried"
-                    ) from error
-        rejected_count = sum(rejected.values())
-        if rejected:
-            message = otlp.rejection_message(rejected, decoded.total) + (f"; {message}" if message else "")
-        if message:
-            log.warning(
-                "OTLP export not fully accepted", rejected=rejected_count, total=decoded.total, reason=message[:500]
-            )
-        return rejected_count, message
-
-    async def _numbered(self, store: AglStore, spans: Sequence[otlp.DecodedSpan], rejected: Counter[str]) -> list[Span]:
-        """The spans of attempts the processor knows, each with its sequence id, in request order."""
-        by_attempt: dict[tuple[str, str], list[int]] = defaultdict(list)
-        for index, decoded in enumerate(spans):
-            by_attempt[(decoded.span.rollout_id, decoded.span.attempt_id)].append(index)
-        attempts = list(by_attempt)
-        wanted = [max(1, sum(spans[i].needs_sequence_id for i in by_attempt[pair])) for pair in attempts]
-        reserved = await asyncio.gather(
-            *(store.get_many_span_sequence_ids([pair] * n) for pair, n in zip(attempts, wanted, strict=True)),
-            return_exceptions=True,
-        )
-        numbered: dict[int, Span] = {}
-        for pair, ids in zip(attempts, reserved, strict=True):
-            if isinstance(ids, ValueError):  # the processor's verdict: unknown rollout or attempt
-                rejected[f"of an attempt the store refused ({ids})"] += len(by_attempt[pair])
-                continue
-            if isinstance(ids, BaseException):
-                raise TracesUnavailableError(
-                    f"reserving span sequence ids failed ({type(ids).__name__}: {ids}); nothing was written, retry "
-                    "later"
-                ) from ids
-            fresh = iter(ids)
-            for index in by_attempt[pair]:
-                decoded = spans[index]
-                numbered[index] = (
-                    decoded.span.model_copy(update={"sequence_id": next(fresh)})
-                    if decoded.needs_sequence_id
-                    else decoded.span
-                )
-        return [numbered[index] for index in sorted(numbered)]
 
 
 class QueryRequest(BaseModel):
@@ -427,6 +290,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         media_type = otlp.PROTOBUF if encoding == "protobuf" else otlp.JSON
         return Response(otlp.export_response(rejected, message, encoding), media_type=media_type)
 
+    app.include_router(tasks_router(gateway.tasks, lambda: gateway.stopping))
+    from consumers.gateway_sql import sql_router  # here: gateway_sql imports this module
+
+    app.include_router(sql_router(gateway))
     return app
 
 
@@ -480,7 +347,8 @@ class Gateway:
         self.applied = AppliedOffsets()
         self.sinks = SinkGroup(settings, self.specs, on_applied=self.applied.update, options=sink_options)
         self.queries = QueryRunner(settings, size=query_clients, time_limit_s=query_time_limit_s)
-        self.traces = TraceReceiver(settings)
+        self.traces = TraceIngest(settings)
+        self.tasks = TaskSubmitter(settings)
         self.started = time.monotonic()
         self.stopping = False
         self.url: str | None = None
@@ -530,6 +398,7 @@ class Gateway:
         server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway:http")
         sinks_task = asyncio.create_task(self.sinks.run(), name="gateway:sinks")
         self.traces.start(self.url)
+        self.tasks.start()
         # The socket already listens: clients that read the file now queue until uvicorn accepts.
         _write_record(record, self.url)
         log.info("gateway started", url=self.url, sinks=[s.name for s in self.specs], record=str(record))
@@ -539,6 +408,7 @@ class Gateway:
             self.stop()  # whichever ended first (or a signal), the other one stops too
             results = await asyncio.gather(server_task, sinks_task, return_exceptions=True)
             await self.traces.close()
+            await self.tasks.close()
             await asyncio.to_thread(self.queries.close)
             _remove_record(record)
             sock.close()

@@ -98,6 +98,7 @@ class Progress:
 class TrainerOptions:
     checkpoints: Path
     backend: str = "torch"  # "torch" or "verl" (agl_stream.training: open_backend)
+    initial_model: Path | None = None  # HF folder to start from; None: the tiny random policy
     model_name: str = "agl-tiny"
     proxy_endpoint: str | None = None  # published as the ProxyLLM runners call; None: none published
     lr: float = 1e-2  # the tiny policy learns at about 1e-2 (VERL's 1e-6 is for large models)
@@ -133,22 +134,17 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
 
     def _open_backend(self) -> None:
-        from agl_stream.policy import build_model, build_tokenizer
-        from agl_stream.training.backend import TorchPolicyBackend
+        from agl_stream.training import open_backend
 
-        if self.options.backend != "torch":
-            raise AglError(f"policy backend {self.options.backend!r} is not available in this build; use torch")
-        if self.progress.checkpoint is not None:
-            self.backend = TorchPolicyBackend.load(self.root / self.progress.checkpoint)
-            log.info("resumed", checkpoint=self.progress.checkpoint, trained=len(self.progress.trained))
+        # With the verl backend under torchrun, the other ranks open the same checkpoint
+        # (follower_main); rank 0 tells them which one progress.json names.
+        checkpoint = _shared_with_ranks(self.options, self.progress.checkpoint)
+        if checkpoint is not None:
+            self.backend = open_backend(self.options.backend, self.root / checkpoint)
+            log.info("resumed", checkpoint=checkpoint, trained=len(self.progress.trained))
             return
-        model, tokenizer = build_model(seed=self.options.seed), build_tokenizer()
-        self.backend = TorchPolicyBackend(
-            model,
-            tokenizer,
-            lr=self.options.lr,
-            algorithm=self.options.algorithm,
-            seed=self.options.seed,  # type: ignore[arg-type]
+        self.backend = open_backend(
+            self.options.backend, self.options.initial_model, **_new_backend_options(self.options)
         )
         self._save_checkpoint()  # version 0: what the inference backend starts from
 
@@ -229,6 +225,8 @@ class Trainer:
         finally:
             await consumer.stop()
             await producer.stop()
+            if self.backend is not None and hasattr(self.backend, "close"):
+                self.backend.close()  # releases the other ranks of a verl backend
         log.info("trainer stopped", **{k: v for k, v in vars(self.stats).items() if k != "staleness"})
         return self.stats
 
@@ -339,7 +337,44 @@ class Trainer:
         self.progress.trained.append(batch_id)
 
 
+def _distributed(options: TrainerOptions) -> bool:
+    return options.backend == "verl" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _shared_with_ranks(options: TrainerOptions, checkpoint: str | None) -> str | None:
+    if not _distributed(options):
+        return checkpoint
+    from agl_stream.training.verl_backend import broadcast_object
+
+    shared: str | None = broadcast_object(checkpoint)
+    return shared
+
+
+def _new_backend_options(options: TrainerOptions) -> dict[str, Any]:
+    return {"lr": options.lr, "algorithm": options.algorithm, "seed": options.seed}
+
+
+def follower_main(options: TrainerOptions) -> None:
+    """A rank other than 0 of a verl trainer under torchrun: no Kafka, it repeats rank 0's steps."""
+    from agl_stream.training import open_backend
+
+    checkpoint = _shared_with_ranks(options, None)
+    if checkpoint is not None:
+        backend = open_backend("verl", options.checkpoints / checkpoint)
+    else:
+        backend = open_backend("verl", options.initial_model, **_new_backend_options(options))
+    backend.follow()  # type: ignore[attr-defined]
+
+
 def main(settings: Settings, options: TrainerOptions) -> None:
+    if _distributed(options):
+        from agl_stream.training.verl_backend import init_distributed
+
+        rank, _ = init_distributed()
+        if rank != 0:
+            follower_main(options)
+            return
+
     async def run() -> TrainerStats:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

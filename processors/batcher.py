@@ -57,8 +57,11 @@ _JOURNAL_WINDOW = 16  # batches read per step when scanning the output backwards
 _JOURNAL_WINDOW_MAX = 64  # batches can be MBs each: bound what one step holds in memory
 
 
-def group_id(settings: Settings) -> str:
-    return f"{settings.topic_prefix}.{PROCESSOR}"
+def group_id(settings: Settings, source: str | None = None) -> str:
+    """The live batcher's group; one of its own per other source topic (a replay topic), so a
+    replay's batcher never takes partitions or offsets from the live one."""
+    base = f"{settings.topic_prefix}.{PROCESSOR}"
+    return base if source is None or source == settings.topic("triplets") else f"{base}.{source}"
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -75,12 +78,20 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 class BatcherProcessor:
-    def __init__(self, settings: Settings, policy: BatchPolicy, *, codec: Codec | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        policy: BatchPolicy,
+        *,
+        codec: Codec | None = None,
+        input_topic: str | None = None,
+        output_topic: str | None = None,
+    ) -> None:
         self.settings = settings
         self.policy = policy
         self.codec = codec or Codec.default()
-        self.source = settings.topic("triplets")
-        self.output = settings.topic("triplet-batches")
+        self.source = input_topic or settings.topic("triplets")
+        self.output = output_topic or settings.topic("triplet-batches")
         self.batchers: dict[int, Batcher] = {}
         self.committed: dict[int, int] = {}
         # `lock` is held from processing a fetch to committing it; `generation` changes on every
@@ -114,7 +125,7 @@ class BatcherProcessor:
         )
         consumer = self._consumer = make_consumer(
             settings,
-            group_id=group_id(settings),
+            group_id=group_id(settings, self.source),
             max_poll_records=500,
             # A batcher killed with -9 holds its partitions until its session expires.
             session_timeout_ms=6000,
@@ -141,7 +152,7 @@ class BatcherProcessor:
             dead_letters = DeadLetters(settings, producer, processor=PROCESSOR, codec=self.codec)
             consumer.subscribe([self.source], listener=_Rebalance(self))
             await consumer.start()
-            log.info("batcher started", source=self.source, output=self.output, group=group_id(settings))
+            log.info("batcher started", source=self.source, output=self.output, group=group_id(settings, self.source))
             try:
                 while not self._stopping.is_set():
                     await self._one_round(consumer, dead_letters)
@@ -365,14 +376,18 @@ class BatcherProcessor:
         return entries
 
 
-async def run_batcher(settings: Settings, policy: BatchPolicy) -> None:
-    processor = BatcherProcessor(settings, policy)
+async def run_batcher(
+    settings: Settings, policy: BatchPolicy, *, input_topic: str | None = None, output_topic: str | None = None
+) -> None:
+    processor = BatcherProcessor(settings, policy, input_topic=input_topic, output_topic=output_topic)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, processor.stop)
     await processor.run()
 
 
-def main(settings: Settings, policy: BatchPolicy) -> None:
+def main(
+    settings: Settings, policy: BatchPolicy, *, input_topic: str | None = None, output_topic: str | None = None
+) -> None:
     """Run the batcher in the foreground until SIGTERM/SIGINT (``agl-stream batcher``)."""
-    asyncio.run(run_batcher(settings, policy))
+    asyncio.run(run_batcher(settings, policy, input_topic=input_topic, output_topic=output_topic))

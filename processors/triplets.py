@@ -35,15 +35,21 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
-from agl_stream.adapter import AdapterConfig, extract_triplets
+from agl_stream.adapter import AdapterConfig
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import CodecError
 from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer, make_producer
 from agl_stream.logs import get_logger
-from agl_stream.models import ModelCheckpoint, ResourcesUpdate, RolloutState, Span, TripletRecord
+from agl_stream.models import RolloutState, Span, TripletRecord
 from agl_stream.store.resources_cache import ResourcesCache
-from agl_stream.trace_collector import EvictedAttempt, ReadyAttempt, TraceCollector, group_id_of
+from agl_stream.trace_collector import (
+    EvictedAttempt,
+    ReadyAttempt,
+    TraceCollector,
+    resources_id_of,
+    triplet_record,
+)
 
 log = get_logger("agl.triplets")
 
@@ -53,14 +59,6 @@ _POLL_MS = 200
 _COMMIT_EVERY_S = 0.5
 
 Token = tuple[TopicPartition, int]
-
-
-def policy_version_of(snapshot: ResourcesUpdate | None) -> int | None:
-    """The policy version a resources snapshot serves: its model checkpoint's, if it has one."""
-    if snapshot is None:
-        return None
-    versions = [r.policy_version for r in snapshot.resources.values() if isinstance(r, ModelCheckpoint)]
-    return max(versions) if versions else None
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -198,31 +196,20 @@ class TripletBuilder:
         self.emitted += len(ready)
 
     async def _record(self, resources: ResourcesCache, ready: ReadyAttempt[Token]) -> TripletRecord:
-        rollout, attempt = ready.finished.rollout, ready.finished.attempt
-        result = extract_triplets(ready.spans, self.adapter)
-        metadata = attempt.metadata if isinstance(attempt.metadata, dict) else {}
-        resources_id = metadata.get("resources_id") or rollout.resources_id
+        resources_id = resources_id_of(ready.finished)
         snapshot = await resources.get(resources_id) if resources_id else None
+        record, result = triplet_record(ready.finished, ready.spans, self.adapter, snapshot)
         if result.issues or not ready.complete:
             log.info(
                 "attempt's trace had issues",
-                rollout=rollout.rollout_id,
-                attempt=attempt.attempt_id,
+                rollout=record.rollout_id,
+                attempt=record.attempt_id,
                 complete=ready.complete,
                 spans=len(ready.spans),
                 expected=ready.finished.expected_spans,
                 issues=result.issues[:5],
             )
-        return TripletRecord(
-            rollout_id=rollout.rollout_id,
-            attempt_id=attempt.attempt_id,
-            group_id=group_id_of(rollout),
-            resources_id=resources_id,
-            policy_version=policy_version_of(snapshot),
-            triplets=result.triplets,
-            final_reward=result.final_reward,
-            finish_time=ready.finished.finish_time,
-        )
+        return record
 
     def _done(self, tokens: Iterable[Token]) -> None:
         for tp, offset in tokens:

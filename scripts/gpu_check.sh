@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Train the torch policy backend on CUDA and print tokens/s (see scripts/gpu_check.py --help).
+# Check the policy backends on CUDA and print tokens/s (see scripts/gpu_check.py --help):
+#   torch: one process on one GPU;
+#   verl:  VERL's FSDP engine under torchrun, one process per GPU ($NPROC, default: every GPU torch sees).
+# --backend torch|verl runs only that one; --dry-run runs both on the CPU with a tiny model (verl on
+# 2 CPU ranks, or $NPROC): no GPU needed. Other arguments go to gpu_check.py (--steps 10 --json out.json ...).
 # Python: $PYTHON, else the repo's .venv, else python3; it needs torch, transformers and verl.
+# Exit status: 0 all OK, 1 a check failed, 2 no CUDA device (and not --dry-run); the first non-zero wins.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-}"
@@ -8,4 +13,48 @@ if [[ -z "$python" ]]; then
   if [[ -x "$root/.venv/bin/python" ]]; then python="$root/.venv/bin/python"; else python=python3; fi
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$python" "$root/scripts/gpu_check.py" "$@"
+
+backends=(torch verl)
+dry_run=0
+args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --backend) backends=("$2"); shift 2 ;;
+    --backend=*) backends=("${1#--backend=}"); shift ;;
+    --dry-run) dry_run=1; args+=("$1"); shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+
+status=0
+for backend in "${backends[@]}"; do
+  rc=0
+  case "$backend" in
+    torch)
+      "$python" "$root/scripts/gpu_check.py" --backend torch ${args[@]+"${args[@]}"} || rc=$?
+      ;;
+    verl)
+      nproc="${NPROC:-}"
+      if [[ -z "$nproc" ]]; then
+        if [[ $dry_run == 1 ]]; then
+          nproc=2
+        else
+          nproc="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
+        fi
+      fi
+      if [[ "$nproc" -ge 1 ]]; then
+        "$python" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
+          "$root/scripts/gpu_check.py" --backend verl ${args[@]+"${args[@]}"} || rc=$?
+      else
+        # No GPU: one plain process, which says so (status 2).
+        "$python" "$root/scripts/gpu_check.py" --backend verl ${args[@]+"${args[@]}"} || rc=$?
+      fi
+      ;;
+    *)
+      echo "gpu_check.sh: unknown backend '$backend' (torch or verl)" >&2
+      rc=2
+      ;;
+  esac
+  if [[ $status == 0 && $rc != 0 ]]; then status=$rc; fi
+done
+exit "$status"

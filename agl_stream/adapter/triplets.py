@@ -136,6 +136,9 @@ class _Rewards:
 
 def _is_real(value: Any) -> bool:
     # bool is an int subclass; neither a token id nor a log-probability is ever a bool.
+    kind = type(value)
+    if kind is float or kind is int:  # the common case, without the ABC check (replay hot path)
+        return True
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -148,6 +151,8 @@ def _token_ids(attributes: Mapping[str, Any], key: str) -> tuple[list[int] | Non
         return None, f"{key} is a {type(value).__name__}, not a list of integers"
     if not value:
         return None, f"{key} is empty"
+    if all(type(item) is int for item in value):  # decoded data: one C-speed pass (replay hot path)
+        return (list(value), None) if min(value) >= 0 else (None, f"{key} holds negative ids")
     if not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
         kinds = sorted({type(item).__name__ for item in value if not isinstance(item, int) or isinstance(item, bool)})
         return None, f"{key} holds non-integer values ({', '.join(kinds)})"

@@ -60,6 +60,18 @@ def batcher(
     linger: Annotated[
         float, typer.Option(min=0.0, help="Seconds a partial batch waits for more before it goes out anyway.")
     ] = 30.0,
+    input_topic: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            help="Full name of the topic of triplet records to read (default: <prefix>.triplets).",
+        ),
+    ] = None,
+    output_topic: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            help="Full name of the batches topic, with the input's partition count (default: <prefix>.triplet-batches)."
+        ),
+    ] = None,
 ) -> None:
     """Batch finished attempts from agl.triplets into training batches on agl.triplet-batches.
 
@@ -68,6 +80,9 @@ def batcher(
     batch, across crashes and restarts. Runs until SIGTERM or Ctrl-C.
 
     Example: agl-stream batcher --max-rollouts 64 --group-size 8 --max-staleness 1
+
+    A replay (agl-stream replay NAME) is batched with --input-topic <prefix>.triplets.replay.NAME
+    --output-topic <prefix>.triplet-batches.replay.NAME (its own consumer group).
     """
     try:
         policy = BatchPolicy(
@@ -83,4 +98,6 @@ def batcher(
         )
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
-    importlib.import_module("processors.batcher").main(settings_of(ctx), policy)
+    importlib.import_module("processors.batcher").main(
+        settings_of(ctx), policy, input_topic=input_topic, output_topic=output_topic
+    )

@@ -38,6 +38,9 @@ def register(app: typer.Typer) -> None:
     from agl_stream.cli.batcher_cmd import batcher
 
     app.command("batcher")(batcher)
+    from agl_stream.cli.replay_cmd import replay
+
+    app.command("replay")(replay)
     from agl_stream.cli.inference_cmd import inference
 
     app.command("inference")(inference)
@@ -50,3 +53,11 @@ def register(app: typer.Typer) -> None:
     from agl_stream.cli.gateway_cmd import gateway
 
     app.command("gateway")(gateway)
+    from agl_stream.cli.otlp_kafka_cmd import otlp_kafka
+
+    app.command("otlp-kafka")(otlp_kafka)
+    from agl_stream.cli.enqueue_cmd import enqueue
+    from agl_stream.cli.ingress_cmd import ingress
+
+    app.command("ingress")(ingress)
+    app.command("enqueue")(enqueue)

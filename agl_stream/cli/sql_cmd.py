@@ -7,15 +7,17 @@ import csv
 import enum
 import json
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
+import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from agl_stream.cli import settings_of
-from agl_stream.errors import AglError
-from agl_stream.store.readside import QueryResult, read_side_for
+from agl_stream.config import Settings
+from agl_stream.errors import AglError, GatewayUnavailableError, QueryError
+from agl_stream.store.readside import ClickHouseReadSide, GatewayReadSide, QueryResult, read_side_for
 
 
 class OutputFormat(str, enum.Enum):
@@ -24,12 +26,62 @@ class OutputFormat(str, enum.Enum):
     json = "json"
 
 
-async def _run(settings: Any, sql: str, timeout: float) -> QueryResult:
+async def _run(settings: Settings, sql: str, timeout: float) -> QueryResult:
     side = read_side_for(settings)
     try:
+        if isinstance(side, GatewayReadSide):
+            return await _via_gateway(side.url, sql, timeout)
+        if isinstance(side, ClickHouseReadSide):
+            return await asyncio.to_thread(_on_server, settings, sql, timeout)
         return await side.query(sql, timeout=timeout)
     finally:
         await side.aclose()
+
+
+async def _via_gateway(url: str, sql: str, timeout: float) -> QueryResult:
+    """The gateway's ``/v1/sql``: the same checks and limits as every analytics client."""
+    async with httpx.AsyncClient() as client:
+        try:
+            response = await client.post(
+                f"{url}/v1/sql", json={"query": sql, "format": "json", "timeout": timeout}, timeout=timeout + 30
+            )
+        except httpx.TransportError as exc:
+            raise GatewayUnavailableError(
+                f"gateway {url} does not answer ({exc}); is `agl-stream up` running?"
+            ) from exc
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = {}
+    if response.status_code == 200:
+        return QueryResult(list(payload["columns"]), [list(r) for r in payload["rows"]])
+    message = payload.get("message") or response.text
+    raise QueryError(f"{payload.get('error', response.status_code)}: {message}", code=payload.get("code"))
+
+
+def _on_server(settings: Settings, sql: str, timeout: float) -> QueryResult:
+    """A ClickHouse server: readonly=2 and the analytics limits; what may be read is the user's grants
+    (docs/sql.md, "Access")."""
+    from clickhouse_connect.driver.exceptions import DatabaseError
+
+    from agl_stream.clickhouse.client import get_client
+
+    client = get_client(
+        settings,
+        readonly=True,
+        max_execution_time=min(timeout, settings.sql_time_limit_s),
+        max_memory_usage=settings.sql_max_memory_bytes,
+        max_result_rows=settings.sql_max_result_rows,
+        max_result_bytes=settings.sql_max_result_bytes,
+        result_overflow_mode="throw",
+    )
+    try:
+        result = client.query(sql)
+    except DatabaseError as exc:
+        raise QueryError(str(exc), code=getattr(exc, "code", None)) from exc
+    finally:
+        client.close()
+    return QueryResult(list(result.column_names), [list(row) for row in result.result_rows])
 
 
 def render(result: QueryResult, output: OutputFormat, console: Console) -> None:
@@ -61,8 +113,10 @@ def sql(
 ) -> None:
     """Run read-only SQL on ClickHouse (through the gateway, or a ClickHouse server).
 
-    Read-only is enforced by ClickHouse itself (readonly settings), not by looking at the SQL:
-    INSERT, DDL and SET are refused. Example:
+    Read-only is enforced by ClickHouse itself, not by looking at the SQL: through the gateway's
+    /v1/sql only one SELECT over the agl database runs (readonly settings, the engine's own
+    analysis of the tables it reads, time/memory/result limits); on a server, readonly settings,
+    the limits and the user's grants. Cookbook: docs/sql.md. Example:
 
         agl-stream sql "SELECT policy_version, avg(final_reward) FROM agl.triplet_records FINAL GROUP BY 1"
     """

@@ -20,6 +20,7 @@ else:  # pragma: no cover - Python 3.10
 CONFIG_KEYS = (
     "checkpoints",
     "backend",
+    "initial_model",
     "model_name",
     "proxy_endpoint",
     "lr",
@@ -47,8 +48,9 @@ def read_config(path: Path) -> dict[str, Any]:
         raise typer.BadParameter(
             f"{path}: unknown option(s) {unknown}; known: {', '.join(CONFIG_KEYS)}", param_hint="--config"
         )
-    if "checkpoints" in options:  # relative to the file, like most tools' config paths
-        options["checkpoints"] = (path.parent / str(options["checkpoints"])).resolve()
+    for key in ("checkpoints", "initial_model"):  # relative to the file, like most tools' config paths
+        if key in options:
+            options[key] = (path.parent / str(options[key])).resolve()
     return options
 
 
@@ -64,6 +66,10 @@ def trainer(
     backend: Annotated[
         str, typer.Option(help="Policy backend: torch (one process, CPU or one GPU) or verl (VERL's FSDP engine).")
     ] = "torch",
+    initial_model: Annotated[
+        Path | None,
+        typer.Option(help="HF model folder to start from when there is no checkpoint yet (default: the tiny policy)."),
+    ] = None,
     model_name: Annotated[str, typer.Option(help="Model name the checkpoints are published under.")] = "agl-tiny",
     proxy_endpoint: Annotated[
         str | None, typer.Option(help="LLM proxy base URL published as the runners' ProxyLLM resource.")
@@ -89,6 +95,11 @@ def trainer(
 
     Exactly once: progress.json in --checkpoints names the last checkpoint and the offsets
     after the last trained batch; a restarted trainer continues from there.
+
+    On GPUs, run the verl backend (VERL's FSDP engine) with one process per GPU; rank 0 reads
+    Kafka and the other ranks follow it:
+
+        torchrun --nproc-per-node 8 -m agl_stream trainer --backend verl --initial-model ./qwen --checkpoints ckpt
 
     Example config (trainer.toml):
 

@@ -111,3 +111,24 @@ async def apply(settings: Settings, specs: list[TopicSpec] | None = None) -> Top
         return topic_plan
     finally:
         await admin.close()
+
+
+async def create_topic_like(settings: Settings, declared: str, name: str) -> bool:
+    """Create topic ``name`` with the partitions and configs of the declared topic ``declared``
+    (short name, e.g. ``"triplets"``) unless it exists; True when this call created it."""
+    [spec] = [s for s in load_topic_specs() if s.name == declared]
+    admin = admin_client(settings)
+    await admin.start()
+    try:
+        if name in set(await admin.list_topics()):
+            return False
+        replication = spec.replication_for(await broker_count(admin), settings.replication_factor)
+        response = await admin.create_topics(
+            [NewTopic(name, spec.partitions, replication, topic_configs=spec.configs_for(replication))]
+        )
+        codes = [t[1] for t in response.topic_errors if t[1] != 0]
+        if codes and codes != [_TOPIC_ALREADY_EXISTS]:
+            raise TopicError(f"creating topic {name} failed (Kafka error codes): {codes}")
+        return not codes
+    finally:
+        await admin.close()

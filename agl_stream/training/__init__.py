@@ -1,24 +1,29 @@
 """Training core: triplet batches as VERL DataProtos, and policy backends that train on them.
 
-Importing this package imports torch and VERL (a few seconds).
+Importing this package imports torch and VERL (a few seconds); the ``verl`` backend
+(``agl_stream.training.verl_backend``, VERL's FSDP engine) is imported only when used.
 """
 
 from agl_stream.training.backend import (
     CRITIC_FREE_ESTIMATORS,
     TRAINER_STATE_FILE,
+    BackendKind,
     PolicyBackend,
     TorchBackendOptions,
     TorchPolicyBackend,
+    open_backend,
 )
 from agl_stream.training.data import InvalidBatchError, RewardMode, batch_to_dataproto
 
 __all__ = [
     "CRITIC_FREE_ESTIMATORS",
     "TRAINER_STATE_FILE",
+    "BackendKind",
     "InvalidBatchError",
     "PolicyBackend",
     "RewardMode",
     "TorchBackendOptions",
     "TorchPolicyBackend",
     "batch_to_dataproto",
+    "open_backend",
 ]

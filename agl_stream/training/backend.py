@@ -195,7 +195,6 @@ class TorchPolicyBackend:
         self._policy_version = policy_version
         self._steps = 0
         self.extra_state: dict[str, Any] = {}  # what the last save() was given, after load()
-        self._adv_fn = get_adv_estimator_fn(options.estimator)
         self._loss_fn = get_policy_loss_fn(options.loss_mode)
         self._algo_config = AlgoConfig(
             adv_estimator=options.estimator,
@@ -279,33 +278,18 @@ class TorchPolicyBackend:
         self._steps += 1
         if updates:
             self._policy_version += 1  # the weights are new only if an optimizer step happened
-        seconds = time.perf_counter() - started
-        n = max(1, updates + skipped)
-        response_mask = batch["response_mask"]
-        tokens = float(batch["attention_mask"].sum())
-        metrics = {key: value / n for key, value in sums.items()}
-        for key in ("loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "grad_norm"):
-            metrics.setdefault(key, 0.0)
-        in_loss = response_mask.bool()
-        metrics.update(
-            {
-                "advantage_mean": float(advantages[in_loss].mean()) if in_loss.any() else 0.0,
-                "advantage_abs_mean": float(advantages[in_loss].abs().mean()) if in_loss.any() else 0.0,
-                "reward_mean": float(batch["token_level_rewards"].sum(dim=1).mean()),
-                "response_length_mean": float(batch["response_lengths"].float().mean()),
-                "rows": float(rows),
-                "tokens": tokens,
-                "response_tokens": float(response_mask.sum()),
-                "seconds": seconds,
-                "tokens_per_s": tokens * options.ppo_epochs / seconds if seconds > 0 else 0.0,
-                "updates": float(updates),
-                "skipped_updates": float(skipped),
-                "recomputed_old_log_probs": float(recompute),
-                "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "policy_version": float(self._policy_version),
-            }
+        return step_metrics(
+            batch,
+            advantages,
+            sums,
+            updates=updates,
+            skipped=skipped,
+            seconds=time.perf_counter() - started,
+            epochs=options.ppo_epochs,
+            recomputed=recompute,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            policy_version=self._policy_version,
         )
-        return metrics
 
     @torch.no_grad()
     def log_probs(self, data: DataProto) -> torch.Tensor:
@@ -313,46 +297,16 @@ class TorchPolicyBackend:
         return self._compute_log_probs(self._prepare(data))
 
     def _prepare(self, data: DataProto) -> dict[str, torch.Tensor]:
-        if data.batch is None:
-            raise InvalidBatchError("the DataProto has no tensors")
-        keys = set(data.batch.keys())
-        missing = [k for k in _REQUIRED_KEYS if k not in keys]
-        if missing:
-            raise InvalidBatchError(f"the DataProto lacks {', '.join(missing)}")
-        batch: dict[str, torch.Tensor] = {k: data.batch[k].cpu() for k in keys}
-        rows, width = batch["input_ids"].shape
-        if rows == 0:
-            raise InvalidBatchError("the DataProto has no rows")
-        response_width = batch["responses"].shape[1]
-        prompt_width = width - response_width
-        if prompt_width < 1:
-            raise InvalidBatchError("input_ids must hold a prompt before the responses")
-        if not torch.equal(batch["input_ids"][:, prompt_width:], batch["responses"]):
-            raise InvalidBatchError("input_ids must end with responses (prompt left-padded, response right-padded)")
-        attention = batch["attention_mask"]
-        batch["prompt_lengths"] = attention[:, :prompt_width].sum(dim=1)
-        batch["response_lengths"] = attention[:, prompt_width:].sum(dim=1)
-        if bool((batch["prompt_lengths"] == 0).any()) or bool((batch["response_lengths"] == 0).any()):
-            raise InvalidBatchError("every row needs a non-empty prompt and response")
-        return batch
+        return prepare_batch(data)
 
     def _advantages(self, data: DataProto, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "advantages" in batch:
-            return batch["advantages"].float()
-        kwargs: dict[str, Any] = {
-            "token_level_rewards": batch["token_level_rewards"].float(),
-            "response_mask": batch["response_mask"],
-            "config": self._algo_config,
-        }
-        uid = data.non_tensor_batch.get("uid")
-        if uid is not None:
-            kwargs["index"] = uid
-        elif self.options.estimator not in ("reinforce_plus_plus",):
-            raise InvalidBatchError(f"advantage estimator {self.options.estimator!r} needs the 'uid' groups")
-        if self.options.estimator.startswith("grpo"):
-            kwargs["norm_adv_by_std_in_grpo"] = self.options.norm_adv_by_std_in_grpo
-        advantages, _returns = self._adv_fn(**kwargs)
-        return advantages.float()
+        return compute_advantages(
+            data,
+            batch,
+            estimator=self.options.estimator,
+            algo_config=self._algo_config,
+            norm_adv_by_std_in_grpo=self.options.norm_adv_by_std_in_grpo,
+        )
 
     def _micro(self, batch: dict[str, torch.Tensor], indices: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
         """The rows ``indices``, without the pad columns none of them needs (left of the prompts, right of
@@ -537,19 +491,166 @@ class TorchPolicyBackend:
         return backend
 
 
+def prepare_batch(data: DataProto) -> dict[str, torch.Tensor]:
+    """``data``'s tensors on the CPU, checked for the layout every backend needs, plus
+    ``prompt_lengths`` and ``response_lengths`` per row. Raises :class:`InvalidBatchError`."""
+    if data.batch is None:
+        raise InvalidBatchError("the DataProto has no tensors")
+    keys = set(data.batch.keys())
+    missing = [k for k in _REQUIRED_KEYS if k not in keys]
+    if missing:
+        raise InvalidBatchError(f"the DataProto lacks {', '.join(missing)}")
+    batch: dict[str, torch.Tensor] = {k: data.batch[k].cpu() for k in keys}
+    rows, width = batch["input_ids"].shape
+    if rows == 0:
+        raise InvalidBatchError("the DataProto has no rows")
+    response_width = batch["responses"].shape[1]
+    prompt_width = width - response_width
+    if prompt_width < 1:
+        raise InvalidBatchError("input_ids must hold a prompt before the responses")
+    if not torch.equal(batch["input_ids"][:, prompt_width:], batch["responses"]):
+        raise InvalidBatchError("input_ids must end with responses (prompt left-padded, response right-padded)")
+    attention = batch["attention_mask"]
+    batch["prompt_lengths"] = attention[:, :prompt_width].sum(dim=1)
+    batch["response_lengths"] = attention[:, prompt_width:].sum(dim=1)
+    if bool((batch["prompt_lengths"] == 0).any()) or bool((batch["response_lengths"] == 0).any()):
+        raise InvalidBatchError("every row needs a non-empty prompt and response")
+    return batch
+
+
+def compute_advantages(
+    data: DataProto,
+    batch: dict[str, torch.Tensor],
+    *,
+    estimator: str,
+    algo_config: AlgoConfig,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> torch.Tensor:
+    """Advantages (B, R) for a :func:`prepare_batch` result: the batch's own ``advantages`` if it has
+    them, else VERL's ``estimator`` called as ``ray_trainer.compute_advantage`` calls it (``index``
+    = the ``uid`` groups). Shared by every backend, so they train on the same numbers."""
+    if "advantages" in batch:
+        return batch["advantages"].float()
+    kwargs: dict[str, Any] = {
+        "token_level_rewards": batch["token_level_rewards"].float(),
+        "response_mask": batch["response_mask"],
+        "config": algo_config,
+    }
+    uid = data.non_tensor_batch.get("uid")
+    if uid is not None:
+        kwargs["index"] = uid
+    elif estimator not in ("reinforce_plus_plus",):
+        raise InvalidBatchError(f"advantage estimator {estimator!r} needs the 'uid' groups")
+    if estimator.startswith("grpo"):
+        kwargs["norm_adv_by_std_in_grpo"] = norm_adv_by_std_in_grpo
+    try:
+        advantages, _returns = get_adv_estimator_fn(estimator)(**kwargs)
+    except ValueError as error:  # e.g. REINFORCE++ whitening over a single loss token
+        raise InvalidBatchError(f"advantage estimator {estimator!r} cannot use this batch: {error}") from error
+    return advantages.float()
+
+
+def resolve_estimator(algorithm: str, adv_estimator: str | None) -> str:
+    """The VERL advantage estimator for ``algorithm`` ("grpo" | "ppo") or the explicit one; ValueError
+    for an unknown algorithm or an estimator that would need a critic."""
+    if algorithm not in _ESTIMATOR_OF:
+        raise ValueError(f"algorithm must be 'grpo' or 'ppo', not {algorithm!r}")
+    estimator = adv_estimator or _ESTIMATOR_OF[algorithm]
+    if estimator not in CRITIC_FREE_ESTIMATORS:
+        raise ValueError(
+            f"advantage estimator {estimator!r} is not supported without a critic; "
+            f"use one of {sorted(CRITIC_FREE_ESTIMATORS)}"
+        )
+    return estimator
+
+
+BackendKind = Literal["torch", "verl"]
+
+
+def step_metrics(
+    batch: dict[str, torch.Tensor],
+    advantages: torch.Tensor,
+    sums: dict[str, float],
+    *,
+    updates: int,
+    skipped: int,
+    seconds: float,
+    epochs: int,
+    recomputed: bool,
+    lr: float,
+    policy_version: int,
+    **extra: float,
+) -> dict[str, float]:
+    """What a backend's ``step`` reports: the mean of its mini-batch losses (``sums`` over
+    ``updates + skipped`` optimizer steps) and the batch's advantages, rewards, sizes and speed."""
+    n = max(1, updates + skipped)
+    response_mask = batch["response_mask"]
+    tokens = float(batch["attention_mask"].sum())
+    metrics = {key: value / n for key, value in sums.items()}
+    for key in ("loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "grad_norm"):
+        metrics.setdefault(key, 0.0)
+    in_loss = response_mask.bool()
+    metrics.update(
+        {
+            "advantage_mean": float(advantages[in_loss].mean()) if in_loss.any() else 0.0,
+            "advantage_abs_mean": float(advantages[in_loss].abs().mean()) if in_loss.any() else 0.0,
+            "reward_mean": float(batch["token_level_rewards"].sum(dim=1).mean()),
+            "response_length_mean": float(batch["response_lengths"].float().mean()),
+            "rows": float(batch["input_ids"].shape[0]),
+            "tokens": tokens,
+            "response_tokens": float(response_mask.sum()),
+            "seconds": seconds,
+            "tokens_per_s": tokens * epochs / seconds if seconds > 0 else 0.0,
+            "updates": float(updates),
+            "skipped_updates": float(skipped),
+            "recomputed_old_log_probs": float(recomputed),
+            "lr": lr,
+            "policy_version": float(policy_version),
+            **extra,
+        }
+    )
+    return metrics
+
+
+def open_backend(kind: BackendKind, checkpoint_dir: str | Path | None, **options: Any) -> PolicyBackend:
+    """The policy backend named ``kind`` ("torch": :class:`TorchPolicyBackend`; "verl":
+    :class:`~agl_stream.training.verl_backend.VerlFSDPBackend`, imported only when asked for).
+
+    ``checkpoint_dir``: None starts from the tiny random policy (:func:`agl_stream.policy.build_model`
+    with ``options``' seed); a folder the same kind saved with its trainer state resumes it (``options``
+    then override the saved ones); any other HF causal-LM folder starts a new backend on its weights
+    (pass ``policy_version`` to carry a version over). ``options``: the backend's options
+    (:class:`TorchBackendOptions` / ``VerlBackendOptions`` fields) and ``device``.
+    """
+    if kind == "torch":
+        if checkpoint_dir is None:
+            from agl_stream.policy import build_model, build_tokenizer
+
+            return TorchPolicyBackend(build_model(seed=int(options.get("seed", 0))), build_tokenizer(), **options)
+        path = Path(checkpoint_dir)
+        if (path / TRAINER_STATE_FILE).is_file():
+            return TorchPolicyBackend.load(path, **options)
+        model, tokenizer = load_checkpoint(path)
+        return TorchPolicyBackend(model, tokenizer, **options)
+    if kind == "verl":
+        from agl_stream.training.verl_backend import VERL_STATE_FILE, VerlFSDPBackend, open_tiny_verl_backend
+
+        if checkpoint_dir is None:
+            return open_tiny_verl_backend(**options)
+        path = Path(checkpoint_dir)
+        if (path / VERL_STATE_FILE).is_file():
+            return VerlFSDPBackend.load(path, **options)
+        return VerlFSDPBackend(path, **options)
+    raise ValueError(f"backend must be 'torch' or 'verl', not {kind!r}")
+
+
 def _chunks(indices: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     for start in range(0, len(indices), size):
         yield indices[start : start + size]
 
 
 def _validate(options: TorchBackendOptions) -> None:
-    if options.algorithm not in _ESTIMATOR_OF:
-        raise ValueError(f"algorithm must be 'grpo' or 'ppo', not {options.algorithm!r}")
-    if options.estimator not in CRITIC_FREE_ESTIMATORS:
-        raise ValueError(
-            f"advantage estimator {options.estimator!r} is not supported without a critic; "
-            f"use one of {sorted(CRITIC_FREE_ESTIMATORS)}"
-        )
+    resolve_estimator(options.algorithm, options.adv_estimator)
     if options.lr <= 0:
         raise ValueError("lr must be > 0")
     if options.ppo_epochs < 1 or options.micro_batch_size < 1:

@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -265,16 +266,20 @@ async def test_fenced_reads_write_refusal_timeouts_and_restart_after_kill_9(sett
                 "total_workers": 2,
             }
 
-            # The engine refuses writes on the query path, whatever the SQL looks like.
+            # The engine refuses writes on the query path, whatever the SQL looks like: its parser
+            # takes one SELECT only (no INSERT, DDL, SET or INTO OUTFILE), readonly=1 the rest.
+            outfile = Path(settings.data_dir) / "written-by-a-query.csv"
             for sql in (
                 "INSERT INTO agl.rollouts (rollout_id) VALUES ('x')",
                 "DROP TABLE agl.rollouts",
                 "SET readonly = 0",
+                f"SELECT 1 INTO OUTFILE '{outfile}'",
                 "SELECT * FROM file('/etc/hostname', 'LineAsString')",
             ):
                 with pytest.raises(QueryError) as refused:
                     await reads.query(sql)
-                assert refused.value.name == "READONLY", sql
+                assert refused.value.name in ("READONLY", "SYNTAX_ERROR"), sql
+            assert not outfile.exists()
             with pytest.raises(QueryError, match="SYNTAX_ERROR"):
                 await reads.query("SELEC 1")
 

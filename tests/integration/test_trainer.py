@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.models import DlqRecord, ResourcesUpdate, TrainerStep, Triplet, TripletBatch, TripletRecord
+from agl_stream.policy import load_checkpoint
 from tests.integration.helpers import read_to_end, read_topic, start_role, stop_role
 
 pytestmark = pytest.mark.integration
@@ -108,3 +110,41 @@ async def test_a_killed_trainer_trains_every_batch_exactly_once(settings: Settin
     assert {s.policy_version for s in steps} == set(range(1, 9))
     assert all(s.tokens > 0 and s.samples == 4 and s.staleness is not None for s in steps)
     assert all(math.isfinite(s.metrics["loss"]) for s in steps)
+
+
+async def test_the_verl_backend_trains_from_the_topic_on_two_ranks(settings: Settings, tmp_path: Path) -> None:
+    """VERL's FSDP2 engine on two CPU ranks under torchrun: rank 0 reads Kafka, rank 1 follows."""
+    await admin.apply(settings)
+    good = [_batch(i) for i in range(3)]
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        typed = TypedProducer(producer)
+        for batch in good:
+            await typed.send(settings.topic("triplet-batches"), batch, key="p0")
+    finally:
+        await producer.stop()
+    root = tmp_path / "checkpoints"
+    code = _torchrun_trainer(settings, root, tmp_path / "torchrun.log", "--max-batches", "3")
+    assert code == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    progress = _progress(root)
+    assert progress["trained"] == [b.batch_id for b in good] and progress["policy_version"] == 3
+    model, _ = load_checkpoint(root / "v3")  # an HF folder the inference backend (or vLLM) loads
+    assert model.config.vocab_size > 0
+    records = await read_to_end(settings, settings.topic("trainer-metrics"))
+    steps = [Codec.default().decode(r.value, TrainerStep) for r in records]
+    assert [s.batch_id for s in steps] == [b.batch_id for b in good]
+
+
+def _torchrun_trainer(settings: Settings, root: Path, log_path: Path, *args: str) -> int:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")} | settings.as_env()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "agl_stream", "trainer", "--backend", "verl", "--checkpoints", str(root), *args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return process.wait(timeout=300)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)  # its own session: the ranks go with it
+                process.wait()

@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
@@ -381,7 +382,13 @@ def test_the_cli_options_make_the_policy(monkeypatch: pytest.MonkeyPatch, tmp_pa
     from agl_stream.cli.batcher_cmd import batcher
 
     started: list[tuple[Settings, BatchPolicy]] = []
-    monkeypatch.setattr(processors.batcher, "main", lambda s, p: started.append((s, p)))
+    topics: list[dict[str, Any]] = []
+
+    def fake_main(settings: Settings, policy: BatchPolicy, **options: Any) -> None:
+        started.append((settings, policy))
+        topics.append(options)
+
+    monkeypatch.setattr(processors.batcher, "main", fake_main)
     app = typer.Typer()
 
     @app.callback()
@@ -408,3 +415,6 @@ def test_the_cli_options_make_the_policy(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert CliRunner().invoke(app, ["batcher"]).exit_code == 0
     assert started[-1][1] == BatchPolicy()  # the CLI defaults are the policy's
     assert CliRunner().invoke(app, ["batcher", "--on-stale", "maybe"]).exit_code != 0
+    replayed = ["--input-topic", "agl.triplets.replay.x", "--output-topic", "agl.triplet-batches.replay.x"]
+    assert CliRunner().invoke(app, ["batcher", *replayed]).exit_code == 0
+    assert topics[-1] == {"input_topic": "agl.triplets.replay.x", "output_topic": "agl.triplet-batches.replay.x"}

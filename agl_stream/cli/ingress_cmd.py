@@ -1,0 +1,25 @@
+"""``agl-stream ingress``: task requests from external systems (agl.task-requests) -> rollouts.
+
+The role lives in ``processors.ingress`` and is loaded by module name, so the library never
+imports the roles (DESIGN.md, dependency direction). The rules are agl_stream/ingress.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from agl_stream.cli import settings_of
+from agl_stream.stack import local_stack_settings
+
+
+def ingress(ctx: typer.Context) -> None:
+    """Run the ingress processor until SIGTERM or Ctrl-C.
+
+    Validates every TaskRequest on agl.task-requests (schema, sizes, mode, config, resources id)
+    and enqueues it as rollout ro-<sha256(request_id)[:12]>, or sends it to agl.dlq with the
+    reason (duplicates included). `agl-stream up` starts one; run more to share the partitions.
+    Limits: --set ingress_max_input_bytes=N, --set ingress_max_metadata_bytes=N.
+    """
+    importlib.import_module("processors.ingress").main(local_stack_settings(settings_of(ctx)))

@@ -1,0 +1,330 @@
+"""Task ingress, the pure part: a TaskRequest (topic agl.task-requests) -> a RolloutEnqueued event.
+
+The ingress processor (processors/ingress.py), ``agl-stream enqueue`` and the gateway's
+``POST /v1/tasks`` share these rules, so a request the CLI or the gateway accepts is one the
+processor accepts (only the resources check and deduplication need the log, and live there).
+No I/O and no clock here: the caller passes "now".
+
+The contract for clients is docs/contract.md; what each check refuses:
+
+- bytes that are not a TaskRequest: the codec's errors (no single-object marker, unknown
+  fingerprint, malformed body or JSON text, another record type);
+- a request id that is empty, longer than :data:`REQUEST_ID_MAX_CHARS` or not printable ASCII
+  without spaces (:class:`InvalidTaskRequestError`);
+- input or metadata over the byte limits (:class:`TaskRequestTooLargeError`, measured on the
+  JSON text as agl-stream writes it: sorted keys, compact);
+- a mode other than train/val/test, metadata that is not a JSON object, NaN/Infinity anywhere,
+  a config with ``max_attempts < 1``, a non-positive or non-finite timeout, or a retry
+  condition other than failed/timeout/unresponsive (:class:`InvalidTaskRequestError`).
+
+The rollout id is derived from the request id, so a client knows it without asking and the
+same request sent twice names the same rollout (which the rollout processor creates once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, get_args
+
+from pydantic import ValidationError
+
+from agl_stream.codec import Codec, dump_json
+from agl_stream.errors import AglError, RecordTypeError
+from agl_stream.models import RolloutEnqueued, RolloutEvent, TaskRequest
+from agl_stream.models.base import AttemptStatus, RolloutMode
+from agl_stream.models.rollouts import Rollout, RolloutConfig
+
+if TYPE_CHECKING:
+    from agl_stream.config import Settings
+
+WRITER = "processor.ingress"
+"""``RolloutEvent.writer`` of the events the ingress writes (also its DLQ ``processor``)."""
+
+REQUEST_ID_MAX_CHARS = 128
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: safe in logs, URLs, keys
+MODES: tuple[str, ...] = get_args(RolloutMode)
+RETRY_CONDITIONS: tuple[AttemptStatus, ...] = ("failed", "timeout", "unresponsive")
+"""The attempt statuses a retry can follow: the fold only retries after an attempt that finished
+without succeeding, so any other value would never fire and is a mistake in the request."""
+_INT_MAX = 2**31 - 1  # RolloutConfig.max_attempts is an Avro int
+_EVENT_NAMESPACE = uuid.UUID("5b0c6f1e-8a4e-4c1b-9a57-6d2f3c0e7a11")
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+class TaskRequestError(AglError, ValueError):
+    """A task request that cannot become a rollout; the message says why (it is the DLQ reason)."""
+
+
+class InvalidTaskRequestError(TaskRequestError):
+    """A field has a value the contract does not allow (request id, mode, config, JSON payloads)."""
+
+
+class TaskRequestTooLargeError(TaskRequestError):
+    """The input or the metadata is over its byte limit."""
+
+
+class UnknownResourcesError(TaskRequestError):
+    """``resources_id`` names no snapshot on agl.resources."""
+
+
+class DuplicateRequestError(TaskRequestError):
+    """A request with this request id was already turned into a rollout."""
+
+
+class KeyMismatchError(TaskRequestError):
+    """The Kafka key is not the request id (the contract keys requests by request id)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Ids
+# --------------------------------------------------------------------------------------------
+
+
+def request_digest(request_id: str) -> bytes:
+    """SHA-256 of the request id's UTF-8 bytes: the root of every id derived from it."""
+    return hashlib.sha256(request_id.encode("utf-8")).digest()
+
+
+def rollout_id_for(request_id: str) -> str:
+    """``ro-`` + the first 12 hex digits of SHA-256(request_id as UTF-8) (docs/contract.md)."""
+    return "ro-" + request_digest(request_id).hex()[:12]
+
+
+def event_id_for(request_id: str) -> str:
+    """The enqueue event's id: a UUIDv5 of the request id, so a re-sent event is byte-identical."""
+    return str(uuid.uuid5(_EVENT_NAMESPACE, request_id))
+
+
+def line_request_id(line: str, line_number: int, salt: str = "") -> str:
+    """The request id of a task-file line that has none: stable across runs of the same file.
+
+    A digest of (salt, line number, the line's text): rerunning a file, or a file that grew at
+    its end, names the same requests again; ``salt`` makes a deliberate second run new tasks.
+    """
+    digest = hashlib.sha256(f"{salt}\n{line_number}\n{line.strip()}".encode()).hexdigest()
+    return "line-" + digest[:32]
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IngressLimits:
+    max_input_bytes: int = 512 * 1024
+    max_metadata_bytes: int = 64 * 1024
+
+    @classmethod
+    def of(cls, settings: Settings) -> IngressLimits:
+        return cls(settings.ingress_max_input_bytes, settings.ingress_max_metadata_bytes)
+
+
+def _json_size(value: Any, what: str, problems: list[str]) -> int:
+    try:
+        return len(dump_json(value).encode("utf-8"))
+    except (ValueError, TypeError) as exc:  # NaN/Infinity, or a value JSON cannot hold
+        problems.append(f"{what} is not valid JSON ({exc})")
+        return 0
+
+
+def _positive_seconds(config: Mapping[str, Any], name: str, problems: list[str]) -> None:
+    value = config.get(name)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        problems.append(f"config.{name} must be a positive number of seconds or null, not {value!r}")
+
+
+def _check_config(config: Any, problems: list[str]) -> None:
+    if config is None:
+        return
+    if not isinstance(config, Mapping):
+        problems.append(f"config must be an object or null, not {type(config).__name__}")
+        return
+    attempts = config.get("max_attempts", 1)
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or not 1 <= attempts <= _INT_MAX:
+        problems.append(f"config.max_attempts must be an integer from 1 to {_INT_MAX}, not {attempts!r}")
+    _positive_seconds(config, "timeout_seconds", problems)
+    _positive_seconds(config, "unresponsive_seconds", problems)
+    conditions = config.get("retry_condition", [])
+    if not isinstance(conditions, list):
+        problems.append(f"config.retry_condition must be a list, not {type(conditions).__name__}")
+    else:
+        unknown = [c for c in conditions if c not in RETRY_CONDITIONS]
+        if unknown:
+            problems.append(
+                f"config.retry_condition may hold only {', '.join(RETRY_CONDITIONS)} (statuses a retry can "
+                f"follow), not {', '.join(map(repr, unknown))}"
+            )
+
+
+def validate_request(datum: Mapping[str, Any], limits: IngressLimits) -> TaskRequest:
+    """A TaskRequest from its dict form (the codec's, or parsed JSON), or the reasons it is refused.
+
+    Every problem is reported at once, joined with "; ". Size problems win the error type
+    (:class:`TaskRequestTooLargeError`), since fixing them means a different request.
+    """
+    if not isinstance(datum, Mapping):
+        raise InvalidTaskRequestError(f"a task request is a JSON object, not {type(datum).__name__}")
+    problems: list[str] = []
+    too_large: list[str] = []
+    request_id = datum.get("request_id")
+    if not isinstance(request_id, str):
+        problems.append(f"request_id must be a string, not {type(request_id).__name__}")
+    elif not 1 <= len(request_id) <= REQUEST_ID_MAX_CHARS or not _REQUEST_ID_RE.fullmatch(request_id):
+        problems.append(
+            f"request_id must be 1 to {REQUEST_ID_MAX_CHARS} printable ASCII characters without spaces, "
+            f"not {request_id[:160]!r}"
+        )
+    if "input" not in datum:
+        problems.append("input is missing")
+    else:
+        size = _json_size(datum["input"], "input", problems)
+        if size > limits.max_input_bytes:
+            too_large.append(f"input is {size:,} bytes of JSON, over the {limits.max_input_bytes:,}-byte limit")
+    mode = datum.get("mode")
+    if mode is not None and mode not in MODES:
+        problems.append(f"mode must be one of {', '.join(MODES)} or null, not {mode!r}")
+    metadata = datum.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            problems.append(f"metadata must be a JSON object or null, not {type(metadata).__name__}")
+        else:
+            size = _json_size(metadata, "metadata", problems)
+            if size > limits.max_metadata_bytes:
+                too_large.append(
+                    f"metadata is {size:,} bytes of JSON, over the {limits.max_metadata_bytes:,}-byte limit"
+                )
+    resources_id = datum.get("resources_id")
+    if resources_id is not None and (not isinstance(resources_id, str) or not 1 <= len(resources_id) <= 128):
+        problems.append(f"resources_id must be a resources snapshot id or null, not {str(resources_id)[:160]!r}")
+    request_time = datum.get("request_time")
+    if request_time is not None and (
+        isinstance(request_time, bool) or not isinstance(request_time, int | float) or not math.isfinite(request_time)
+    ):
+        problems.append(f"request_time must be a finite number of seconds or null, not {request_time!r}")
+    _check_config(datum.get("config"), problems)
+    if too_large:
+        raise TaskRequestTooLargeError("; ".join(too_large + problems))
+    if problems:
+        raise InvalidTaskRequestError("; ".join(problems))
+    try:
+        return TaskRequest.model_validate(datum)
+    except ValidationError as exc:  # what the checks above do not cover: unknown fields, types
+        raise InvalidTaskRequestError(_pydantic_reasons(exc)) from exc
+
+
+def _pydantic_reasons(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in error['loc']) or 'request'}: {error['msg']}" for error in exc.errors())
+
+
+def decode_request(codec: Codec, data: bytes, limits: IngressLimits) -> TaskRequest:
+    """Decode a message of agl.task-requests and validate it (CodecError or TaskRequestError)."""
+    name, datum = codec.decode_dict(data)
+    if name != TaskRequest.avro_name:
+        raise RecordTypeError(
+            f"expected a {TaskRequest.avro_name} record, got a {name}: agl.task-requests carries only task requests"
+        )
+    return validate_request(datum, limits)
+
+
+def check_key(key: bytes | None, request: TaskRequest) -> None:
+    """The Kafka key must be the request id (UTF-8), so duplicates meet in one partition."""
+    if key != request.request_id.encode("utf-8"):
+        shown = "no key" if key is None else f"key {key[:160]!r}"
+        raise KeyMismatchError(f"{shown} is not the request_id {request.request_id!r}: key each request by its id")
+
+
+def request_from_json(value: Any, limits: IngressLimits, *, default_request_id: str | None = None) -> TaskRequest:
+    """A request given as a JSON object (``POST /v1/tasks``, a task-file line).
+
+    ``input`` and ``metadata`` are JSON values here, not JSON text as in Avro. Without a
+    ``request_id`` the ``default_request_id`` is used (an error when there is none).
+    """
+    if isinstance(value, Mapping) and value.get("request_id") is None and default_request_id is not None:
+        value = {**value, "request_id": default_request_id}
+    return validate_request(value, limits)
+
+
+def request_from_line(line: str, line_number: int, limits: IngressLimits, *, salt: str = "") -> TaskRequest:
+    """One line of a task file (JSON Lines): a request; no request_id -> :func:`line_request_id`."""
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidTaskRequestError(f"not JSON: {exc}") from exc
+    return request_from_json(value, limits, default_request_id=line_request_id(line, line_number, salt))
+
+
+# --------------------------------------------------------------------------------------------
+# The rollout
+# --------------------------------------------------------------------------------------------
+
+
+def enqueue_event(request: TaskRequest, now: float) -> RolloutEvent:
+    """The RolloutEnqueued event a valid request becomes (key: its rollout id, on agl.rollouts).
+
+    The rollout starts at ``now`` (when the ingress enqueued it; ``request_time`` is the client's
+    clock and stays the client's), with the request's input, mode, resources, config (defaults
+    when null) and metadata unchanged.
+    """
+    rollout_id = rollout_id_for(request.request_id)
+    rollout = Rollout(
+        rollout_id=rollout_id,
+        input=request.input,
+        start_time=now,
+        mode=request.mode,
+        resources_id=request.resources_id,
+        status="queuing",
+        config=request.config if request.config is not None else RolloutConfig(),
+        metadata=request.metadata,
+    )
+    return RolloutEvent(
+        event_id=event_id_for(request.request_id),
+        rollout_id=rollout_id,
+        time=now,
+        writer=WRITER,
+        payload=RolloutEnqueued(rollout=rollout),
+    )
+
+
+class RecentRequests:
+    """The request ids this process turned into rollouts lately (the newest ``capacity``).
+
+    A repeat of one of them is refused as a duplicate with the request's own bytes in the DLQ.
+    The rollout processor's refusal of a second enqueue of a known rollout is the guarantee;
+    this is what makes the common case (a client retrying soon) say "duplicate request".
+    Keys are 16 bytes of the request digest, so memory stays small (~100 B per id).
+    """
+
+    def __init__(self, capacity: int = 200_000) -> None:
+        self.capacity = capacity
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    @staticmethod
+    def key(request_id: str) -> bytes:
+        return request_digest(request_id)[:16]
+
+    def __contains__(self, request_id: str) -> bool:
+        return self.key(request_id) in self._seen
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def add(self, request_id: str) -> None:
+        key = self.key(request_id)
+        self._seen[key] = None
+        self._seen.move_to_end(key)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)

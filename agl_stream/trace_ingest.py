@@ -1,0 +1,173 @@
+"""Decoded OTLP spans into agl.spans: sequence ids, the attempt check and the write.
+
+Shared by both ways OTLP traces come in: the gateway's ``POST /v1/traces`` (consumers/gateway.py,
+which keeps only the HTTP mapping) and the collector's Kafka topic (consumers/otlp_kafka.py).
+Decoding is agl_stream/otlp.py; this module is what happens after it, through a store client.
+
+Semantics of one export (a request, or one poll batch of Kafka messages):
+
+- Per attempt named in it, one SpanSequenceRequested event reserves the ids of its spans that
+  carry no ``agentlightning.span_sequence_id`` (in order), and one id when all of them carry
+  their own: the reservation is also how an unknown rollout or attempt is found *before*
+  anything is written. The spans of an attempt the processor refuses are refused with its
+  reason; the other attempts' spans go on.
+- The rest is written with one ``add_many_spans`` (spans, then one heartbeat per attempt). A
+  heartbeat refused after the spans were written (the rollout was forgotten meanwhile) is a
+  warning, not a failure: the spans are stored.
+- Nothing written yet and the store failed (processor silent, broker down, store client not
+  started): :class:`TracesUnavailableError`, and a retry is safe. Failed while writing:
+  :class:`TracesWriteError`: some spans may be stored, so a blind retry would store them again
+  under new sequence ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from agl_stream import otlp
+from agl_stream.background import BackgroundClient
+from agl_stream.config import Settings
+from agl_stream.errors import AglError
+from agl_stream.logs import get_logger
+from agl_stream.models import Span
+from agl_stream.store.client import AglStore
+
+log = get_logger("agl.trace_ingest")
+
+
+class TracesUnavailableError(AglError):
+    """Nothing was written and a retry may succeed (the gateway answers HTTP 503)."""
+
+
+class TracesWriteError(AglError):
+    """Writing failed part way: some spans may be stored, so a blind retry could store them twice
+    (the gateway answers HTTP 500)."""
+
+
+class SpansRejectedError(AglError, ValueError):
+    """Spans of an OTLP message that cannot be stored (no rollout/attempt ids, invalid ids, too
+    large, an attempt the store refused); the message says how many and why."""
+
+
+@dataclass
+class Numbered:
+    """The outcome of :func:`number_spans`, by the index of each span in its input."""
+
+    spans: dict[int, Span] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+
+    def accepted(self) -> list[Span]:
+        """The numbered spans in input order."""
+        return [self.spans[index] for index in sorted(self.spans)]
+
+
+async def number_spans(store: AglStore, spans: Sequence[otlp.DecodedSpan]) -> Numbered:
+    """Each span of an attempt the processor knows with its sequence id; the others refused with
+    the processor's reason. One reservation per attempt, all attempts at once."""
+    by_attempt: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for index, decoded in enumerate(spans):
+        by_attempt[(decoded.span.rollout_id, decoded.span.attempt_id)].append(index)
+    attempts = list(by_attempt)
+    wanted = [max(1, sum(spans[i].needs_sequence_id for i in by_attempt[pair])) for pair in attempts]
+    reserved = await asyncio.gather(
+        *(store.get_many_span_sequence_ids([pair] * n) for pair, n in zip(attempts, wanted, strict=True)),
+        return_exceptions=True,
+    )
+    result = Numbered()
+    for pair, ids in zip(attempts, reserved, strict=True):
+        if isinstance(ids, ValueError):  # the processor's verdict: unknown rollout or attempt
+            for index in by_attempt[pair]:
+                result.refused[index] = f"of an attempt the store refused ({ids})"
+            continue
+        if isinstance(ids, BaseException):
+            raise TracesUnavailableError(
+                f"reserving span sequence ids failed ({type(ids).__name__}: {ids}); nothing was written, retry later"
+            ) from ids
+        fresh = iter(ids)
+        for index in by_attempt[pair]:
+            decoded = spans[index]
+            result.spans[index] = (
+                decoded.span.model_copy(update={"sequence_id": next(fresh)})
+                if decoded.needs_sequence_id
+                else decoded.span
+            )
+    return result
+
+
+async def write_spans(store: AglStore, spans: Sequence[Span]) -> str:
+    """Write numbered spans (and their heartbeats); a warning when a heartbeat was refused."""
+    if not spans:
+        return ""
+    try:
+        await store.add_many_spans(spans)
+    except ValueError as error:
+        return f"{len(spans)} spans were stored, but their heartbeat was refused: {error}"
+    except Exception as error:
+        raise TracesWriteError(
+            f"writing {len(spans)} spans failed part way ({type(error).__name__}: {error}); some may be stored"
+        ) from error
+    return ""
+
+
+class TraceIngest:
+    """A store client started in the background, and :meth:`export` for decoded requests.
+
+    The client runs with the given settings; one that failed to start is started again by the
+    next caller of :meth:`store` (the first exports may come before the broker is reachable).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._client = BackgroundClient[AglStore](
+            "trace store client", self._open, _close_store, TracesUnavailableError
+        )
+
+    def start(self, gateway_url: str | None = None) -> None:
+        """Start the store client in the background; ``gateway_url`` is the read side to use when
+        the settings name none (the gateway passes its own URL)."""
+        if self.settings.gateway_url is None and gateway_url is not None:
+            self.settings = self.settings.model_copy(update={"gateway_url": gateway_url})
+        self._client.start()
+
+    async def _open(self) -> AglStore:
+        store = AglStore(self.settings)
+        try:
+            return await store.start()
+        except Exception as error:
+            log.warning("the trace store client did not start", error=f"{type(error).__name__}: {error}")
+            raise
+
+    async def store(self) -> AglStore:
+        return await self._client.get("the store client cannot start")
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def export(self, decoded: otlp.DecodedTraces) -> tuple[int, str]:
+        """Number and write one request's spans; ``(rejected_spans, message)`` for OTLP's
+        ``partial_success`` (a message with 0 rejected is a warning)."""
+        rejected = Counter(decoded.rejected)
+        message = ""
+        if decoded.spans:
+            store = await self.store()
+            numbered = await number_spans(store, decoded.spans)
+            rejected.update(numbered.refused.values())
+            try:
+                message = await write_spans(store, numbered.accepted())
+            except TracesWriteError as error:
+                raise TracesWriteError(f"{error}, so the request is not to be retried") from error
+        rejected_count = sum(rejected.values())
+        if rejected:
+            message = otlp.rejection_message(rejected, decoded.total) + (f"; {message}" if message else "")
+        if message:
+            log.warning(
+                "OTLP export not fully accepted", rejected=rejected_count, total=decoded.total, reason=message[:500]
+            )
+        return rejected_count, message
+
+
+async def _close_store(store: AglStore) -> None:
+    await store.close()

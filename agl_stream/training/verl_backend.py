@@ -1,0 +1,865 @@
+"""The ``verl`` policy backend: VERL's FSDP training engine behind the :class:`PolicyBackend` interface.
+
+:class:`VerlFSDPBackend` drives ``verl.workers.engine.fsdp.FSDPEngineWithLMHead`` (VERL 0.9's engine
+design; there is no ``DataParallelPPOActor`` any more) the way VERL's own workers do:
+
+- **construction** as ``engine_workers.ActorRolloutRefWorker.init_model`` + ``TrainingWorker``: an
+  ``HFModelConfig`` on an HF checkpoint folder, an ``FSDPActorConfig`` whose ``engine`` (an
+  ``FSDPEngineConfig``, strategy ``fsdp2`` by default), ``optim`` (``FSDPOptimizerConfig``: AdamW,
+  constant LR, clipping) and ``checkpoint`` configs build the engine through
+  ``EngineRegistry.new("language_model", strategy, ...)`` on GPUs, then ``engine.initialize()``;
+  the loss is ``partial(verl.workers.utils.losses.ppo_loss, config=actor_config)``;
+- **input** as ``ray_trainer``'s ``_compute_old_log_prob`` / ``_update_actor``:
+  ``DataProto.to_tensordict()`` -> ``verl.workers.utils.padding.left_right_2_no_padding`` (nested,
+  padding-free rows) plus the non-tensor settings ``TrainingWorker.train_batch`` injects
+  (dynamic batch size by token budget, remove-padding, temperature 1: the sampler's log-probs are raw);
+  outputs come back through ``no_padding_2_padding``;
+- **old log-probs** from ``engine.infer_batch`` in ``engine.eval_mode()`` (VERL's default: the
+  trainer's own forward pass, not the rollout's numbers; ``recompute_old_log_probs=False`` uses the
+  batch's ``old_log_probs`` when it has them);
+- **advantages** with VERL's estimators through :func:`agl_stream.training.backend.compute_advantages`
+  (the code the torch backend uses), computed on the whole batch before it is split;
+- **update**: per mini-batch ``engine.train_batch(td, ppo_loss)`` in ``engine.train_mode()``
+  (forward/backward over token-budget micro-batches, VERL's global-batch loss normalisation, clip,
+  a non-finite gradient norm skips the step), then ``engine.lr_scheduler_step()`` once per batch.
+
+Checkpoints (:meth:`VerlFSDPBackend.save`): the directory is an HF folder written by
+:func:`agl_stream.policy.save_checkpoint` from the full weights gathered with
+``engine.get_per_tensor_param()`` (the export VERL uses to send weights to vLLM), so
+``agl_stream.policy.load_checkpoint`` and vLLM load it; beside it ``verl_engine/`` holds VERL's engine
+checkpoint (``FSDPCheckpointManager``: per-rank model and optimizer shards, LR scheduler, RNG) and
+``verl_state.json`` (options, policy version, steps, the caller's ``extra_state``), written last:
+its presence makes the folder resumable with :meth:`VerlFSDPBackend.load`.
+
+Distributed: one process per GPU under ``torchrun``. Every rank constructs the backend (the
+process group is joined from torchrun's environment: gloo for CPU objects, NCCL for CUDA tensors).
+Rank 0 is the *lead*: its :meth:`~VerlFSDPBackend.step`, :meth:`~VerlFSDPBackend.save` and
+:meth:`~VerlFSDPBackend.log_probs` first broadcast the call (with the batch) over a gloo group; every
+other rank calls :meth:`~VerlFSDPBackend.follow`, which replays those calls until the lead calls
+:meth:`~VerlFSDPBackend.close`. So a trainer does Kafka on rank 0 only and, on other ranks, builds
+the same backend and calls ``follow()`` (:func:`init_distributed` and :func:`broadcast_object` let
+rank 0 tell the others which checkpoint to open first). Checkpoint folders must be writable by every
+rank (one node: local disk). Each mini-batch is split across ranks (``tensor_split``, uneven shares
+are fine); a batch with fewer rows than ranks is an :class:`InvalidBatchError`, raised on rank 0
+before anything is broadcast. A rank that fails mid-step leaves the others in a collective until
+the process group's timeout.
+
+On the CPU (tests, this repo's machines): the engine runs unchanged in one process with a gloo
+process group of world size 1 (an in-memory ``HashStore``: no port). VERL has no CPU platform
+(``verl.plugin.platform`` registers CUDA, NPU and ROCm and falls back to CUDA, so
+``get_device_id()`` calls ``torch.cuda.current_device()`` and fails without a GPU) and registers
+the engine for ``cuda``/``npu`` only; the shim is :class:`_CpuPlatform`, installed with VERL's own
+``verl.plugin.platform.set_platform`` before the engine module is imported (device ``"cpu"``,
+backend gloo, ``current_device()`` = ``"cpu"`` so ``tensor.to(get_device_id())`` stays on the CPU,
+no-op memory statistics), and the engine class instantiated directly. With it ``fsdp2`` trains on
+the CPU and matches :class:`~agl_stream.training.TorchPolicyBackend` (same log-probs, same update).
+``strategy="fsdp"`` (FSDP1) cannot run on the CPU: ``FullyShardedDataParallel(...,
+sync_module_states=True)`` in ``FSDPEngine._build_fsdp_module`` raises "The module has CPU
+parameters or buffers when `sync_module_states=True`"; it is for GPUs only. ``flash_attention_2`` is
+used when ``flash_attn`` is installed, else ``sdpa`` (transformers detects the packed rows of
+remove-padding from the position ids, so both give the same log-probs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict  # type: ignore[import-untyped]
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from verl import DataProto
+from verl.plugin.platform import PlatformBase, set_platform
+from verl.trainer.config import AlgoConfig, CheckpointConfig
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import Metric
+from verl.workers.config import (
+    FSDPActorConfig,
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    HFModelConfig,
+    PolicyLossConfig,
+)
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+from agl_stream.policy import save_checkpoint
+from agl_stream.policy.model import _fsync_tree
+from agl_stream.training.backend import (
+    Algorithm,
+    LossAggMode,
+    compute_advantages,
+    prepare_batch,
+    resolve_estimator,
+    step_metrics,
+)
+from agl_stream.training.data import InvalidBatchError
+
+VERL_STATE_FILE = "verl_state.json"
+ENGINE_DIR = "verl_engine"
+Device = Literal["auto", "cuda", "cpu"]
+Strategy = Literal["fsdp2", "fsdp"]
+
+# What the engine reads of a batch; left_right_2_no_padding turns the first four into nested rows.
+_MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "prompts", "responses")
+_TRAIN_KEYS = (*_MODEL_KEYS, "old_log_probs", "advantages")
+_FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+
+@dataclass(frozen=True)
+class VerlBackendOptions:
+    """The hyperparameters of a :class:`VerlFSDPBackend` (saved with its checkpoints).
+
+    The RL fields mean what they mean for :class:`~agl_stream.training.TorchBackendOptions`.
+    Engine fields: ``max_token_len_per_gpu`` is VERL's ``ppo_max_token_len_per_gpu`` (micro-batches
+    are packed up to this many tokens per GPU: dynamic batch size); ``mixed_precision`` None is
+    VERL's default on GPUs (bf16 compute, fp32 master weights and reduction) and fp32 on the CPU;
+    ``attn_implementation`` None is ``flash_attention_2`` when ``flash_attn`` is installed, else
+    ``sdpa``; ``use_torch_compile`` compiles VERL's entropy kernel (VERL's default; off here: the first
+    step would pay the compilation, and it needs triton).
+    """
+
+    lr: float
+    algorithm: Algorithm = "grpo"
+    adv_estimator: str | None = None
+    loss_mode: str = "vanilla"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: LossAggMode = "token-mean"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    entropy_coeff: float = 0.0
+    ppo_epochs: int = 1
+    mini_batch_size: int | None = None  # rows per optimizer step; None: the whole batch
+    max_token_len_per_gpu: int = 16384
+    shuffle: bool = False
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    recompute_old_log_probs: bool = True
+    strategy: Strategy = "fsdp2"
+    mixed_precision: bool | None = None
+    use_remove_padding: bool = True
+    attn_implementation: str | None = None
+    gradient_checkpointing: bool = False
+    use_torch_compile: bool = False
+    seed: int = 0
+
+    @property
+    def estimator(self) -> str:
+        return resolve_estimator(self.algorithm, self.adv_estimator)
+
+
+class VerlFSDPBackend:
+    """Trains the HF causal LM in ``model_dir`` with VERL's FSDP engine (see the module docstring).
+
+    ``options`` are :class:`VerlBackendOptions` fields (``lr`` is required). ``device``: "auto"
+    (CUDA when torch sees a GPU, else the CPU), "cuda" or "cpu". Exposes ``tokenizer``, ``model``
+    (the engine's FSDP-wrapped module; ``model.config`` is the HF config) and ``policy_version``.
+    One step at a time; on several ranks see :meth:`follow`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: Device = "auto",
+        policy_version: int = 0,
+        **options: Any,
+    ) -> None:
+        opts = VerlBackendOptions(**options)
+        _validate(opts)
+        self.options = opts
+        self.device = _resolve_device(device)
+        self._rank, self._world_size = init_distributed(self.device)
+        # Object broadcasts (commands, batches) go over gloo whatever the tensor backend is.
+        self._cpu_group = _object_group() if self._world_size > 1 else None
+        self._policy_version = policy_version
+        self._steps = 0
+        self.extra_state: dict[str, Any] = {}  # what the last save() was given, after load()
+        self._generator = torch.Generator().manual_seed(opts.seed)
+        self._algo_config = AlgoConfig(
+            adv_estimator=opts.estimator, gamma=opts.gamma, norm_adv_by_std_in_grpo=opts.norm_adv_by_std_in_grpo
+        )
+        on_gpu = self.device == "cuda"
+        attn = opts.attn_implementation or (
+            "flash_attention_2" if on_gpu and importlib.util.find_spec("flash_attn") else "sdpa"
+        )
+        mixed = on_gpu if opts.mixed_precision is None else opts.mixed_precision
+        self.model_config = HFModelConfig(
+            path=str(Path(model_dir).resolve()),
+            override_config={"attn_implementation": attn},
+            use_remove_padding=opts.use_remove_padding,
+            enable_gradient_checkpointing=opts.gradient_checkpointing,
+        )
+        optimizer_config = FSDPOptimizerConfig(
+            lr=opts.lr,
+            weight_decay=opts.weight_decay,
+            betas=opts.betas,
+            clip_grad=opts.max_grad_norm,
+            lr_scheduler_type="constant",
+        )
+        checkpoint_config = CheckpointConfig()
+        self.actor_config = FSDPActorConfig(
+            strategy=opts.strategy,
+            rollout_n=1,
+            ppo_mini_batch_size=opts.mini_batch_size or 1,
+            use_dynamic_bsz=True,
+            ppo_max_token_len_per_gpu=opts.max_token_len_per_gpu,
+            ppo_infer_max_token_len_per_gpu=opts.max_token_len_per_gpu,
+            clip_ratio=opts.clip_ratio,
+            clip_ratio_low=opts.clip_ratio if opts.clip_ratio_low is None else opts.clip_ratio_low,
+            clip_ratio_high=opts.clip_ratio if opts.clip_ratio_high is None else opts.clip_ratio_high,
+            clip_ratio_c=opts.clip_ratio_c,
+            loss_agg_mode=opts.loss_agg_mode,
+            entropy_coeff=opts.entropy_coeff,
+            ppo_epochs=opts.ppo_epochs,
+            shuffle=opts.shuffle,
+            data_loader_seed=opts.seed,
+            use_torch_compile=opts.use_torch_compile,
+            use_remove_padding=opts.use_remove_padding,
+            policy_loss=PolicyLossConfig(loss_mode=opts.loss_mode),
+            optim=optimizer_config,
+            checkpoint=checkpoint_config,
+            fsdp_config=FSDPEngineConfig(
+                strategy=opts.strategy,
+                model_dtype="fp32",
+                mixed_precision=None if mixed else _FP32,
+                use_torch_compile=opts.use_torch_compile,
+                seed=opts.seed,
+            ),
+            model_config=self.model_config,
+        )
+        # As ActorRolloutRefWorker.init_model fills the engine config from the actor's
+        # (FSDPActorConfig makes fsdp_config its engine config).
+        engine_config = self.actor_config.fsdp_config
+        engine_config.use_dynamic_bsz = True
+        engine_config.max_token_len_per_gpu = opts.max_token_len_per_gpu
+        engine_config.infer_max_token_len_per_gpu = opts.max_token_len_per_gpu
+        engine_config.use_remove_padding = opts.use_remove_padding
+        self._engine_config = engine_config
+        self.engine = _new_engine(
+            self.device, opts.strategy, self.model_config, engine_config, optimizer_config, checkpoint_config
+        )
+        self.engine.initialize()
+        # Saved policies carry the folder's own config, not the engine's overrides (an
+        # attn_implementation of flash_attention_2 would break loading where flash_attn is missing).
+        self._export_config = AutoConfig.from_pretrained(str(self.model_config.local_hf_config_path))
+        self._loss_fn = partial(ppo_loss, config=self.actor_config)
+        self.tokenizer: PreTrainedTokenizerBase = self.model_config.tokenizer
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def model(self) -> Any:
+        """The engine's module: the HF model sharded in place by FSDP2 (FSDP1: its wrapper, which
+        forwards attributes); ``model.config`` is the HF config."""
+        return self.engine.module
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    # -- the calls rank 0 makes and the other ranks replay ---------------------------------
+
+    def step(self, data: DataProto) -> dict[str, float]:
+        """Train on ``data``; the metrics of :meth:`TorchPolicyBackend.step
+        <agl_stream.training.TorchPolicyBackend.step>` (``grad_norm`` is VERL's, before clipping).
+        Raises :class:`InvalidBatchError` for a batch that cannot be trained on (before any other
+        rank is told about it)."""
+        batch, advantages = self._inputs(data)
+        self._lead("step", data)
+        return self._train(batch, advantages)
+
+    def log_probs(self, data: DataProto) -> torch.Tensor:
+        """The current policy's log-probs of ``data``'s responses, (B, R) on the CPU, 0 at padding."""
+        batch = self._checked(data)
+        self._lead("log_probs", data)
+        return self._log_probs(batch)
+
+    def save(self, directory: str | Path, *, optimizer: bool = True, extra_state: dict[str, Any] | None = None) -> None:
+        """Write the policy as an HF folder (atomic) and then, unless ``optimizer=False``, VERL's
+        engine checkpoint (``verl_engine/``) and ``verl_state.json`` (atomic, last). ``extra_state``
+        (JSON values) comes back as :attr:`extra_state` from :meth:`load`. A crash between the two
+        leaves a loadable policy without trainer state. An existing ``directory`` is replaced."""
+        self._lead("save", str(directory), optimizer, dict(extra_state or {}))
+        self._save(Path(directory), optimizer, dict(extra_state or {}))
+
+    def follow(self) -> None:
+        """On ranks other than 0: replay the lead's calls until it calls :meth:`close`."""
+        if self._rank == 0:
+            raise RuntimeError("follow() is for ranks other than 0; rank 0 calls step/save and then close()")
+        while True:
+            command = self._receive()
+            kind = command[0]
+            if kind == "stop":
+                return
+            if kind == "step":
+                # The lead checked the batch before sending it: the same checks pass here.
+                self._train(*self._inputs(command[1]))
+            elif kind == "log_probs":
+                self._log_probs(self._checked(command[1]))
+            elif kind == "save":
+                self._save(Path(command[1]), command[2], command[3])
+            else:
+                raise RuntimeError(f"unknown command from rank 0: {kind!r}")
+
+    def close(self) -> None:
+        """On rank 0: release the other ranks from :meth:`follow` (a no-op on one rank)."""
+        self._lead("stop")
+
+    def _lead(self, *command: Any) -> None:
+        if self._world_size > 1 and self._rank == 0:
+            dist.broadcast_object_list([command], src=0, group=self._cpu_group)
+
+    def _receive(self) -> tuple[Any, ...]:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self._cpu_group)
+        command: tuple[Any, ...] = box[0]
+        return command
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _checked(self, data: DataProto) -> dict[str, torch.Tensor]:
+        batch = prepare_batch(data)
+        rows = batch["input_ids"].shape[0]
+        if rows < self._world_size:
+            raise InvalidBatchError(f"a batch of {rows} rows cannot be split over {self._world_size} ranks")
+        return batch
+
+    def _inputs(self, data: DataProto) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The checked tensors and their advantages (all that can reject a batch); every rank computes
+        the same advantages over the whole batch before it is split."""
+        batch = self._checked(data)
+        options = self.options
+        advantages = compute_advantages(
+            data,
+            batch,
+            estimator=options.estimator,
+            algo_config=self._algo_config,
+            norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo,
+        )
+        return batch, advantages
+
+    def _train(self, batch: dict[str, torch.Tensor], advantages: torch.Tensor) -> dict[str, float]:
+        started = time.perf_counter()
+        options = self.options
+        recompute = options.recompute_old_log_probs or "old_log_probs" not in batch
+        old_log_probs = self._log_probs(batch) if recompute else batch["old_log_probs"].float()
+        tensors = {**batch, "advantages": advantages, "old_log_probs": old_log_probs}
+
+        rows = batch["input_ids"].shape[0]
+        response_mask = batch["response_mask"]
+        sums: dict[str, float] = {}
+        updates = skipped = 0
+        for _epoch in range(options.ppo_epochs):
+            order = torch.randperm(rows, generator=self._generator) if options.shuffle else torch.arange(rows)
+            for indices in _mini_batches(order, options.mini_batch_size or rows, self._world_size):
+                mini_tokens = int(response_mask[indices].sum())
+                if mini_tokens == 0:
+                    continue  # no token of this mini-batch is in the loss (all ranks see the same)
+                mini_rows = int((response_mask[indices].sum(dim=1) > 0).sum())
+                result = self._update(tensors, indices, mini_rows)
+                for key, value in result.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                if math.isfinite(result["grad_norm"]):
+                    updates += 1
+                else:
+                    skipped += 1
+        lr = float(self.engine.lr_scheduler_step())
+
+        self._steps += 1
+        if updates:
+            self._policy_version += 1  # the weights are new only if an optimizer step happened
+        return step_metrics(
+            batch,
+            advantages,
+            sums,
+            updates=updates,
+            skipped=skipped,
+            seconds=time.perf_counter() - started,
+            epochs=options.ppo_epochs,
+            recomputed=recompute,
+            lr=lr,
+            policy_version=self._policy_version,
+            world_size=float(self._world_size),
+        )
+
+    def _update(self, tensors: dict[str, torch.Tensor], indices: torch.Tensor, mini_rows: int) -> dict[str, float]:
+        """One optimizer step on the mini-batch ``indices``; this rank trains on its share of it."""
+        td = self._engine_input(tensors, self._share(indices), _TRAIN_KEYS, infer=False)
+        # ray_trainer._update_actor's settings; global_batch_size counts the rows in the loss (as the
+        # torch backend does), so seq-mean losses weigh the same rows.
+        tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=True, global_batch_size=mini_rows)
+        with self.engine.train_mode():
+            output = self.engine.train_batch(td, loss_function=self._loss_fn)
+        raw = output["metrics"]
+        grad_norm = float(raw.pop("grad_norm"))
+        values = {key: float(metric.aggregate()) for key, metric in raw.items() if isinstance(metric, Metric)}
+        local = {
+            # The micro-batch losses are scaled to the global mini-batch: they add up (TrainingWorker sums them).
+            "loss": float(sum(output["loss"])),
+            "pg_loss": values.get("actor/pg_loss", 0.0),
+            "pg_clipfrac": values.get("actor/pg_clipfrac", 0.0),
+            "pg_clipfrac_lower": values.get("actor/pg_clipfrac_lower", 0.0),
+            "ppo_kl": values.get("actor/ppo_kl", 0.0),
+            "entropy": values.get("actor/entropy_loss", 0.0),
+        }
+        result = self._mean_over_ranks(local)
+        result["grad_norm"] = grad_norm  # already global: FSDP clips over all shards
+        return result
+
+    def _log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows = batch["input_ids"].shape[0]
+        td = self._engine_input(batch, self._share(torch.arange(rows)), _MODEL_KEYS, infer=True)
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        with self.engine.eval_mode():
+            output = self.engine.infer_batch(td, loss_function=None)
+        mine = no_padding_2_padding(output["model_output"]["log_probs"], td).float().cpu()
+        if self._world_size == 1:
+            return mine
+        shares: list[Any] = [None] * self._world_size
+        dist.all_gather_object(shares, mine, group=self._cpu_group)
+        return torch.cat(shares, dim=0)
+
+    def _engine_input(
+        self, tensors: dict[str, torch.Tensor], rows: torch.Tensor, keys: tuple[str, ...], *, infer: bool
+    ) -> TensorDict:
+        """The rows ``rows`` as the engine's padding-free TensorDict (ray_trainer's conversion)."""
+        selected = DataProto.from_dict(tensors={key: tensors[key][rows] for key in keys})
+        td = left_right_2_no_padding(selected.to_tensordict())
+        config = self._engine_config
+        # What TrainingWorker.train_batch / infer_batch inject from the engine config.
+        tu.assign_non_tensor(
+            td,
+            use_remove_padding=self.options.use_remove_padding,
+            use_dynamic_bsz=True,
+            max_token_len_per_gpu=config.infer_max_token_len_per_gpu if infer else config.max_token_len_per_gpu,
+            use_fused_kernels=False,
+            temperature=1.0,
+            pad_token_id=int(self.tokenizer.pad_token_id or 0),
+        )
+        return td
+
+    def _share(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices.tensor_split(self._world_size)[self._rank]
+
+    def _mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        if self._world_size == 1:
+            return values
+        keys = sorted(values)
+        stacked = torch.tensor([values[key] for key in keys], dtype=torch.float64)
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=self._cpu_group)  # gloo has no AVG
+        return {key: float(value) / self._world_size for key, value in zip(keys, stacked.tolist(), strict=True)}
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _save(self, target: Path, optimizer: bool, extra_state: dict[str, Any]) -> None:
+        state_dict = self._full_state_dict()  # every rank takes part in the gather
+        if self._rank == 0:
+            save_checkpoint(self._hf_model(state_dict), self.tokenizer, target)  # type: ignore[arg-type]
+        del state_dict
+        self._barrier()
+        if not optimizer:
+            return
+        box: list[Any] = [f".{ENGINE_DIR}.tmp-{uuid.uuid4().hex[:8]}"]
+        if self._world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self._cpu_group)  # one folder for all ranks' shards
+        staging = target / box[0]
+        try:
+            self.engine.save_checkpoint(str(staging), global_step=self._steps)
+            self._barrier()
+            if self._rank == 0:
+                _fsync_tree(staging)
+                final = target / ENGINE_DIR
+                if final.exists():
+                    shutil.rmtree(final)
+                staging.rename(final)
+                state = {
+                    "format": 1,
+                    "backend": "verl",
+                    "policy_version": self._policy_version,
+                    "steps": self._steps,
+                    "world_size": self._world_size,
+                    "options": asdict(self.options),
+                    "generator": self._generator.get_state().numpy().tobytes().hex(),
+                    "extra_state": extra_state,
+                }
+                _write_atomic(target / VERL_STATE_FILE, json.dumps(state, indent=2) + "\n")
+        finally:
+            if self._rank == 0 and staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        self._barrier()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full HF-named weights on rank 0's CPU (empty on other ranks)."""
+        params, _peft = self.engine.get_per_tensor_param()
+        state: dict[str, torch.Tensor] = {}
+        for name, tensor in params:
+            if self._rank == 0:
+                state[name] = tensor.detach().to("cpu", dtype=torch.float32).clone()
+        return state
+
+    def _hf_model(self, state_dict: dict[str, torch.Tensor]) -> PreTrainedModel:
+        # Built on the meta device and given the gathered tensors: no second random initialisation.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self._export_config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+        if getattr(self._export_config, "tie_word_embeddings", False):
+            model.tie_weights()
+            missing = [key for key in missing if not key.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise RuntimeError(f"the engine's weights do not fit the HF model: missing {missing}, extra {unexpected}")
+        return model
+
+    def _barrier(self) -> None:
+        if self._world_size > 1:
+            dist.barrier(group=self._cpu_group)
+
+    @classmethod
+    def load(cls, directory: str | Path, *, device: Device = "auto", **overrides: Any) -> VerlFSDPBackend:
+        """Resume from what :meth:`save` wrote: the engine is built on the folder's HF weights and then
+        loads VERL's engine checkpoint (weights, optimizer, LR scheduler, RNG); options, policy version,
+        step count and ``extra_state`` come back. ``overrides`` replace saved options. A folder without
+        ``verl_state.json`` raises FileNotFoundError (build ``VerlFSDPBackend(folder, ...)`` instead);
+        one saved by a different number of ranks raises ValueError (VERL's FSDP shards are per rank)."""
+        path = Path(directory)
+        state_file = path / VERL_STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"no {VERL_STATE_FILE} in {path}: it holds a policy but no verl trainer state")
+        state = json.loads(state_file.read_text())
+        if state.get("format") != 1 or state.get("backend") != "verl":
+            raise ValueError(f"{state_file}: unknown trainer state {state.get('backend')!r} {state.get('format')!r}")
+        options = dict(state["options"])
+        options["betas"] = tuple(options["betas"])
+        options.update(overrides)
+        backend = cls(path, device=device, policy_version=int(state["policy_version"]), **options)
+        if int(state["world_size"]) != backend.world_size:
+            raise ValueError(
+                f"{path} was saved by {state['world_size']} ranks, this is {backend.world_size}: VERL's FSDP "
+                "checkpoint is per rank; build VerlFSDPBackend(folder, ...) to start from its weights instead"
+            )
+        backend.engine.load_checkpoint(str(path / ENGINE_DIR), del_local_after_load=False)
+        backend._steps = int(state["steps"])
+        backend._generator.set_state(torch.frombuffer(bytearray.fromhex(state["generator"]), dtype=torch.uint8))
+        backend.extra_state = dict(state.get("extra_state") or {})
+        return backend
+
+
+def open_tiny_verl_backend(*, seed: int = 0, device: Device = "auto", **options: Any) -> VerlFSDPBackend:
+    """A :class:`VerlFSDPBackend` on the tiny random policy (:func:`agl_stream.policy.build_model`)."""
+    from agl_stream.policy import build_model, build_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="agl-verl-policy-") as folder:
+        # Every rank builds the same weights from the seed; the engine reads them once, in initialize().
+        save_checkpoint(build_model(seed=seed), build_tokenizer(), Path(folder) / "policy")
+        return VerlFSDPBackend(Path(folder) / "policy", device=device, seed=seed, **options)
+
+
+def init_distributed(device: Device = "auto") -> tuple[int, int]:
+    """Join torchrun's process group (or make a one-process one, on the CPU behind VERL's CPU
+    platform shim); (rank, world size). The backend calls it; a trainer calls it first when it must
+    tell the other ranks something before they build the backend (see :func:`broadcast_object`)."""
+    resolved = _resolve_device(device)
+    if resolved == "cpu":
+        _use_cpu_platform()
+    return _join_process_group(resolved)
+
+
+def broadcast_object(value: Any, *, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` on every rank (the others pass anything, e.g. None): how a trainer gives
+    the other ranks what only rank 0 read, such as the checkpoint to resume. Picklable values only."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box: list[Any] = [value]
+    dist.broadcast_object_list(box, src=src, group=_object_group())
+    return box[0]
+
+
+def _mini_batches(order: torch.Tensor, size: int, ranks: int) -> Iterator[torch.Tensor]:
+    """``order`` in chunks of ``size`` rows; a last chunk too small to give every rank a row joins
+    the one before it (every rank must run the same number of engine steps)."""
+    chunks = list(order.split(size))
+    if len(chunks) > 1 and len(chunks[-1]) < ranks:
+        chunks[-2:] = [torch.cat(chunks[-2:])]
+    yield from chunks
+
+
+def _validate(options: VerlBackendOptions) -> None:
+    resolve_estimator(options.algorithm, options.adv_estimator)
+    if options.lr <= 0:
+        raise ValueError("lr must be > 0")
+    if options.ppo_epochs < 1 or options.max_token_len_per_gpu < 1:
+        raise ValueError("ppo_epochs and max_token_len_per_gpu must be at least 1")
+    if options.mini_batch_size is not None and options.mini_batch_size < 1:
+        raise ValueError("mini_batch_size must be at least 1 (or None: the whole batch)")
+    if options.max_grad_norm <= 0:
+        raise ValueError("max_grad_norm must be > 0")
+    if options.strategy not in ("fsdp2", "fsdp"):
+        raise ValueError(f"strategy must be 'fsdp2' or 'fsdp', not {options.strategy!r}")
+
+
+def _resolve_device(device: Device) -> Literal["cuda", "cpu"]:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' asked for, but torch sees no CUDA device")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', not {device!r}")
+    return device
+
+
+def _join_process_group(device: str) -> tuple[int, int]:
+    """Join torchrun's process group, or make a one-process one; (rank, world size)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    # As VERL's initialize_global_process_group: gloo for CPU tensors, NCCL for CUDA ones.
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend=backend)  # torchrun's env:// rendezvous
+    else:
+        # One process: an in-memory store, so no port is opened.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _new_engine(
+    device: str,
+    strategy: str,
+    model_config: HFModelConfig,
+    engine_config: FSDPEngineConfig,
+    optimizer_config: FSDPOptimizerConfig,
+    checkpoint_config: CheckpointConfig,
+) -> Any:
+    # Imported here: the engine module reads VERL's platform when it is imported (after the CPU shim).
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    if device == "cpu":
+        # VERL registers the engine for cuda/npu only; on the CPU the class itself is the engine.
+        return FSDPEngineWithLMHead(
+            model_config=model_config,
+            engine_config=engine_config,
+            optimizer_config=optimizer_config,
+            checkpoint_config=checkpoint_config,
+        )
+    return EngineRegistry.new(
+        model_type="language_model",
+        backend=strategy,
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optimizer_config,
+        checkpoint_config=checkpoint_config,
+    )
+
+
+_OBJECT_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def _object_group() -> dist.ProcessGroup:
+    """A gloo group of all ranks for pickled objects, made once per process (every rank makes it at
+    the same point: creating a group is collective)."""
+    world = dist.group.WORLD
+    key = id(world)
+    if key not in _OBJECT_GROUPS:
+        group = dist.new_group(backend="gloo")
+        if not isinstance(group, dist.ProcessGroup):
+            raise RuntimeError("this rank is not in the gloo group of all ranks")
+        _OBJECT_GROUPS[key] = group
+    return _OBJECT_GROUPS[key]
+
+
+class _CpuDeviceModule(ModuleType):
+    """``torch.cpu`` plus the memory calls VERL makes on its device module (nothing to report)."""
+
+    def __init__(self) -> None:
+        super().__init__("agl_stream_verl_cpu_device")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def mem_get_info(*_args: Any) -> tuple[int, int]:
+        return 0, 0
+
+    @staticmethod
+    def memory_allocated(*_args: Any) -> int:
+        return 0
+
+    @staticmethod
+    def memory_reserved(*_args: Any) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(*_args: Any) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_reserved(*_args: Any) -> int:
+        return 0
+
+    @staticmethod
+    def reset_peak_memory_stats(*_args: Any) -> None:
+        return None
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def get_rng_state(*_args: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, *_args: Any) -> None:
+        torch.set_rng_state(state)
+
+
+class _CpuPlatform(PlatformBase):  # type: ignore[misc]
+    """VERL's platform interface for a machine without accelerators (see the module docstring)."""
+
+    _module = _CpuDeviceModule()
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self) -> ModuleType:
+        return self._module
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> Any:
+        return "cpu"  # read as tensor.to(get_device_id()): the CPU, not cuda:0
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index: int | None = None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextmanager
+    def nvtx_range(self, msg: str) -> Iterator[None]:
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self) -> Any:
+        return None
+
+
+def _use_cpu_platform() -> None:
+    if _platform_name() == "cpu":
+        return
+    set_platform(_CpuPlatform())
+    engine_module = sys.modules.get("verl.workers.engine.fsdp.transformer_impl")
+    if engine_module is not None:
+        # Imported before the shim: it cached the device name at import time.
+        engine_module.__dict__["device_name"] = "cpu"
+
+
+def _platform_name() -> str | None:
+    """The device name of VERL's platform if one is set already, else None (nothing is detected)."""
+    from verl.plugin.platform import platform_manager
+
+    current = platform_manager._current_platform
+    return None if current is None else str(current.device_name)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+__all__ = [
+    "ENGINE_DIR",
+    "VERL_STATE_FILE",
+    "VerlBackendOptions",
+    "VerlFSDPBackend",
+    "broadcast_object",
+    "init_distributed",
+    "open_tiny_verl_backend",
+]

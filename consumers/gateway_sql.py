@@ -1,0 +1,343 @@
+"""``GET/POST /v1/sql``: read-only SQL analytics on the gateway (docs/sql.md).
+
+- ``GET /v1/sql?query=...&format=json|jsonl|csv|table&timeout=s``
+- ``POST /v1/sql`` with ``{"query", "format", "timeout"}`` as JSON, or the SQL as a text/plain
+  body (``format`` and ``timeout`` then come from the URL).
+
+Formats: ``json`` ``{"columns", "rows", "row_count", "elapsed_ms"}``, ``jsonl`` one object per row,
+``csv`` with a header line, ``table`` aligned text. Errors are JSON ``{"error", "message", ...}``:
+400 ``query_error`` (ClickHouse could not run it), 403 ``read_only`` (a write, DDL, SET, a table
+function that touches files or the network, or not a single SELECT), 403 ``forbidden_table`` (a
+table outside the agl database, e.g. ``system.*``), 408 ``timeout`` (over the time limit), 413
+``too_large`` (over the memory or result limits), 503 while the gateway stops.
+
+Every check is ClickHouse's own, none reads the SQL text here:
+
+1. ``formatQuery({q:String})`` (the SQL is a bound parameter): the engine parses it as exactly one
+   statement and gives back its canonical text (balanced quotes, no comments).
+2. ``EXPLAIN QUERY TREE SELECT * FROM (<canonical>)``: the engine accepts it only if the statement
+   is one SELECT usable as a subquery (so no INSERT/DDL/SHOW, and no ``INTO OUTFILE`` or
+   ``FORMAT``: chDB writes ``INTO OUTFILE`` files even with ``readonly=1``), and its analyzer
+   resolves every table, view, CTE and subquery to ``table_name: db.table`` /
+   ``table_function_name: f`` nodes. A query that reads anything but the agl database (and
+   ``system.one``, what ``SELECT 1`` reads) or a table function outside a small harmless set is
+   refused. This is how the embedded engine keeps ``system.*`` out: chDB has no access control to
+   configure (no CREATE USER, ``select_from_system_db_requires_grant`` is a server setting it
+   does not load). On a ClickHouse server, use a user granted only ``SELECT ON agl.*`` as well
+   (docs/sql.md, "Access").
+3. The canonical statement runs on a client of its own with ``readonly=1`` (``readonly=2`` on a
+   server) and the limits ``max_execution_time`` (the request's timeout, capped by
+   ``sql_time_limit_s``), ``max_memory_usage``, ``max_result_rows``/``max_result_bytes``
+   (``result_overflow_mode=throw``). The checks run on a second readonly client without result
+   limits, so a long query tree never trips them. Clients cost ~8 ms to open on chDB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import DatabaseError
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, ValidationError
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from agl_stream.clickhouse.client import get_client
+from agl_stream.config import Settings
+from agl_stream.errors import QueryError
+
+if TYPE_CHECKING:
+    from consumers.gateway import Gateway
+
+SqlFormat = Literal["json", "jsonl", "csv", "table"]
+
+ALLOWED_TABLE_FUNCTIONS = frozenset(
+    {"numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateseries", "values", "null"}
+)
+"""Table functions that read nothing but their arguments. Others (merge, view, remote, cluster,
+dictionary, s3, ...) could read system tables or other databases."""
+
+ALWAYS_READABLE = frozenset({"system.one"})
+"""What a query without FROM reads."""
+
+# ClickHouse error codes -> (HTTP status, error kind).
+_STATUS_BY_CODE: dict[int, tuple[int, str]] = {
+    159: (408, "timeout"),  # TIMEOUT_EXCEEDED
+    241: (413, "too_large"),  # MEMORY_LIMIT_EXCEEDED
+    396: (413, "too_large"),  # TOO_MANY_ROWS_OR_BYTES
+    164: (403, "read_only"),  # READONLY
+    497: (403, "forbidden_table"),  # ACCESS_DENIED (a server user without the grant)
+}
+
+_TABLE = re.compile(r"\btable_name: ([^,\s]+)")
+_TABLE_FUNCTION = re.compile(r"\btable_function_name: ([^,\s]+)")
+
+
+class SqlRefusedError(QueryError):
+    """The query is refused before it runs: not one SELECT, or it reads outside the agl database."""
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class SqlResult:
+    columns: list[str]
+    types: list[str]
+    rows: list[list[Any]]
+    elapsed_ms: float
+
+
+@dataclass(frozen=True)
+class SqlLimits:
+    time_limit_s: float
+    max_memory_bytes: int
+    max_result_rows: int
+    max_result_bytes: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> SqlLimits:
+        return cls(
+            settings.sql_time_limit_s,
+            settings.sql_max_memory_bytes,
+            settings.sql_max_result_rows,
+            settings.sql_max_result_bytes,
+        )
+
+    def execution(self, timeout: float | None) -> dict[str, Any]:
+        """ClickHouse settings for the query itself; ``timeout`` can only shorten the time limit."""
+        limit = self.time_limit_s if timeout is None else min(timeout, self.time_limit_s)
+        return {
+            "max_execution_time": limit,
+            "max_memory_usage": self.max_memory_bytes,
+            "max_result_rows": self.max_result_rows,
+            "max_result_bytes": self.max_result_bytes,
+            "result_overflow_mode": "throw",
+        }
+
+
+# -- functional core: what the engine's analysis says a query reads ---------------------------
+
+
+def objects_read(query_tree: Sequence[str]) -> tuple[set[str], set[str]]:
+    """Tables (``db.name``) and table functions in ``EXPLAIN QUERY TREE`` output lines."""
+    tables: set[str] = set()
+    functions: set[str] = set()
+    for line in query_tree:
+        tables.update(_TABLE.findall(line))
+        functions.update(f.lower() for f in _TABLE_FUNCTION.findall(line))
+    return tables, functions
+
+
+def refusal(tables: set[str], functions: set[str], database: str) -> str | None:
+    """Why a query reading ``tables`` and ``functions`` is refused, or None when it may run."""
+    outside = sorted(t for t in tables if not t.startswith(f"{database}.") and t not in ALWAYS_READABLE)
+    unsafe = sorted(functions - ALLOWED_TABLE_FUNCTIONS)
+    reasons = []
+    if outside:
+        reasons.append(f"it reads {', '.join(outside)}, outside the database {database}")
+    if unsafe:
+        reasons.append(f"it uses the table function(s) {', '.join(unsafe)}")
+    if not reasons:
+        return None
+    return "refused: " + " and ".join(reasons) + f"; analytics may read the tables of {database} only"
+
+
+def wrapped(canonical: str) -> str:
+    """The canonical statement as a subquery: only one SELECT without INTO OUTFILE/FORMAT parses."""
+    return f"SELECT * FROM (\n{canonical}\n)"
+
+
+def render(result: SqlResult, fmt: SqlFormat) -> tuple[bytes, str]:
+    """The response body and media type of ``result`` in ``fmt``."""
+    from consumers.gateway import jsonable
+
+    if fmt == "json":
+        body = {
+            "columns": result.columns,
+            "types": result.types,
+            "rows": [[jsonable(v) for v in row] for row in result.rows],
+            "row_count": len(result.rows),
+            "elapsed_ms": round(result.elapsed_ms, 3),
+        }
+        return _json(body), "application/json"
+    if fmt == "jsonl":
+        lines = (_json(dict(zip(result.columns, [jsonable(v) for v in row], strict=True))) for row in result.rows)
+        return b"".join(line + b"\n" for line in lines), "application/x-ndjson"
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(result.columns)
+        writer.writerows([[_csv_value(v) for v in row] for row in result.rows])
+        return out.getvalue().encode(), "text/csv; charset=utf-8"
+    table = Table(*result.columns, box=box.SIMPLE_HEAD, show_edge=False)
+    for row in result.rows:
+        table.add_row(*("NULL" if v is None else str(jsonable(v)) for v in row))
+    console = Console(file=io.StringIO(), width=max(80, 24 * len(result.columns)), color_system=None)
+    console.print(table)
+    console.print(f"{len(result.rows)} row(s) in {result.elapsed_ms:.1f} ms")
+    return console.file.getvalue().encode(), "text/plain; charset=utf-8"  # type: ignore[attr-defined]
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(errors="replace")
+
+
+def _csv_value(value: Any) -> Any:
+    from consumers.gateway import jsonable
+
+    plain = jsonable(value)
+    return json.dumps(plain, ensure_ascii=False) if isinstance(plain, (list, dict)) else plain
+
+
+# -- imperative shell ----------------------------------------------------------------------------
+
+
+class SqlRunner:
+    """Runs analytics queries read-only with limits, each on clients of its own, in threads."""
+
+    def __init__(self, settings: Settings, limits: SqlLimits | None = None, *, concurrency: int | None = None) -> None:
+        self.settings = settings
+        self.limits = limits or SqlLimits.of(settings)
+        self.database = settings.clickhouse_database
+        self._slots = asyncio.Semaphore(concurrency or settings.sql_concurrency)
+
+    async def run(self, sql: str, timeout: float | None = None) -> SqlResult:
+        async with self._slots:
+            return await asyncio.to_thread(self.run_sync, sql, timeout)
+
+    def run_sync(self, sql: str, timeout: float | None = None) -> SqlResult:
+        """Check, then run; QueryError (SqlRefusedError for refusals) when it does not."""
+        started = time.perf_counter()
+        check = self._client({"max_execution_time": self.limits.time_limit_s})
+        try:
+            canonical = self._checked(check, sql)
+        finally:
+            check.close()
+        runner = self._client(self.limits.execution(timeout))
+        try:
+            result = runner.query(canonical)
+        except DatabaseError as exc:
+            raise QueryError(str(exc), code=_code(exc), name=getattr(exc, "name", None)) from exc
+        finally:
+            runner.close()
+        return SqlResult(
+            list(result.column_names),
+            [t.name for t in result.column_types],
+            [list(row) for row in result.result_rows],
+            (time.perf_counter() - started) * 1000,
+        )
+
+    def _checked(self, client: Client, sql: str) -> str:
+        try:
+            canonical = str(client.query("SELECT formatQuery({q:String})", parameters={"q": sql}).result_rows[0][0])
+        except DatabaseError as exc:
+            raise QueryError(str(exc), code=_code(exc), name=getattr(exc, "name", None)) from exc
+        try:
+            tree = client.query(f"EXPLAIN QUERY TREE {wrapped(canonical)}").result_rows
+        except DatabaseError as exc:
+            code = _code(exc)
+            if code == 62:  # SYNTAX_ERROR: the one statement is not a SELECT that can be a subquery
+                raise SqlRefusedError(
+                    "refused: the SQL API is readonly and runs exactly one SELECT (or WITH ... SELECT) without "
+                    f"INTO OUTFILE or FORMAT; ClickHouse does not read this statement as one: {_first_line(exc)}",
+                    kind="read_only",
+                ) from exc
+            raise QueryError(str(exc), code=code, name=getattr(exc, "name", None)) from exc
+        reason = refusal(*objects_read([str(row[0]) for row in tree]), self.database)
+        if reason:
+            raise SqlRefusedError(reason, kind="forbidden_table")
+        return canonical
+
+    def _client(self, limits: dict[str, Any]) -> Client:
+        if self.settings.uses_embedded_clickhouse:
+            # Not chDB's mode=ro: that opens the whole engine read-only, and the sinks share it.
+            client = get_client(self.settings, **limits)
+            client.set_client_setting("readonly", "1")
+            return client
+        return get_client(self.settings, readonly=True, **limits)
+
+
+def _code(exc: DatabaseError) -> int | None:
+    code = getattr(exc, "code", None)
+    if code is None:
+        match = re.search(r"Code: (\d+)", str(exc))
+        code = int(match.group(1)) if match else None
+    return int(code) if code is not None else None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def error_response(exc: QueryError) -> JSONResponse:
+    """The HTTP answer for a refused or failed query."""
+    if isinstance(exc, SqlRefusedError):
+        return JSONResponse({"error": exc.kind, "message": str(exc)}, status_code=403)
+    status, kind = _STATUS_BY_CODE.get(exc.code or 0, (400, "query_error"))
+    return JSONResponse(
+        {"error": kind, "message": _first_line(exc), "code": exc.code, "name": exc.name}, status_code=status
+    )
+
+
+class SqlRequest(BaseModel):
+    query: str = Field(min_length=1)
+    format: SqlFormat = "json"
+    timeout: float | None = Field(None, gt=0, le=3600, description="Seconds; capped by sql_time_limit_s.")
+
+
+def sql_router(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+    runner = SqlRunner(gateway.settings)
+
+    async def answer(request: SqlRequest) -> Response:
+        if gateway.stopping:
+            return JSONResponse({"error": "stopping", "message": "the gateway is shutting down"}, status_code=503)
+        try:
+            result = await runner.run(request.query, request.timeout)
+        except QueryError as exc:
+            return error_response(exc)
+        body, media_type = render(result, request.format)
+        return Response(body, media_type=media_type, headers={"x-agl-rows": str(len(result.rows))})
+
+    def invalid(exc: ValidationError) -> JSONResponse:
+        return JSONResponse(
+            {"error": "bad_request", "message": "; ".join(str(e["msg"]) for e in exc.errors())}, status_code=400
+        )
+
+    @router.get("/v1/sql")
+    async def sql_get(request: Request) -> Response:
+        try:
+            parsed = SqlRequest.model_validate(dict(request.query_params))
+        except ValidationError as exc:
+            return invalid(exc)
+        return await answer(parsed)
+
+    @router.post("/v1/sql")
+    async def sql_post(request: Request) -> Response:
+        body = await request.body()
+        try:
+            if request.headers.get("content-type", "").startswith("application/json"):
+                parsed = SqlRequest.model_validate_json(body)
+            else:
+                parsed = SqlRequest.model_validate({**request.query_params, "query": body.decode()})
+        except ValidationError as exc:
+            return invalid(exc)
+        except UnicodeDecodeError:
+            return JSONResponse({"error": "bad_request", "message": "the body is not UTF-8 text"}, status_code=400)
+        return await answer(parsed)
+
+    return router

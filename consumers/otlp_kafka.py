@@ -1,0 +1,377 @@
+"""OTLP traces from Kafka: what the OpenTelemetry Collector's Kafka exporter writes -> agl.spans.
+
+The collector's Kafka exporter (``exporters: kafka``) writes traces to the topic ``otlp_spans``
+by default, encoded ``otlp_proto``: each message value is a protobuf ``TracesData``, which is
+wire-identical to ``ExportTraceServiceRequest`` (field 1, repeated ResourceSpans), with any
+number of resource spans; ``otlp_json`` is its OTLP JSON form. The key is empty unless
+``partition_traces_by_id`` (the trace id) or ``message_key_from_metadata_key`` is set, and
+headers carry only what ``include_metadata_keys``/``record_headers`` add: none of it is read.
+Spans belong to the attempt named by ``agentlightning.rollout_id``/``attempt_id`` (resource or
+span attributes), exactly as for the gateway's ``POST /v1/traces``; decoding is
+agl_stream/otlp.py and numbering and writing agl_stream/trace_ingest.py, shared with it.
+
+A plain aiokafka group member (group ``agl-otlp-kafka`` by default; the topic is the
+collector's, so it is not prefixed). Per poll batch: decode every message off the event loop,
+reserve sequence ids once per attempt for the whole batch, write the accepted spans with one
+``add_many_spans``, send one agl.dlq record per message that had anything refused (the original
+bytes, the reason with counts: malformed protobuf, too large, no rollout/attempt attributes,
+an attempt the store refused; the message's other spans are stored), and commit the batch's
+offsets only after the spans and the DLQ records are acknowledged. A store or broker failure
+rewinds to the uncommitted offsets and retries with backoff; nothing about the input stops it.
+
+Duplicates. Sequence ids are reserved, so a message processed twice would be stored twice
+under new ids. Messages that may have been processed before (on assignment, every offset from
+the committed one to the partition's end; after a failed batch, that batch) are checked first:
+behind a fence at the end of agl.spans, spans of theirs already in ``otel_traces`` (same
+rollout, attempt, trace id and span id) are skipped. So a restart after kill -9, a rebalance or
+a retried batch stores each span once; what is not covered is a collector that sends the same
+span twice in two messages (its own retries), and a crash between a batch's spans and their
+heartbeat (the spans are then skipped on re-read and the attempt's span count stays short,
+which the triplet builder tolerates after its settle time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.structs import OffsetAndMetadata
+
+from agl_stream import otlp
+from agl_stream.config import Settings
+from agl_stream.errors import AglError
+from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer, make_producer
+from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.logs import get_logger
+from agl_stream.store.client import AglStore
+from agl_stream.trace_ingest import SpansRejectedError, TraceIngest, number_spans, write_spans
+
+log = get_logger("agl.otlp_kafka")
+
+PROCESSOR = "consumer.otlp-kafka"
+KafkaEncoding = Literal["otlp_proto", "otlp_json"]
+_ENCODINGS: dict[str, otlp.Encoding] = {"otlp_proto": "protobuf", "otlp_json": "json"}
+_POLL_MS = 500  # idle poll, which also bounds how late a stop is noticed
+_RETRY_MAX_S = 30.0
+# What a batch may fail with that is not about its input: the batch is retried.
+_TRANSIENT = (AglError, KafkaError, OSError, asyncio.TimeoutError)
+
+Message: TypeAlias = ConsumerRecord[bytes, bytes]
+
+
+# -- the functional core -----------------------------------------------------------------------
+
+
+def decode_message(value: bytes, encoding: KafkaEncoding) -> otlp.DecodedTraces | otlp.OtlpError:
+    """One message value as decoded traces, or the error that sends it to the DLQ."""
+    if len(value) > otlp.MAX_BODY_BYTES:
+        return otlp.OtlpTooLargeError(
+            f"the message is {len(value):,} bytes, over {otlp.MAX_BODY_BYTES:,}: let the collector send "
+            "smaller batches (batch processor send_batch_max_size)"
+        )
+    try:
+        return otlp.decode_body(value, _ENCODINGS[encoding])
+    except otlp.MalformedOtlpError as error:
+        # The decoder's own hint is about HTTP Content-Types; say what it is about here.
+        detail = error.__cause__ if error.__cause__ is not None else error
+        return otlp.MalformedOtlpError(f"the message is not an OTLP trace request in {encoding} ({detail})")
+    except otlp.OtlpError as error:
+        return error
+    except Exception as error:  # a protobuf runtime refusing odd input must not stop the consumer
+        return otlp.MalformedOtlpError(f"the message is not an OTLP trace request ({type(error).__name__}: {error})")
+
+
+def decode_all(values: Sequence[bytes], encoding: KafkaEncoding) -> list[otlp.DecodedTraces | otlp.OtlpError]:
+    return [decode_message(value, encoding) for value in values]
+
+
+def rejection_reason(rejected: Counter[str], total: int, stored: int) -> str:
+    """The DLQ reason of a message with refused spans (``stored``: its spans that are stored)."""
+    reason = otlp.rejection_message(rejected, total)
+    return f"{reason}; the other {stored} were stored" if stored else reason
+
+
+@dataclass(frozen=True)
+class SpanKey:
+    """A span's identity within its attempt: what a re-read message is checked against."""
+
+    rollout_id: str
+    attempt_id: str
+    trace_id: str
+    span_id: str
+
+    @classmethod
+    def of(cls, decoded: otlp.DecodedSpan) -> SpanKey:
+        span = decoded.span
+        return cls(span.rollout_id, span.attempt_id, span.trace_id, span.span_id)
+
+
+# -- the imperative shell ----------------------------------------------------------------------
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, owner: OtlpKafkaConsumer) -> None:
+        self.owner = owner
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        await self.owner.revoke(revoked)
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        await self.owner.assign(assigned)
+
+
+class OtlpKafkaConsumer:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        topic: str | None = None,
+        group: str | None = None,
+        encoding: KafkaEncoding = "otlp_proto",
+        max_records: int = 500,
+    ) -> None:
+        self.settings = settings
+        self.topic = topic or settings.otlp_kafka_topic
+        self.group = group or settings.otlp_kafka_group
+        self.encoding = encoding
+        self.max_records = max_records
+        self.ingest = TraceIngest(settings)
+        # `lock` is held from processing a fetch to committing it; `generation` changes on every
+        # revoke/assign, so records fetched before a rebalance are dropped and re-read.
+        self.lock = asyncio.Lock()
+        self.generation = 0
+        self.positions: dict[int, int] = {}  # partition -> next offset to process
+        self.recheck_end: dict[int, int] = {}  # partition -> offsets below it may be stored already
+        self._dedup_fence: dict[str, dict[int, int]] | None = None
+        self.counts: Counter[str] = Counter()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._stopping = asyncio.Event()
+        self._failure: BaseException | None = None
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        settings = self.settings
+        producer = make_producer(settings, linger_ms=0)
+        consumer = self._consumer = make_consumer(
+            settings,
+            group_id=self.group,
+            max_poll_records=self.max_records,
+            # A consumer killed with -9 holds its partitions until its session expires.
+            session_timeout_ms=6_000,
+            heartbeat_interval_ms=1_500,
+        )
+        self.ingest.start()
+        await producer.start()
+        try:
+            dead_letters = DeadLetters(settings, producer, processor=PROCESSOR)
+            consumer.subscribe([self.topic], listener=_Rebalance(self))
+            await consumer.start()
+            log.info("otlp-kafka started", topic=self.topic, group=self.group, encoding=self.encoding)
+            try:
+                delay = 0.5
+                while not self._stopping.is_set():
+                    if await self._one_round(consumer, dead_letters):
+                        delay = 0.5
+                        continue
+                    try:  # backoff before retrying the batch, cut short by a stop
+                        await asyncio.wait_for(self._stopping.wait(), delay)
+                    except asyncio.TimeoutError:
+                        pass
+                    delay = min(delay * 2, _RETRY_MAX_S)
+            finally:
+                await consumer.stop()
+        finally:
+            await self.ingest.close()
+            await producer.stop()
+        if self._failure is not None:
+            raise self._failure
+        log.info("otlp-kafka stopped", **dict(self.counts))
+
+    async def _one_round(self, consumer: AIOKafkaConsumer, dead_letters: DeadLetters) -> bool:
+        """Fetch, process and commit one batch; False when it failed and is to be retried."""
+        generation = self.generation
+        fetched = await consumer.getmany(timeout_ms=_POLL_MS, max_records=self.max_records)
+        async with self.lock:
+            if generation != self.generation:
+                self._rewind(consumer)  # positions were reset to the committed offsets: re-read
+                return True
+            messages = [
+                message
+                for tp, batch in fetched.items()
+                if tp.partition in self.positions
+                for message in batch
+                if message.offset >= self.positions[tp.partition]
+            ]
+            if not messages:
+                return True
+            try:
+                await self._process(messages, dead_letters)
+            except _TRANSIENT as error:
+                # Some spans or DLQ records may be out already: check the batch again when re-read.
+                for message in messages:
+                    end = self.recheck_end.get(message.partition, 0)
+                    self.recheck_end[message.partition] = max(end, message.offset + 1)
+                self._dedup_fence = None
+                self._rewind(consumer)
+                self.counts["retries"] += 1
+                log.warning("an OTLP batch failed; retrying it", error=f"{type(error).__name__}: {error}"[:500])
+                return False
+            await self._commit(consumer, messages)
+            return True
+
+    def _rewind(self, consumer: AIOKafkaConsumer) -> None:
+        for partition, offset in self.positions.items():
+            consumer.seek(TopicPartition(self.topic, partition), offset)
+
+    async def _process(self, messages: Sequence[Message], dead_letters: DeadLetters) -> None:
+        # Off the event loop: a batch of large requests would hold up heartbeats and fetches.
+        decoded = await asyncio.to_thread(decode_all, [m.value or b"" for m in messages], self.encoding)
+        spans: list[otlp.DecodedSpan] = []
+        owner: list[int] = []  # the message of each span
+        for index, traces in enumerate(decoded):
+            if isinstance(traces, otlp.DecodedTraces):
+                spans.extend(traces.spans)
+                owner.extend([index] * len(traces.spans))
+        stored: Counter[int] = Counter()
+        refused: dict[int, Counter[str]] = defaultdict(Counter)
+        if spans:
+            store = await self.ingest.store()
+            maybe_stored = [
+                k
+                for k in range(len(spans))
+                if messages[owner[k]].offset < self.recheck_end.get(messages[owner[k]].partition, 0)
+            ]
+            present = await self._already_stored(store, [spans[k] for k in maybe_stored]) if maybe_stored else set()
+            skipped = {k for k in maybe_stored if SpanKey.of(spans[k]) in present}
+            fresh = [k for k in range(len(spans)) if k not in skipped]
+            numbered = await number_spans(store, [spans[k] for k in fresh])
+            warning = await write_spans(store, numbered.accepted())
+            if warning:
+                log.warning("OTLP spans stored with a refused heartbeat", reason=warning[:500])
+            for k in skipped:
+                stored[owner[k]] += 1
+            for j, k in enumerate(fresh):
+                if j in numbered.refused:
+                    refused[owner[k]][numbered.refused[j]] += 1
+                else:
+                    stored[owner[k]] += 1
+            self.counts["spans"] += len(numbered.spans)
+            self.counts["duplicates_skipped"] += len(skipped)
+        rejected: list[Rejected] = []
+        for index, (message, traces) in enumerate(zip(messages, decoded, strict=True)):
+            if isinstance(traces, otlp.OtlpError):
+                rejected.append(Rejected.of(message, traces))
+                continue
+            reasons = traces.rejected + refused[index]
+            if reasons:
+                error = SpansRejectedError(rejection_reason(reasons, traces.total, stored[index]))
+                rejected.append(Rejected.of(message, error))
+        if rejected:
+            await dead_letters.send_many(rejected)
+        self.counts["messages"] += len(messages)
+        self.counts["dead_lettered"] += len(rejected)
+        log.info(
+            "OTLP batch stored",
+            messages=len(messages),
+            spans=sum(stored.values()),
+            dead_lettered=len(rejected),
+            skipped_as_stored=self.counts["duplicates_skipped"],
+        )
+
+    async def _already_stored(self, store: AglStore, spans: Sequence[otlp.DecodedSpan]) -> set[SpanKey]:
+        """Which of ``spans`` are in otel_traces, behind a fence covering every span written so
+        far (taken once per assignment or failure: whatever an earlier run wrote is below it)."""
+        if self._dedup_fence is None:
+            self._dedup_fence = await fence_at_end(self.settings, "spans")
+        keys = {SpanKey.of(span) for span in spans}
+        assert store.side is not None, "the store is started"
+        result = await store.side.query(
+            f"SELECT RolloutId, AttemptId, TraceId, SpanId FROM {self.settings.clickhouse_database}.otel_traces "
+            "WHERE RolloutId IN {rollouts:Array(String)} AND AttemptId IN {attempts:Array(String)} "
+            "AND SpanId IN {span_ids:Array(String)}",
+            {
+                "rollouts": sorted({k.rollout_id for k in keys}),
+                "attempts": sorted({k.attempt_id for k in keys}),
+                "span_ids": sorted({k.span_id for k in keys}),
+            },
+            fence=self._dedup_fence,
+            timeout=60.0,
+        )
+        return {SpanKey(*(str(v) for v in row)) for row in result.rows} & keys
+
+    async def _commit(self, consumer: AIOKafkaConsumer, messages: Sequence[Message]) -> None:
+        ends: dict[int, int] = {}
+        for message in messages:
+            ends[message.partition] = max(ends.get(message.partition, 0), message.offset + 1)
+        for partition, end in ends.items():
+            self.positions[partition] = end
+        offsets = {TopicPartition(self.topic, p): OffsetAndMetadata(o, "") for p, o in ends.items()}
+        try:
+            await consumer.commit(offsets)
+        except CommitFailedError as error:
+            # A rebalance is under way: the next owner re-reads from the last commit and finds
+            # these spans stored (its recheck range covers them).
+            log.warning("commit failed during a rebalance", error=str(error)[:200])
+
+    # -- rebalances -----------------------------------------------------------------------
+
+    async def revoke(self, revoked: list[TopicPartition]) -> None:
+        async with self.lock:
+            self.generation += 1
+            for tp in revoked:
+                self.positions.pop(tp.partition, None)
+                self.recheck_end.pop(tp.partition, None)
+        log.info("partitions revoked", partitions=sorted(tp.partition for tp in revoked))
+
+    async def assign(self, assigned: list[TopicPartition]) -> None:
+        try:
+            await self._assign(assigned)
+        except Exception as error:
+            # aiokafka only logs what a listener raises; a partition without its position would
+            # sit unread until the next rebalance. Stop instead: a restart recovers it.
+            log.exception("setting up assigned partitions failed; stopping")
+            self._failure = error
+            self.stop()
+
+    async def _assign(self, assigned: list[TopicPartition]) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        async with self.lock:
+            self.generation += 1
+            self._dedup_fence = None
+            ends = await consumer.end_offsets(assigned) if assigned else {}
+            for tp in assigned:
+                committed = await consumer.committed(tp)
+                if committed is None:
+                    committed = (await consumer.beginning_offsets([tp]))[tp]
+                consumer.seek(tp, committed)
+                self.positions[tp.partition] = committed
+                # Whatever is already in the partition may have been stored by an earlier owner
+                # that died before committing it.
+                self.recheck_end[tp.partition] = ends[tp]
+        log.info(
+            "partitions assigned",
+            partitions={tp.partition: self.positions[tp.partition] for tp in assigned},
+            recheck_below={tp.partition: self.recheck_end[tp.partition] for tp in assigned},
+        )
+
+
+async def run_otlp_kafka(settings: Settings, **options: Any) -> None:
+    consumer = OtlpKafkaConsumer(settings, **options)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, consumer.stop)
+    await consumer.run()
+
+
+def main(settings: Settings, **options: Any) -> None:
+    """Run the OTLP Kafka consumer until SIGTERM/SIGINT (``agl-stream otlp-kafka``)."""
+    asyncio.run(run_otlp_kafka(settings, **options))

@@ -1,0 +1,190 @@
+"""The pure ingress rules: validation, ids, the enqueue event, duplicate memory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+
+from agl_stream.codec import Codec
+from agl_stream.errors import MalformedRecordError, NotSingleObjectEncodedError, RecordTypeError
+from agl_stream.ids import is_rollout_id
+from agl_stream.ingress import (
+    IngressLimits,
+    InvalidTaskRequestError,
+    KeyMismatchError,
+    RecentRequests,
+    TaskRequestTooLargeError,
+    check_key,
+    decode_request,
+    enqueue_event,
+    event_id_for,
+    line_request_id,
+    request_from_json,
+    request_from_line,
+    rollout_id_for,
+    validate_request,
+)
+from agl_stream.models import RolloutEnqueued, TaskRequest, Worker
+from agl_stream.store.fold import fold
+
+CODEC = Codec.default()
+LIMITS = IngressLimits(max_input_bytes=1000, max_metadata_bytes=100)
+
+
+def _request(**overrides: Any) -> dict[str, Any]:
+    datum: dict[str, Any] = {
+        "request_id": "req-1",
+        "input": {"question": "2+2?"},
+        "mode": "train",
+        "resources_id": None,
+        "config": {"timeout_seconds": 30.0, "unresponsive_seconds": None, "max_attempts": 2, "retry_condition": []},
+        "metadata": {"source": "crm"},
+        "request_time": 1.5,
+    }
+    datum.update(overrides)
+    return datum
+
+
+def test_rollout_id_is_the_documented_digest() -> None:
+    expected = "ro-" + hashlib.sha256(b"req-1").hexdigest()[:12]
+    assert rollout_id_for("req-1") == expected
+    assert is_rollout_id(expected)
+    assert rollout_id_for("réq-ü") == "ro-" + hashlib.sha256("réq-ü".encode()).hexdigest()[:12]
+    assert rollout_id_for("req-1") != rollout_id_for("req-2")
+    assert event_id_for("req-1") == event_id_for("req-1") != event_id_for("req-2")
+
+
+def test_valid_request_passes_unchanged() -> None:
+    request = validate_request(_request(), LIMITS)
+    assert request.input == {"question": "2+2?"}
+    assert request.config is not None and request.config.max_attempts == 2
+    assert request.metadata == {"source": "crm"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"request_id": ""}, "request_id must be 1 to 128"),
+        ({"request_id": "has space"}, "printable ASCII"),
+        ({"request_id": "x" * 129}, "request_id must be 1 to 128"),
+        ({"request_id": 7}, "request_id must be a string"),
+        ({"mode": "prod"}, "mode must be one of train, val, test"),
+        ({"metadata": ["a"]}, "metadata must be a JSON object"),
+        ({"input": float("nan")}, "input is not valid JSON"),
+        ({"config": {"max_attempts": 0}}, "max_attempts must be an integer from 1"),
+        ({"config": {"max_attempts": True}}, "max_attempts"),
+        ({"config": {"timeout_seconds": 0}}, "timeout_seconds must be a positive number"),
+        ({"config": {"unresponsive_seconds": -1.0}}, "unresponsive_seconds"),
+        ({"config": {"timeout_seconds": float("inf")}}, "timeout_seconds"),
+        ({"config": {"retry_condition": ["succeeded"]}}, "retry_condition may hold only failed, timeout, unresponsive"),
+        ({"config": {"retry_condition": ["boom"]}}, "'boom'"),
+        ({"config": "fast"}, "config must be an object"),
+        ({"request_time": float("nan")}, "request_time must be a finite number"),
+        ({"extra": 1}, "extra: Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_requests_are_refused_with_the_reason(overrides: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidTaskRequestError, match=match):
+        validate_request(_request(**overrides), LIMITS)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(InvalidTaskRequestError) as caught:
+        validate_request(_request(mode="x", config={"max_attempts": 0}), LIMITS)
+    assert "mode" in str(caught.value) and "max_attempts" in str(caught.value)
+
+
+def test_missing_input_is_refused() -> None:
+    datum = _request()
+    del datum["input"]
+    with pytest.raises(InvalidTaskRequestError, match="input is missing"):
+        validate_request(datum, LIMITS)
+
+
+def test_size_limits_count_json_bytes() -> None:
+    # {"q":"..."} is 8 bytes of framing: exactly at the limit passes, one more byte does not.
+    validate_request(_request(input={"q": "x" * (1000 - 8)}), LIMITS)
+    with pytest.raises(TaskRequestTooLargeError, match="input is 1,001 bytes of JSON, over the 1,000-byte limit"):
+        validate_request(_request(input={"q": "x" * (1000 - 7)}), LIMITS)
+    with pytest.raises(TaskRequestTooLargeError, match="metadata is"):
+        validate_request(_request(metadata={"k": "é" * 60}), LIMITS)  # 2 bytes per character
+
+
+def test_decode_request_from_avro_bytes() -> None:
+    data = CODEC.encode(TaskRequest.model_validate(_request()))
+    assert decode_request(CODEC, data, LIMITS).request_id == "req-1"
+    with pytest.raises(NotSingleObjectEncodedError):
+        decode_request(CODEC, b"{json: no}", LIMITS)
+    with pytest.raises(MalformedRecordError):
+        decode_request(CODEC, data[:-3], LIMITS)
+    with pytest.raises(RecordTypeError, match=r"agl\.task-requests carries only task requests"):
+        decode_request(CODEC, CODEC.encode(Worker(worker_id="w")), LIMITS)
+    # Avro enums and types are checked by the decoder; config sanity by the rules.
+    bad = CODEC.encode_dict("agl.TaskRequest", {**_request(), "config": {**_request()["config"], "max_attempts": 0}})
+    with pytest.raises(InvalidTaskRequestError, match="max_attempts"):
+        decode_request(CODEC, bad, LIMITS)
+
+
+def test_key_must_be_the_request_id() -> None:
+    request = validate_request(_request(), LIMITS)
+    check_key(b"req-1", request)
+    with pytest.raises(KeyMismatchError, match="no key"):
+        check_key(None, request)
+    with pytest.raises(KeyMismatchError, match="is not the request_id"):
+        check_key(b"other", request)
+
+
+def test_enqueue_event_folds_into_a_queued_rollout() -> None:
+    request = validate_request(_request(), LIMITS)
+    event = enqueue_event(request, now=100.0)
+    assert isinstance(event.payload, RolloutEnqueued)
+    assert event.rollout_id == rollout_id_for("req-1") == event.payload.rollout.rollout_id
+    result = fold(None, event)
+    assert result.outcome == "applied" and result.state is not None
+    rollout = result.state.rollout
+    assert (rollout.status, rollout.input, rollout.mode, rollout.start_time) == (
+        "queuing",
+        request.input,
+        "train",
+        100.0,
+    )
+    assert rollout.config.timeout_seconds == 30.0 and rollout.metadata == {"source": "crm"}
+    assert len(result.tasks) == 1
+    # The same request again: refused by the fold, the first state unchanged.
+    again = fold(result.state, enqueue_event(request, now=200.0))
+    assert again.outcome == "rejected" and "already exists" in (again.error or "")
+    assert CODEC.encode(enqueue_event(request, now=1.0)) == CODEC.encode(enqueue_event(request, now=1.0))
+
+
+def test_null_config_gets_the_defaults() -> None:
+    event = enqueue_event(validate_request(_request(config=None), LIMITS), now=1.0)
+    assert isinstance(event.payload, RolloutEnqueued)
+    assert event.payload.rollout.config.max_attempts == 1
+
+
+def test_json_requests_and_file_lines() -> None:
+    assert request_from_json({"input": 1}, LIMITS, default_request_id="gen").request_id == "gen"
+    assert request_from_json({"input": 1, "request_id": "mine"}, LIMITS, default_request_id="gen").request_id == "mine"
+    with pytest.raises(InvalidTaskRequestError, match="a task request is a JSON object"):
+        request_from_json([1], LIMITS, default_request_id="gen")
+    line = json.dumps({"input": {"q": 1}, "mode": "val"})
+    first = request_from_line(line, 3, LIMITS)
+    assert first.request_id == line_request_id(line, 3) == request_from_line(line + "\n", 3, LIMITS).request_id
+    assert request_from_line(line, 4, LIMITS).request_id != first.request_id
+    assert request_from_line(line, 3, LIMITS, salt="epoch-2").request_id != first.request_id
+    assert len(first.request_id) <= 128
+    with pytest.raises(InvalidTaskRequestError, match="not JSON"):
+        request_from_line("{oops", 1, LIMITS)
+
+
+def test_recent_requests_are_bounded() -> None:
+    recent = RecentRequests(capacity=2)
+    for request_id in ("a", "b", "c"):
+        recent.add(request_id)
+    assert "a" not in recent and "b" in recent and "c" in recent and len(recent) == 2
+    recent.add("b")  # refreshed: now the newest
+    recent.add("d")
+    assert "b" in recent and "c" not in recent
