@@ -10,9 +10,9 @@ A plain aiokafka consumer-group member (like processors/batcher.py), processing 
 returns as a batch: events and DLQ records are sent, *all* acknowledged by the broker, and only
 then are the batch's offsets committed. A crash before the commit re-reads the batch and sends
 the same events again (same rollout id, same event id); the rollout processor refuses an
-enqueue of a rollout it knows ("rollout ... already exists", on agl.dlq), so a request never
-makes two rollouts while its rollout is known there (live, or finished less than
-``finished_retention_s`` ago). Repeats this process saw enqueued lately are refused here,
+enqueue of a rollout it knows ("rollout ... already exists", on agl.dlq). Repeats this process
+saw enqueued lately, and repeats of rollouts ClickHouse already holds (asked once per batch,
+so a repeat long after the processor forgot the rollout is caught too), are refused here,
 before they reach agl.rollouts, as "duplicate request".
 """
 
@@ -30,7 +30,7 @@ from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.errors import CodecError
+from agl_stream.errors import AglError, CodecError
 from agl_stream.ingress import (
     WRITER,
     DuplicateRequestError,
@@ -47,6 +47,7 @@ from agl_stream.ingress import (
 from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer, make_producer
 from agl_stream.logs import get_logger
 from agl_stream.models import TaskRequest
+from agl_stream.store.readside import ReadSide, read_side_for
 from agl_stream.store.resources_cache import ResourcesCache
 
 log = get_logger("agl.ingress")
@@ -56,6 +57,7 @@ READY_FILE = "ingress.ready"
 MAX_EVENT_BYTES = 1_000_000  # as the store client's limit: under the broker's default message size
 _POLL_MS = 500
 _MAX_POLL_RECORDS = 1000
+_KNOWN_TIMEOUT_S = 5.0
 
 
 def group_id(settings: Settings) -> str:
@@ -98,6 +100,8 @@ class IngressProcessor:
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._resources: ResourcesCache | None = None
+        self._reads: ReadSide | None = None
+        self.unchecked = 0  # requests enqueued while ClickHouse could not be asked (see _known)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -132,9 +136,11 @@ class IngressProcessor:
             finally:
                 await consumer.stop()
                 await resources.stop()
+                if self._reads is not None:
+                    await self._reads.aclose()
         finally:
             await producer.stop()
-        log.info("ingress stopped", enqueued=self.enqueued, rejected=self.rejected)
+        log.info("ingress stopped", enqueued=self.enqueued, rejected=self.rejected, unchecked=self.unchecked)
 
     async def _process(
         self, fetched: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]], dead_letters: DeadLetters
@@ -178,6 +184,9 @@ class IngressProcessor:
         cache = self._resources
         if any(r.resources_id is not None and r.resources_id not in cache.by_id for _, r in valid):
             await cache.catch_up()  # once per batch: snapshots written before the request are found
+        # Beyond this process's memory: rollouts ClickHouse already holds were enqueued by an
+        # earlier copy, even one the rollout processor has long forgotten.
+        known = await self._known([rollout_id_for(r.request_id) for _, r in valid if r.request_id not in self.recent])
         now = time.time()
         events: list[tuple[str, str, bytes]] = []
         in_batch: set[str] = set()
@@ -190,7 +199,7 @@ class IngressProcessor:
                     f"resources_id {request.resources_id!r} names no snapshot on {cache.topic}; "
                     "publish the resources first, or send null for the latest"
                 )
-            elif request_id in in_batch or request_id in self.recent:
+            elif request_id in in_batch or request_id in self.recent or rollout_id in known:
                 error = DuplicateRequestError(
                     f"duplicate request: request_id {request_id!r} was already enqueued as rollout {rollout_id}; "
                     "this copy changed nothing"
@@ -208,6 +217,33 @@ class IngressProcessor:
             if error is not None:
                 rejected.append(Rejected.of(message, error))
         return events, rejected
+
+    async def _known(self, rollout_ids: list[str]) -> set[str]:
+        """Which of these rollouts the read side already holds (one query per batch).
+
+        When it cannot be asked (the gateway not up yet, or down), the batch goes on: the rollout
+        processor still refuses a rollout it knows (live, or finished less than its retention
+        ago), and only a repeat older than that could enqueue again; counted in ``unchecked``.
+        """
+        if not rollout_ids:
+            return set()
+        try:
+            if self._reads is None:
+                self._reads = read_side_for(self.settings)
+            result = await self._reads.query(
+                f"SELECT rollout_id FROM {self.settings.clickhouse_database}.rollouts "
+                "WHERE rollout_id IN {ids:Array(String)}",
+                {"ids": rollout_ids},
+                timeout=_KNOWN_TIMEOUT_S,
+            )
+        except (AglError, OSError) as error:
+            self.unchecked += len(rollout_ids)
+            self._reads = None  # the gateway may come back elsewhere (a new port): look it up again
+            log.warning(
+                "could not ask ClickHouse for known rollouts", error=str(error)[:300], requests=len(rollout_ids)
+            )
+            return set()
+        return {str(row[0]) for row in result.rows}
 
     async def _send(
         self, events: list[tuple[str, str, bytes]], rejected: list[Rejected], dead_letters: DeadLetters

@@ -11,6 +11,7 @@ import asyncio
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,13 +27,13 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from agl_stream import AglStore, connect
+from agl_stream import AglStore, connect, stack
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.ingress import rollout_id_for
 from agl_stream.kafka import admin
-from agl_stream.kafka.offsets import committed_offsets
-from agl_stream.models import LLM, DlqRecord, RolloutEvent, RolloutState, Worker
+from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, RolloutState, Worker
 from agl_stream.models.rollouts import Rollout
 from tests.integration.helpers import start_role, stop_role
 
@@ -425,3 +426,61 @@ async def _enqueue_events(settings: Settings) -> dict[str, int]:
     finally:
         await consumer.stop()
     return counts
+
+
+async def test_a_repeat_after_the_processor_forgot_its_rollout_is_still_refused(settings: Settings) -> None:
+    """The rollout processor forgets finished rollouts; ClickHouse does not, and the ingress asks it."""
+    short = settings.model_copy(update={"finished_retention_s": 0.1, "gateway_port": 0})
+    await asyncio.to_thread(stack.up, short)
+    ingress: subprocess.Popen[bytes] | None = None
+    try:
+        running = stack.local_stack_settings(short)
+        writer = AvroTaskWriter()
+        request_id = _new_id("late")
+        key, rollout_id = request_id.encode(), rollout_id_for(request_id)
+        async with connect(**running.model_dump(exclude_none=True)) as store:
+            await _produce(running, [(key, writer.encode(_datum(request_id)))])
+            await _rollouts(store, [rollout_id])
+            await store.update_rollout(rollout_id, status="succeeded")
+            # Each update is an event on the rollout's partition; once the retention has passed,
+            # the processor forgets the finished rollout and refuses updates of it.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    await store.update_rollout(rollout_id, metadata={"poke": time.monotonic()})
+                except ValueError:
+                    break
+                assert time.monotonic() < deadline, "the processor never forgot the finished rollout"
+            # A new ingress process: nothing of the first copy in its memory.
+            recorded = stack.read_stack(short)
+            assert recorded is not None
+            os.kill(recorded.pids["ingress"], signal.SIGKILL)
+            ingress = start_role(running, "ingress", log_name="ingress-again")
+            await _produce(running, [(key, writer.encode(_datum(request_id)))])
+            [record] = await _dlq(running, {key}, count=1)
+            assert record.error_type == "DuplicateRequestError" and rollout_id in record.reason
+            [rollout] = await store.query_rollouts(rollout_id_in=[rollout_id])
+            assert rollout.status == "succeeded"
+        events = await _rollout_events(running, rollout_id)
+        enqueued = [e for e in events if isinstance(e.payload, RolloutEnqueued)]
+        assert len(enqueued) == 1  # the repeat never reached agl.rollouts
+    finally:
+        if ingress is not None:
+            stop_role(ingress)
+        await asyncio.to_thread(stack.down, short)
+
+
+async def _rollout_events(settings: Settings, rollout_id: str) -> list[RolloutEvent]:
+    ends = await end_offsets(settings, settings.topic("rollouts"))
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers)
+    await consumer.start()
+    events: list[RolloutEvent] = []
+    try:
+        consumer.assign(list(ends))
+        await consumer.seek_to_beginning(*ends)
+        while await _behind(consumer, ends):
+            for messages in (await consumer.getmany(timeout_ms=500)).values():
+                events += [CODEC.decode(m.value or b"", RolloutEvent) for m in messages if m.key == rollout_id.encode()]
+    finally:
+        await consumer.stop()
+    return events
