@@ -63,6 +63,10 @@ def replay(
     exclude_llm_call_in_reward: Annotated[
         bool, typer.Option(help="Drop LLM calls made inside reward spans (LLM-as-judge calls).")
     ] = True,
+    workers: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(min=1, help="Processes reading partitions in parallel (default: one per CPU; 1: none)."),
+    ] = None,
 ) -> None:
     """Replay committed span history into <prefix>.triplets.replay.NAME, as the live builder would.
 
@@ -118,7 +122,12 @@ def replay(
         try:
             summary = asyncio.run(
                 run_replay(
-                    settings, name, selection=selection, replay_settings=replay_settings, on_progress=on_progress
+                    settings,
+                    name,
+                    selection=selection,
+                    replay_settings=replay_settings,
+                    on_progress=on_progress,
+                    workers=workers,
                 )
             )
         except AglError as error:

@@ -16,8 +16,11 @@ disturbed (no group, no commits, no writes but the replay topic).
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Collection
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +60,12 @@ from agl_stream.trace_collector import ReadyAttempt, TraceCollector, resources_i
 log = get_logger("agl.replay")
 
 _FETCH = 20_000
+_FETCH_OPTIONS: dict[str, Any] = {
+    "max_partition_fetch_bytes": 32 << 20,
+    "fetch_max_bytes": 64 << 20,
+    "fetch_max_wait_ms": 100,
+}
+_PARALLEL_MIN_SPANS = 20_000  # by default, below this starting worker processes costs more than it saves
 _STATE_TOKEN = -1
 _REASONS_KEPT = 5
 
@@ -109,6 +118,18 @@ class ReplaySummary:
     def spans_per_s(self) -> float:
         return self.spans / self.read_s if self.read_s > 0 else 0.0
 
+    def absorb(self, part: ReplaySummary) -> None:
+        """Add what a worker counted for its partitions."""
+        for name in ("spans", "attempts", "incomplete", "incomplete_skipped", "unfinished_attempts"):
+            setattr(self, name, getattr(self, name) + getattr(part, name))
+        for mine, theirs in (
+            (self.malformed_spans, part.malformed_spans),
+            (self.bad_events, part.bad_events),
+            (self.reward_errors, part.reward_errors),
+        ):
+            mine.count += theirs.count
+            mine.reasons = (mine.reasons + theirs.reasons)[:_REASONS_KEPT]
+
 
 Progress = Callable[[int, int], None]
 """``(records read so far, records to read)`` over the spans ranges."""
@@ -121,18 +142,22 @@ async def replay(
     selection: Selection | None = None,
     replay_settings: ReplaySettings | None = None,
     on_progress: Progress | None = None,
+    workers: int | None = None,
 ) -> ReplaySummary:
     """Replay the selected history into ``<prefix>.triplets.replay.<name>``; rerunning with the
-    same settings writes no record twice."""
+    same settings writes no record twice.
+
+    ``workers``: processes reading partitions in parallel (None: one per CPU, at most one per
+    partition with work; 1: all in this process). The output is the same either way.
+    """
     selection = selection or Selection()
     replay_settings = replay_settings or ReplaySettings()
     out_topic = replay_topic(settings.topic_prefix, name)
-    reward_fn = load_reward(replay_settings.reward) if replay_settings.reward else None
+    if replay_settings.reward:
+        load_reward(replay_settings.reward)  # a bad reference fails here, before anything is read
     started = time.perf_counter()
     codec = Codec.default()
-    consumer = make_consumer(
-        settings, group_id=None, max_partition_fetch_bytes=32 << 20, fetch_max_bytes=64 << 20, fetch_max_wait_ms=100
-    )
+    consumer = make_consumer(settings, group_id=None, **_FETCH_OPTIONS)
     await consumer.start()
     try:
         spans_tps = await _partitions(consumer, settings.topic("spans"))
@@ -151,30 +176,19 @@ async def replay(
         summary = ReplaySummary(out_topic, replay_settings.digest(), ranges)
         total = sum(hi - lo for lo, hi in ranges.values())
         resources = await _resources(consumer, settings, codec)
-        records: list[OutRecord] = []
         read_started = time.perf_counter()
-        done = 0
-        for partition, (lo, hi) in ranges.items():
-            collector: TraceCollector[int] = TraceCollector(max_spans=1 << 62, remember=1 << 62)
-            await _fold_events(
-                consumer,
-                TopicPartition(settings.topic("rollouts"), partition),
-                event_ends,
-                keys,
-                collector,
-                summary,
-                codec,
+        jobs = [
+            _Job(partition, bounds, event_ends[TopicPartition(settings.topic("rollouts"), partition)])
+            for partition, bounds in ranges.items()
+        ]
+        busy = [job for job in jobs if job.bounds[1] > job.bounds[0]]
+        count = workers if workers is not None else min(os.cpu_count() or 1, len(busy))
+        if count > 1 and len(busy) > 1 and (workers is not None or total >= _PARALLEL_MIN_SPANS):
+            records = await _in_processes(settings, jobs, keys, replay_settings, resources, summary, count, on_progress)
+        else:
+            records = await _in_this_process(
+                consumer, settings, jobs, keys, replay_settings, resources, summary, on_progress
             )
-
-            def progress(n: int, before: int = done) -> None:
-                if on_progress is not None:
-                    on_progress(before + n, total)
-
-            records += await _read_spans(
-                consumer, TopicPartition(settings.topic("spans"), partition), (lo, hi), keys, collector, summary,
-                codec, replay_settings, reward_fn, resources, progress,
-            )  # fmt: skip
-            done += hi - lo
         summary.read_s = time.perf_counter() - read_started
         ordered = canonical(records)
         summary.records = len(ordered)
@@ -194,6 +208,119 @@ async def replay(
         malformed=summary.malformed_spans.count, digest=summary.digest,
     )  # fmt: skip
     return summary
+
+
+@dataclass(frozen=True)
+class _Job:
+    partition: int
+    bounds: tuple[int, int]  # of agl.spans
+    events_end: int  # of agl.rollouts, same partition
+
+
+async def _one_partition(
+    consumer: AIOKafkaConsumer,
+    settings: Settings,
+    job: _Job,
+    keys: Collection[bytes] | None,
+    replay_settings: ReplaySettings,
+    resources: dict[str, ResourcesUpdate],
+    summary: ReplaySummary,
+    progress: Callable[[int], None],
+) -> list[OutRecord]:
+    codec = Codec.default()
+    reward_fn = load_reward(replay_settings.reward) if replay_settings.reward else None
+    collector: TraceCollector[int] = TraceCollector(max_spans=1 << 62, remember=1 << 62)
+    events_tp = TopicPartition(settings.topic("rollouts"), job.partition)
+    await _fold_events(consumer, events_tp, {events_tp: job.events_end}, keys, collector, summary, codec)
+    spans_tp = TopicPartition(settings.topic("spans"), job.partition)
+    return await _read_spans(
+        consumer, spans_tp, job.bounds, keys, collector, summary, codec, replay_settings, reward_fn, resources,
+        progress,
+    )  # fmt: skip
+
+
+async def _in_this_process(
+    consumer: AIOKafkaConsumer,
+    settings: Settings,
+    jobs: list[_Job],
+    keys: Collection[bytes] | None,
+    replay_settings: ReplaySettings,
+    resources: dict[str, ResourcesUpdate],
+    summary: ReplaySummary,
+    on_progress: Progress | None,
+) -> list[OutRecord]:
+    total = sum(hi - lo for job in jobs for lo, hi in [job.bounds])
+    records: list[OutRecord] = []
+    done = 0
+    for job in jobs:
+
+        def progress(n: int, before: int = done) -> None:
+            if on_progress is not None:
+                on_progress(before + n, total)
+
+        records += await _one_partition(consumer, settings, job, keys, replay_settings, resources, summary, progress)
+        done += job.bounds[1] - job.bounds[0]
+    return records
+
+
+def _partition_worker(
+    settings: Settings,
+    job: _Job,
+    keys: Collection[bytes] | None,
+    replay_settings: ReplaySettings,
+    resources: dict[str, ResourcesUpdate],
+    counter: Any,
+) -> tuple[list[OutRecord], ReplaySummary]:
+    """One partition in a worker process: its records and its part of the summary."""
+
+    async def run() -> tuple[list[OutRecord], ReplaySummary]:
+        summary = ReplaySummary("", "", {})
+        consumer = make_consumer(settings, group_id=None, **_FETCH_OPTIONS)
+        await consumer.start()
+        try:
+
+            def progress(n: int) -> None:
+                counter.value = n
+
+            records = await _one_partition(consumer, settings, job, keys, replay_settings, resources, summary, progress)
+        finally:
+            await consumer.stop()
+        return records, summary
+
+    return asyncio.run(run())
+
+
+async def _in_processes(
+    settings: Settings,
+    jobs: list[_Job],
+    keys: Collection[bytes] | None,
+    replay_settings: ReplaySettings,
+    resources: dict[str, ResourcesUpdate],
+    summary: ReplaySummary,
+    workers: int,
+    on_progress: Progress | None,
+) -> list[OutRecord]:
+    """Partitions in parallel processes (decoding and deriving are CPU-bound, one core each)."""
+    total = sum(hi - lo for job in jobs for lo, hi in [job.bounds])
+    context = multiprocessing.get_context("spawn")  # no fork of a running event loop
+    loop = asyncio.get_running_loop()
+    with context.Manager() as manager, ProcessPoolExecutor(workers, mp_context=context) as pool:
+        counters = [manager.Value("q", 0) for _ in jobs]
+        futures = [
+            loop.run_in_executor(pool, _partition_worker, settings, job, keys, replay_settings, resources, counter)
+            for job, counter in zip(jobs, counters, strict=True)
+        ]
+        waiting = asyncio.gather(*futures)
+        while not waiting.done():
+            await asyncio.wait([waiting], timeout=0.25)  # progress ticks while the workers run
+            if on_progress is not None:
+                on_progress(sum(c.value for c in counters), total)
+        parts = waiting.result()
+    records: list[OutRecord] = []
+    for part_records, part in parts:
+        records += part_records
+        summary.absorb(part)
+    return records
 
 
 def batches_topic_of(settings: Settings, name: str) -> str:
