@@ -649,13 +649,20 @@ def _chunks(indices: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
         yield indices[start : start + size]
 
 
-def _validate(options: TorchBackendOptions) -> None:
+def check_common_options(options: Any) -> None:
+    """The checks every backend's options need (estimator, lr, epochs, mini-batches, clipping)."""
     resolve_estimator(options.algorithm, options.adv_estimator)
     if options.lr <= 0:
         raise ValueError("lr must be > 0")
-    if options.ppo_epochs < 1 or options.micro_batch_size < 1:
-        raise ValueError("ppo_epochs and micro_batch_size must be at least 1")
+    if options.ppo_epochs < 1:
+        raise ValueError("ppo_epochs must be at least 1")
     if options.mini_batch_size is not None and options.mini_batch_size < 1:
         raise ValueError("mini_batch_size must be at least 1 (or None: the whole batch)")
     if options.max_grad_norm <= 0:
         raise ValueError("max_grad_norm must be > 0")
+
+
+def _validate(options: TorchBackendOptions) -> None:
+    check_common_options(options)
+    if options.micro_batch_size < 1:
+        raise ValueError("micro_batch_size must be at least 1")

@@ -103,6 +103,7 @@ from agl_stream.policy.model import _fsync_tree
 from agl_stream.training.backend import (
     Algorithm,
     LossAggMode,
+    check_common_options,
     compute_advantages,
     prepare_batch,
     resolve_estimator,
@@ -609,15 +610,9 @@ def _mini_batches(order: torch.Tensor, size: int, ranks: int) -> Iterator[torch.
 
 
 def _validate(options: VerlBackendOptions) -> None:
-    resolve_estimator(options.algorithm, options.adv_estimator)
-    if options.lr <= 0:
-        raise ValueError("lr must be > 0")
-    if options.ppo_epochs < 1 or options.max_token_len_per_gpu < 1:
-        raise ValueError("ppo_epochs and max_token_len_per_gpu must be at least 1")
-    if options.mini_batch_size is not None and options.mini_batch_size < 1:
-        raise ValueError("mini_batch_size must be at least 1 (or None: the whole batch)")
-    if options.max_grad_norm <= 0:
-        raise ValueError("max_grad_norm must be > 0")
+    check_common_options(options)
+    if options.max_token_len_per_gpu < 1:
+        raise ValueError("max_token_len_per_gpu must be at least 1")
     if options.strategy not in ("fsdp2", "fsdp"):
         raise ValueError(f"strategy must be 'fsdp2' or 'fsdp', not {options.strategy!r}")
 
