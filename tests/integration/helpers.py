@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -15,8 +15,10 @@ from clickhouse_connect.driver.client import Client
 
 from agl_stream import processes
 from agl_stream.clickhouse.client import get_client
+from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.models import DlqRecord
 from agl_stream.processes import stop_role
 
 __all__ = ["clickhouse", "read_topic", "start_role", "stop_role", "wait_committed_at_least"]
@@ -59,6 +61,27 @@ async def read_topic(settings: Settings, topic: str, count: int, *, timeout: flo
         await consumer.stop()
     assert len(records) >= count, f"only {len(records)} of {count} records arrived on {topic}"
     return records
+
+
+async def dlq_records(
+    settings: Settings, count: int, where: Callable[[DlqRecord], bool], *, timeout: float = 30.0
+) -> list[DlqRecord]:
+    """The first ``count`` records on agl.dlq that ``where`` selects (fails if fewer arrive in time)."""
+    codec = Codec.default()
+    consumer = AIOKafkaConsumer(
+        settings.topic("dlq"), **settings.kafka_client_options(), auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    await consumer.start()
+    found: list[DlqRecord] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while len(found) < count and time.monotonic() < deadline:
+            for messages in (await consumer.getmany(timeout_ms=200)).values():
+                found += [r for r in (codec.decode(m.value or b"", DlqRecord) for m in messages) if where(r)]
+    finally:
+        await consumer.stop()
+    assert len(found) >= count, f"only {len(found)} of {count} DLQ records: {[r.reason for r in found]}"
+    return found
 
 
 async def read_to_end(settings: Settings, topic: str, *, timeout: float = 30.0) -> list[Any]:

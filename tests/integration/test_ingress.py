@@ -35,7 +35,7 @@ from agl_stream.kafka import admin
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, RolloutState, Worker
 from agl_stream.models.rollouts import Rollout
-from tests.integration.helpers import start_role, stop_role
+from tests.integration.helpers import dlq_records, start_role, stop_role
 
 pytestmark = pytest.mark.asyncio
 
@@ -127,23 +127,8 @@ async def _rollouts(store: AglStore, rollout_ids: list[str], *, timeout: float =
 
 async def _dlq(settings: Settings, keys: set[bytes], *, count: int, timeout: float = 30.0) -> list[DlqRecord]:
     """The first ``count`` DLQ records about task requests with these keys."""
-    consumer = AIOKafkaConsumer(
-        settings.topic("dlq"), bootstrap_servers=settings.bootstrap_servers, auto_offset_reset="earliest"
-    )
-    await consumer.start()
-    found: list[DlqRecord] = []
-    try:
-        deadline = time.monotonic() + timeout
-        while len(found) < count and time.monotonic() < deadline:
-            for messages in (await consumer.getmany(timeout_ms=200)).values():
-                for message in messages:
-                    record = CODEC.decode(message.value or b"", DlqRecord)
-                    if record.source_topic == settings.topic("task-requests") and record.key in keys:
-                        found.append(record)
-    finally:
-        await consumer.stop()
-    assert len(found) >= count, f"only {len(found)} of {count} DLQ records: {[r.reason for r in found]}"
-    return found
+    source = settings.topic("task-requests")
+    return await dlq_records(settings, count, lambda r: r.source_topic == source and r.key in keys, timeout=timeout)
 
 
 async def _behind(consumer: AIOKafkaConsumer, ends: dict[TopicPartition, int]) -> bool:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.admin import NewTopic
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, InstrumentationScope, KeyValue
@@ -26,13 +26,12 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 
 from agl_stream import AglStore, connect, otlp
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.admin import admin_client
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import DlqRecord, Span
 from consumers.otlp_kafka import decode_message
-from tests.integration.helpers import start_role, stop_role, wait_committed_at_least
+from tests.integration.helpers import dlq_records, start_role, stop_role, wait_committed_at_least
 
 pytestmark = pytest.mark.integration
 
@@ -126,24 +125,8 @@ async def spans_behind_everything(store: AglStore, settings: Settings, rollout_i
 
 
 async def dead_letters(settings: Settings, source_topic: str, count: int, *, timeout: float = 30.0) -> list[DlqRecord]:
-    """The first ``count`` DLQ records whose source is ``source_topic`` (fails if fewer arrive)."""
-    codec = Codec.default()
-    consumer = AIOKafkaConsumer(
-        settings.topic("dlq"), **settings.kafka_client_options(), auto_offset_reset="earliest", enable_auto_commit=False
-    )
-    await consumer.start()
-    found: list[DlqRecord] = []
-    try:
-        deadline = time.monotonic() + timeout
-        while len(found) < count and time.monotonic() < deadline:
-            for messages in (await consumer.getmany(timeout_ms=200)).values():
-                for message in messages:
-                    record = codec.decode(message.value or b"", DlqRecord)
-                    if record.source_topic == source_topic:
-                        found.append(record)
-    finally:
-        await consumer.stop()
-    assert len(found) >= count, f"only {len(found)} of {count} DLQ records from {source_topic}"
+    """The first ``count`` DLQ records whose source is ``source_topic``, in source order."""
+    found = await dlq_records(settings, count, lambda r: r.source_topic == source_topic, timeout=timeout)
     return sorted(found, key=lambda r: (r.source_partition, r.source_offset))
 
 
