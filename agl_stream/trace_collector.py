@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from agl_stream.adapter import AdapterConfig, AdapterResult, extract_triplets
-from agl_stream.models import Attempt, ModelCheckpoint, ResourcesUpdate, Rollout, RolloutState, Span, TripletRecord
+from agl_stream.models import Attempt, ResourcesUpdate, Rollout, RolloutState, Span, TripletRecord
 
 Token = TypeVar("Token")
 
@@ -219,14 +219,6 @@ def group_id_of(rollout: Rollout) -> str:
     return "g-" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def policy_version_of(snapshot: ResourcesUpdate | None) -> int | None:
-    """The policy version a resources snapshot serves: its model checkpoint's, if it has one."""
-    if snapshot is None:
-        return None
-    versions = [r.policy_version for r in snapshot.resources.values() if isinstance(r, ModelCheckpoint)]
-    return max(versions) if versions else None
-
-
 def resources_id_of(finished: FinishedAttempt) -> str | None:
     """The resources snapshot the attempt ran with: the one the runner recorded on the attempt
     (``metadata["resources_id"]``), else the rollout's."""
@@ -246,7 +238,7 @@ def triplet_record(
         attempt_id=finished.attempt.attempt_id,
         group_id=group_id_of(finished.rollout),
         resources_id=resources_id_of(finished),
-        policy_version=policy_version_of(snapshot),
+        policy_version=snapshot.policy_version if snapshot is not None else None,
         triplets=result.triplets,
         final_reward=result.final_reward,
         finish_time=finished.finish_time,

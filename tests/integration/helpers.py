@@ -21,7 +21,15 @@ from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import DlqRecord
 from agl_stream.processes import stop_role
 
-__all__ = ["clickhouse", "read_topic", "start_role", "stop_role", "wait_committed_at_least"]
+__all__ = [
+    "clickhouse",
+    "dlq_records",
+    "read_to_end",
+    "read_topic",
+    "start_role",
+    "stop_role",
+    "wait_committed_at_least",
+]
 
 
 def start_role(settings: Settings, *args: str, log_name: str = "role") -> subprocess.Popen[bytes]:
@@ -96,8 +104,8 @@ async def read_to_end(settings: Settings, topic: str, *, timeout: float = 30.0) 
         deadline = time.monotonic() + timeout
         while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
             assert time.monotonic() < deadline, f"{topic} not read to its end in {timeout}s"
-            for messages in (await consumer.getmany(timeout_ms=200)).values():
-                records.extend(messages)
+            for tp, messages in (await consumer.getmany(timeout_ms=200)).items():
+                records.extend(m for m in messages if m.offset < ends[tp])
     finally:
         await consumer.stop()
     return records

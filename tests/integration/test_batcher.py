@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from aiokafka import AIOKafkaConsumer
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
@@ -25,7 +24,7 @@ from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import DlqRecord, Triplet, TripletBatch, TripletRecord
 from agl_stream.processes import stop_role
 from processors.batcher import group_id
-from tests.integration.helpers import read_topic
+from tests.integration.helpers import read_to_end, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -85,25 +84,9 @@ async def produce(settings: Settings, records: list[TripletRecord]) -> list[Writ
 
 async def read_batches(settings: Settings) -> list[tuple[int, TripletBatch]]:
     """Every batch written so far, as (output partition, batch), in log order per partition."""
-    topic = settings.topic("triplet-batches")
-    ends = await end_offsets(settings, topic)
-    if not any(ends.values()):
-        return []
-    consumer = AIOKafkaConsumer(**settings.kafka_client_options(), enable_auto_commit=False)
-    await consumer.start()
     codec = Codec.default()
-    out: list[tuple[int, TripletBatch]] = []
-    try:
-        consumer.assign(list(ends))
-        await consumer.seek_to_beginning()
-        deadline = time.monotonic() + 60
-        while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
-            assert time.monotonic() < deadline, "could not read the batches topic"
-            for tp, messages in (await consumer.getmany(timeout_ms=500)).items():
-                out += [(tp.partition, codec.decode(m.value, TripletBatch)) for m in messages if m.offset < ends[tp]]
-    finally:
-        await consumer.stop()
-    return out
+    records = await read_to_end(settings, settings.topic("triplet-batches"), timeout=60)
+    return [(r.partition, codec.decode(r.value, TripletBatch)) for r in records]
 
 
 async def wait_for_batches(

@@ -32,10 +32,10 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.ingress import rollout_id_for
 from agl_stream.kafka import admin
-from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.kafka.offsets import committed_offsets
 from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, RolloutState, Worker
 from agl_stream.models.rollouts import Rollout
-from tests.integration.helpers import dlq_records, start_role, stop_role
+from tests.integration.helpers import dlq_records, read_to_end, start_role, stop_role
 
 pytestmark = pytest.mark.asyncio
 
@@ -388,28 +388,10 @@ async def test_kill_9_mid_stream_loses_and_duplicates_nothing(settings: Settings
 
 async def _enqueue_events(settings: Settings) -> dict[str, int]:
     """Enqueue events per rollout id on agl.rollouts (re-sends after the kill are allowed there)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers)
-    await consumer.start()
     counts: dict[str, int] = {}
-    try:
-        partitions = [
-            TopicPartition(settings.topic("rollouts"), p)
-            for p in consumer.partitions_for_topic(settings.topic("rollouts")) or ()
-        ]
-        if not partitions:
-            await consumer._client.force_metadata_update()
-            topic = settings.topic("rollouts")
-            partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
-        while await _behind(consumer, ends):
-            for messages in (await consumer.getmany(timeout_ms=500)).values():
-                for message in messages:
-                    event = CODEC.decode(message.value or b"", RolloutEvent)
-                    counts[event.rollout_id] = counts.get(event.rollout_id, 0) + 1
-    finally:
-        await consumer.stop()
+    for record in await read_to_end(settings, settings.topic("rollouts")):
+        event = CODEC.decode(record.value or b"", RolloutEvent)
+        counts[event.rollout_id] = counts.get(event.rollout_id, 0) + 1
     return counts
 
 
@@ -456,16 +438,5 @@ async def test_a_repeat_after_the_processor_forgot_its_rollout_is_still_refused(
 
 
 async def _rollout_events(settings: Settings, rollout_id: str) -> list[RolloutEvent]:
-    ends = await end_offsets(settings, settings.topic("rollouts"))
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers)
-    await consumer.start()
-    events: list[RolloutEvent] = []
-    try:
-        consumer.assign(list(ends))
-        await consumer.seek_to_beginning(*ends)
-        while await _behind(consumer, ends):
-            for messages in (await consumer.getmany(timeout_ms=500)).values():
-                events += [CODEC.decode(m.value or b"", RolloutEvent) for m in messages if m.key == rollout_id.encode()]
-    finally:
-        await consumer.stop()
-    return events
+    records = await read_to_end(settings, settings.topic("rollouts"))
+    return [CODEC.decode(r.value or b"", RolloutEvent) for r in records if r.key == rollout_id.encode()]

@@ -25,16 +25,15 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
-from aiokafka import AIOKafkaConsumer
 
 from agl_stream import AglStore, connect
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
-from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import ProxyLLM, Span
 from agl_stream.semconv import POLICY_VERSION, POLICY_VERSION_HEADER
 from producers.llm_proxy import LLMProxy, ProxyOptions, model_list_of, serving
+from tests.integration.helpers import read_to_end
 
 pytestmark = pytest.mark.integration
 
@@ -301,20 +300,9 @@ async def spans_of(store: AglStore, rollout_id: str, attempt_id: str, count: int
 
 async def spans_in_kafka(settings: Settings, rollout_id: str) -> list[Span]:
     """The rollout's spans on agl.spans, up to the topic's end offsets as of this call."""
-    ends = await end_offsets(settings, settings.topic("spans"))
     codec = Codec.default()
-    consumer = AIOKafkaConsumer(**settings.kafka_client_options(), enable_auto_commit=False)
-    await consumer.start()
-    try:
-        consumer.assign(list(ends))
-        await consumer.seek_to_beginning(*ends)
-        found: list[Span] = []
-        while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                found.extend(codec.decode(r.value, Span) for r in records if r.key == rollout_id.encode())
-        return found
-    finally:
-        await consumer.stop()
+    records = await read_to_end(settings, settings.topic("spans"))
+    return [codec.decode(r.value, Span) for r in records if r.key == rollout_id.encode()]
 
 
 # -- tests ------------------------------------------------------------------------------------
