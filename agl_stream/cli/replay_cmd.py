@@ -10,6 +10,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from agl_stream.cli import settings_of
+from agl_stream.cli.adapter_options import (
+    AgentMatch,
+    ExcludeLlmCallInReward,
+    LlmCallMatch,
+    RewardMatch,
+    adapter_config,
+)
 from agl_stream.errors import AglError
 
 
@@ -49,20 +56,10 @@ def replay(
     incomplete: Annotated[
         str, typer.Option(help="Attempts with spans missing from the range: skip (counted) or emit as they are.")
     ] = "skip",
-    llm_call_match: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option(help="Regex on span names that marks LLM calls (default: the openai spans)."),
-    ] = None,
-    agent_match: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option(help="Regex on agent names: keep only LLM calls made inside matching agents."),
-    ] = None,
-    reward_match: Annotated[
-        str, typer.Option(help="How rewards find their LLM call: first_occurrence or first_sibling.")
-    ] = "first_occurrence",
-    exclude_llm_call_in_reward: Annotated[
-        bool, typer.Option(help="Drop LLM calls made inside reward spans (LLM-as-judge calls).")
-    ] = True,
+    llm_call_match: LlmCallMatch = None,
+    agent_match: AgentMatch = None,
+    reward_match: RewardMatch = "first_occurrence",
+    exclude_llm_call_in_reward: ExcludeLlmCallInReward = True,
     workers: Annotated[
         Optional[int],  # noqa: UP045
         typer.Option(min=1, help="Processes reading partitions in parallel (default: one per CPU; 1: none)."),
@@ -75,23 +72,14 @@ def replay(
 
     Example: agl-stream replay exp1 --from-time 2026-01-01T00:00 --reward my_rewards:strict
     """
-    from agl_stream.adapter import AdapterConfig
     from agl_stream.replay.core import ReplaySettings, parse_offset_ranges, parse_time
     from agl_stream.replay.runner import Selection, batches_topic_of
     from agl_stream.replay.runner import replay as run_replay
 
     settings = settings_of(ctx)
-    options: dict[str, object] = {
-        "agent_match": agent_match,
-        "reward_match": reward_match,
-        "exclude_llm_call_in_reward": exclude_llm_call_in_reward,
-    }
-    if llm_call_match is not None:
-        options["llm_call_match"] = llm_call_match
+    adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward)
     try:
-        replay_settings = ReplaySettings(
-            adapter=AdapterConfig.model_validate(options), reward=reward, incomplete=incomplete
-        )
+        replay_settings = ReplaySettings(adapter=adapter, reward=reward, incomplete=incomplete)
         bounds = parse_offset_ranges(offsets or (), from_offset or (), to_offset or ())
         selection = Selection(
             offsets=bounds or None,

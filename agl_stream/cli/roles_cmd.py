@@ -13,6 +13,13 @@ from typing import Annotated
 import typer
 
 from agl_stream.cli import settings_of
+from agl_stream.cli.adapter_options import (
+    AgentMatch,
+    ExcludeLlmCallInReward,
+    LlmCallMatch,
+    RewardMatch,
+    adapter_config,
+)
 from agl_stream.config import Settings
 
 
@@ -120,34 +127,14 @@ def _supervise_runners(settings: Settings, workers: int, child_args: list[str]) 
 
 def triplets(
     ctx: typer.Context,
-    llm_call_match: Annotated[
-        str | None, typer.Option(help="Regex on span names that marks LLM calls (default: the openai spans).")
-    ] = None,
-    agent_match: Annotated[
-        str | None, typer.Option(help="Regex on agent names: keep only LLM calls made inside matching agents.")
-    ] = None,
-    reward_match: Annotated[
-        str, typer.Option(help="How rewards find their LLM call: first_occurrence or first_sibling.")
-    ] = "first_occurrence",
-    exclude_llm_call_in_reward: Annotated[
-        bool, typer.Option(help="Drop LLM calls made inside reward spans (LLM-as-judge calls).")
-    ] = True,
+    llm_call_match: LlmCallMatch = None,
+    agent_match: AgentMatch = None,
+    reward_match: RewardMatch = "first_occurrence",
+    exclude_llm_call_in_reward: ExcludeLlmCallInReward = True,
     settle: Annotated[
         float, typer.Option(min=0.0, help="Seconds a finished attempt may wait for late spans before it is built.")
     ] = 5.0,
 ) -> None:
     """Run the triplet builder: each finished attempt's spans -> one record of triplets on agl.triplets."""
-    from agl_stream.adapter import AdapterConfig
-
-    options: dict[str, object] = {
-        "agent_match": agent_match,
-        "reward_match": reward_match,
-        "exclude_llm_call_in_reward": exclude_llm_call_in_reward,
-    }
-    if llm_call_match is not None:
-        options["llm_call_match"] = llm_call_match
-    try:
-        adapter = AdapterConfig.model_validate(options)
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from error
+    adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward)
     importlib.import_module("processors.triplets").main(settings_of(ctx), adapter=adapter, settle_s=settle)
