@@ -28,8 +28,8 @@ from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker
 from agl_stream.models import Span
 from agl_stream.replay.core import ReplaySettings, span_view
-from agl_stream.replay.history import attempt_history, write_history
-from agl_stream.replay.runner import replay
+from producers.replay import replay
+from producers.replay_history import attempt_history, write_history
 
 
 def constant_reward(spans: list[Span]) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 from typing import Annotated, Optional
 
 import typer
@@ -72,9 +73,10 @@ def replay(
 
     Example: agl-stream replay exp1 --from-time 2026-01-01T00:00 --reward my_rewards:strict
     """
-    from agl_stream.replay.core import ReplaySettings, parse_offset_ranges, parse_time
-    from agl_stream.replay.runner import Selection, batches_topic_of
-    from agl_stream.replay.runner import replay as run_replay
+    from agl_stream.replay.core import ReplaySettings, Selection, batches_topic_of, parse_offset_ranges, parse_time
+
+    # The shell is a writer role (producers/), loaded by name like every role.
+    run_replay = importlib.import_module("producers.replay").replay
 
     settings = settings_of(ctx)
     adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward)
@@ -142,5 +144,5 @@ def replay(
             out.print(f"  - {reason}")
     out.print(f"settings       {summary.settings_digest}")
     out.print(f"digest         {summary.digest}")
-    batches = batches_topic_of(settings, name)
+    batches = batches_topic_of(settings.topic_prefix, name)
     out.print(f"batch it with  agl-stream batcher --input-topic {summary.topic} --output-topic {batches}")

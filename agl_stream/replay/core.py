@@ -1,6 +1,6 @@
 """Replay, the functional core: ranges, settings identity, fast span views, reward overrides.
 
-No I/O here (the shell is :mod:`agl_stream.replay.runner`). What makes a replay deterministic
+No I/O here (the shell is :mod:`producers.replay`). What makes a replay deterministic
 lives here: the settings digest that names a run's records, the canonical order of records and
 the digest of the output, each a function of its inputs only.
 """
@@ -59,6 +59,11 @@ def replay_topic(prefix: str, name: str) -> str:
     return f"{prefix}.{REPLAY_TOPIC_PREFIX}{name}"
 
 
+def batches_topic_of(prefix: str, name: str) -> str:
+    """Where `agl-stream batcher --input-topic <replay topic>` writes the replay's batches."""
+    return f"{prefix}.triplet-batches.replay.{name}"
+
+
 def parse_time(text: str) -> float:
     """Seconds since the epoch from epoch seconds (``1767225600.5``) or ISO 8601 (UTC if naive)."""
     try:
@@ -78,6 +83,17 @@ def parse_time(text: str) -> float:
 
 Bounds = dict[int, tuple[int | None, int | None]]
 """Per partition: (first offset, end offset exclusive); None: the partition's beginning / end."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which history to replay: offset bounds and/or a time range of agl.spans, and/or SQL
+    returning rollout ids (first column)."""
+
+    offsets: Bounds | None = None
+    from_time: float | None = None
+    to_time: float | None = None
+    sql: str | None = None
 
 
 def parse_offset_ranges(ranges: Iterable[str] = (), starts: Iterable[str] = (), ends: Iterable[str] = ()) -> Bounds:

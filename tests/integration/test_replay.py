@@ -19,9 +19,9 @@ from agl_stream.config import Settings
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import Span, TripletBatch, TripletRecord
-from agl_stream.replay.core import ReplaySettings
-from agl_stream.replay.history import attempt_history, rollout_id_of, write_history
-from agl_stream.replay.runner import Selection, batches_topic_of, replay
+from agl_stream.replay.core import ReplaySettings, Selection, batches_topic_of
+from producers.replay import replay
+from producers.replay_history import attempt_history, rollout_id_of, write_history
 from tests.integration.helpers import read_topic, start_role, stop_role
 
 pytestmark = pytest.mark.integration
@@ -160,11 +160,11 @@ async def test_sql_selection_through_the_cli_and_the_batcher_consumes_the_replay
     assert sorted(r.rollout_id for r in records) == sorted(wanted)
 
     batcher = start_role(
-        history, "batcher", "--input-topic", topic, "--output-topic", batches_topic_of(history, "sel"),
+        history, "batcher", "--input-topic", topic, "--output-topic", batches_topic_of(history.topic_prefix, "sel"),
         "--group-size", "4", "--max-rollouts", "4", "--linger", "1", log_name="replay-batcher",
     )  # fmt: skip
     try:
-        [message] = await read_topic(history, batches_topic_of(history, "sel"), 1, timeout=60)
+        [message] = await read_topic(history, batches_topic_of(history.topic_prefix, "sel"), 1, timeout=60)
         batch = Codec.default().decode(message.value, TripletBatch)
         assert sorted(r.rollout_id for r in batch.records) == sorted(wanted)
     finally:

@@ -27,7 +27,7 @@ from agl_stream.replay.core import (
     span_view,
     with_reward,
 )
-from agl_stream.replay.history import attempt_history
+from producers.replay_history import attempt_history
 
 
 def test_offset_ranges_parse_and_combine() -> None:

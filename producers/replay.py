@@ -36,12 +36,13 @@ from agl_stream.models import ResourcesUpdate, RolloutEvent, RolloutState
 from agl_stream.replay.core import (
     HEADER_ATTEMPT,
     HEADER_SETTINGS,
-    Bounds,
     OutRecord,
     ReplayError,
     ReplaySettings,
     RewardError,
     RewardFn,
+    Selection,
+    batches_topic_of,
     canonical,
     load_reward,
     new_reward,
@@ -68,17 +69,6 @@ _FETCH_OPTIONS: dict[str, Any] = {
 _PARALLEL_MIN_SPANS = 20_000  # by default, below this starting worker processes costs more than it saves
 _STATE_TOKEN = -1
 _REASONS_KEPT = 5
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Which history to replay: offset bounds and/or a time range of agl.spans, and/or SQL
-    returning rollout ids (first column)."""
-
-    offsets: Bounds | None = None
-    from_time: float | None = None
-    to_time: float | None = None
-    sql: str | None = None
 
 
 @dataclass
@@ -197,7 +187,7 @@ async def replay(
         await consumer.stop()
     await create_topic_like(settings, "triplets", out_topic)
     # Where `agl-stream batcher --input-topic <out_topic>` writes its batches, co-partitioned.
-    await create_topic_like(settings, "triplet-batches", batches_topic_of(settings, name))
+    await create_topic_like(settings, "triplet-batches", batches_topic_of(settings.topic_prefix, name))
     present = await _present(settings, out_topic, summary.settings_digest)
     await _write(settings, out_topic, [r for r in ordered if r.identity not in present], summary)
     summary.already_present = summary.records - summary.written
@@ -321,10 +311,6 @@ async def _in_processes(
         records += part_records
         summary.absorb(part)
     return records
-
-
-def batches_topic_of(settings: Settings, name: str) -> str:
-    return f"{settings.topic_prefix}.triplet-batches.replay.{name}"
 
 
 # -- reading ----------------------------------------------------------------------------------
