@@ -117,9 +117,20 @@ def trainer(
     merged = {name: options.get(name, ctx.params[name]) for name in CONFIG_KEYS}
     if merged["checkpoints"] is None:
         raise typer.BadParameter("give --checkpoints (or `checkpoints` in --config)", param_hint="--checkpoints")
+    initial = merged["initial_model"]
+    if initial is not None and not (Path(initial) / "config.json").is_file():
+        raise typer.BadParameter(
+            f"{initial} is not a Hugging Face model folder (no config.json)", param_hint="--initial-model"
+        )
     if merged["backend"] not in ("torch", "verl"):
         raise typer.BadParameter(f"unknown backend {merged['backend']!r}: torch or verl", param_hint="--backend")
     if merged["algorithm"] not in ("grpo", "ppo"):
         raise typer.BadParameter(f"unknown algorithm {merged['algorithm']!r}: grpo or ppo", param_hint="--algorithm")
-    module = importlib.import_module("consumers.trainer")
+    try:
+        module = importlib.import_module("consumers.trainer")
+        importlib.import_module("agl_stream.training")
+    except ImportError as error:  # torch, transformers or verl missing
+        raise typer.BadParameter(
+            f"the trainer needs the training extra ({error}): pip install 'agl-stream[train]'", param_hint="--backend"
+        ) from error
     module.main(settings_of(ctx), module.TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))

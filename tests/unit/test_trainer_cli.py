@@ -62,3 +62,5 @@ def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path: Path,
     assert result.exit_code != 0 and "unknown backend" in result.output
     result = CliRunner().invoke(app, [], obj=Settings())
     assert result.exit_code != 0 and "--checkpoints" in result.output
+    result = CliRunner().invoke(app, ["--checkpoints", str(tmp_path), "--initial-model", str(tmp_path)], obj=Settings())
+    assert result.exit_code != 0 and "config.json" in result.output
