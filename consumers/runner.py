@@ -163,7 +163,8 @@ class Runner:
         while not stop.is_set() and (limit is None or self.stats.claimed < limit):
             if not await _acquire_unless(slots, stop):
                 break
-            claimed = await self.store.dequeue_rollout(worker_id=self.options.worker_id)
+            # A long poll: the processor holds the claim up to a second until work arrives.
+            claimed = await self.store.dequeue_rollout(worker_id=self.options.worker_id, wait=1.0)
             if claimed is None:
                 slots.release()
                 continue

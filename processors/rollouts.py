@@ -1,261 +1,548 @@
-"""The rollout processor: folds agl.rollouts into rollout state, emits tasks, runs the watchdog.
+"""The rollout processor: folds agl.rollouts into rollout state, hands out claims, answers writers.
 
-A faust-streaming app: for each event it applies the pure fold (agl_stream/store/fold.py) to
-the rollout's state and writes the new state to the compacted ``agl.rollout-state`` topic (the
-faust table's changelog, which is also the read side's feed and the writer's reply), the
-rollout's new tasks to ``agl.tasks``, and rejected events to ``agl.dlq`` with the reason. Those
-writes are flushed before the input offset is committed; after a crash the replayed events at
-or below a state's ``input_offset`` are skipped, so each event is applied exactly once (a
-rejection may be dead-lettered twice).
+Concurrency model: one asyncio task (the processor skeleton's loop, ``agl_stream.kafka.processor``)
+calls every method here; rebalances run under the same lock, so nothing here is shared.
 
-The watchdog is a timer that folds nothing itself: it writes ``WatchdogFired`` events to
-``agl.rollouts`` so verdicts are folded in order with everything else; a verdict that lost a
-race with a heartbeat is ignored by the fold, so an attempt is never timed out twice.
+Per fetch (up to thousands of records from agl.rollouts and agl.store-requests):
 
-Memory stays bounded: a finished rollout is forgotten (table entry deleted, a tombstone in the
-changelog) ``finished_retention_s`` after it finished, when its partition next sees an event.
+1. every event is folded with the pure fold (``agl_stream.store.fold``) in partition order;
+   events at or below a state's ``input_offset`` were applied before a crash and are skipped;
+2. store requests are answered: a watch adds the writer's reply topic to the rollout's
+   ``watchers``; a claim takes the oldest queued rollout of every partition this processor owns
+   (``agl_stream.store.queue``) and becomes an AttemptStarted event *written to agl.rollouts*, so
+   the log stays the whole history; it is folded (and answered) when it comes back. A claim that
+   finds nothing waits up to its ``wait_seconds`` for work, else is answered ``empty``;
+3. phase one, sent together and acknowledged: one state record per rollout the batch touched
+   (its newest), tombstones of finished rollouts past their retention, DLQ records of rejected
+   or undecodable input, claim and watchdog events;
+4. phase two: the replies, each on the writer's own topic (``<prefix>.replies.<client>``, named
+   by the event's ``agl-reply-to`` header or the request's ``reply_to``), carrying the state
+   after that event and the offset of a state record at least as new (the writer's read fence),
+   and a notice to every watcher of a rollout that finished;
+5. the skeleton commits the input offsets. A crash anywhere re-reads the batch: replayed
+   events are answered again with the rollout's current state, a replayed claim whose attempt
+   exists is skipped (its attempt id is derived from the request id).
+
+State survives restarts as the compacted ``agl.rollout-state`` topic: on assignment the
+processor reads its partitions to the end, then reads agl.rollouts up to its end before it hands
+out claims (so a claim written before a crash is folded before any new one).
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
+import signal
 import time
-from collections.abc import Iterable
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
-import faust
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import CodecError
 from agl_stream.ids import new_event_id
-from agl_stream.kafka.faust_apps import RAW_TOPIC, make_app, run_app
-from agl_stream.kafka.io import make_producer
+from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
+from agl_stream.kafka.processor import Batch, Outbox, Record, run_processor
 from agl_stream.logs import get_logger
-from agl_stream.models import DlqRecord, RolloutEvent, RolloutState, TaskItem, WatchdogFired
-from agl_stream.models.base import QUEUING_STATUSES
-from agl_stream.store.fold import FoldResult, fold
+from agl_stream.models import (
+    Attempt,
+    AttemptStarted,
+    Reply,
+    RolloutEvent,
+    RolloutState,
+    StoreRequest,
+)
+from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES
+from agl_stream.models.replies import ReplyOutcome
+from agl_stream.store.fold import fold
+from agl_stream.store.queue import ClaimQueue, claim_attempt_id
+from agl_stream.store.replies import REPLY_HEADER, ReplyTopics
 from agl_stream.store.watchdog import due_verdicts, next_deadline
 
 log = get_logger("agl.processor")
 
 PROCESSOR = "processor.rollouts"
-_RAW = RAW_TOPIC
+READY_FILE = "processor.ready"
+MAX_CLAIM_WAIT_S = 30.0
+REPLY_WAIT_S = 2.0
 
 
-class RolloutStates:
-    """Decoded rollout states of this worker's partitions, over the faust table of encoded ones.
+class RejectedEvent(Exception):
+    """The fold refused the event (its reason is the message)."""
 
-    The table (bytes; changelog = agl.rollout-state) is what survives a restart: recovery
-    replays the changelog through :meth:`recovered`, so the watchdog knows every live attempt
-    again before the first new event arrives. The dict spares decoding the state per event.
-    """
 
-    def __init__(self, table: Any, codec: Codec) -> None:
-        self.table = table
+@dataclass
+class _Answer:
+    reply_to: str
+    request_id: str
+    outcome: ReplyOutcome
+    rollout_id: str | None = None
+    state: RolloutState | None = None
+    error: str | None = None
+    covered: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Claim:
+    request: StoreRequest
+    partition: int
+    offset: int
+
+
+class RolloutProcessor:
+    def __init__(self, settings: Settings, outbox: Outbox, replies: AIOKafkaProducer, codec: Codec) -> None:
+        self.settings = settings
         self.codec = codec
-        self.decoded: dict[str, tuple[int, RolloutState]] = {}  # rollout_id -> (partition, state)
-        self.deadlines: dict[str, float] = {}  # rollout_id -> earliest possible watchdog verdict
-        self.finished: dict[str, tuple[int, float]] = {}  # rollout_id -> (partition, finished_time)
+        self.outbox = outbox
+        self.reply_producer = replies
+        self.reply_topics = ReplyTopics(settings)
+        self.events_topic = settings.topic("rollouts")
+        self.state_topic = settings.topic("rollout-state")
+        self.requests_topic = settings.topic("store-requests")
+        self.retention_s = settings.finished_retention_s
+        self.watchdog_interval_s = settings.watchdog_interval_s
+        self.states: dict[str, RolloutState] = {}
+        self.partition_of: dict[str, int] = {}
+        self.state_offset: dict[str, int] = {}  # newest state record's offset on agl.rollout-state
+        self.deadlines: dict[str, float] = {}
+        self.finished: dict[str, float] = {}
+        self.attempts: dict[str, str] = {}  # attempt id -> rollout id (claims are recognised by it)
+        self.queue: ClaimQueue[_Claim] = ClaimQueue()
+        self.owned: set[int] = set()
+        self.catching_up: dict[int, int] = {}  # partition -> end of agl.rollouts at assignment
+        self._next_watchdog = 0.0
+        self.counts: dict[str, int] = defaultdict(int)
+        self.consumer: AIOKafkaConsumer | None = None  # the skeleton's, for positions
 
-    def get(self, rollout_id: str, partition: int) -> RolloutState | None:
-        entry = self.decoded.get(rollout_id)
-        if entry is not None:
-            return entry[1]
-        raw = self.table.get(rollout_id.encode())
-        if raw is None:
-            return None
-        state = self.codec.decode(raw, RolloutState)
-        self._track(state, partition)
-        return state
+    # -- assignment --------------------------------------------------------------------------
 
-    def put(self, state: RolloutState, partition: int) -> None:
-        self.table[state.rollout.rollout_id.encode()] = self.codec.encode(state)
-        self._track(state, partition)
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        mine = {tp.partition for tp in partitions if tp.topic == self.events_topic}
+        new = mine - self.owned
+        self.owned = mine
+        if new:
+            await self._recover(new)
 
-    def forget(self, rollout_id: str) -> None:
-        self._untrack(rollout_id)
-        key = rollout_id.encode()
-        if key in self.table:
-            del self.table[key]
-
-    async def recovered(self, event: Any) -> None:
-        """A changelog record replayed while the table recovers (faust's on_changelog_event)."""
-        rollout_id = (event.key or b"").decode()
-        if event.value is None:
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        gone = {tp.partition for tp in partitions if tp.topic == self.events_topic}
+        for rollout_id in [r for r, p in self.partition_of.items() if p in gone]:
             self._untrack(rollout_id)
-        else:
-            self._track(self.codec.decode(event.value, RolloutState), event.message.partition)
+        self.owned -= gone
+        for p in gone:
+            self.catching_up.pop(p, None)
 
-    def _track(self, state: RolloutState, partition: int) -> None:
+    async def _recover(self, partitions: set[int]) -> None:
+        """Read the changelog partitions to their end; note where agl.rollouts ends now."""
+        consumer = AIOKafkaConsumer(
+            **self.settings.kafka_client_options(),
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+            max_partition_fetch_bytes=8 << 20,
+        )
+        await consumer.start()
+        try:
+            states = [TopicPartition(self.state_topic, p) for p in sorted(partitions)]
+            events = [TopicPartition(self.events_topic, p) for p in sorted(partitions)]
+            consumer.assign(states)
+            await consumer.seek_to_beginning(*states)
+            ends = await consumer.end_offsets(states + events)
+            remaining = {tp for tp in states if ends[tp] > 0}
+            while remaining:
+                fetched = await consumer.getmany(*remaining, timeout_ms=1000, max_records=10_000)
+                for tp, records in fetched.items():
+                    for record in records:
+                        self._recovered(record, tp.partition)
+                for tp in list(remaining):
+                    if await consumer.position(tp) >= ends[tp]:
+                        remaining.discard(tp)
+            for tp in events:
+                self.catching_up[tp.partition] = ends[tp]
+        finally:
+            await consumer.stop()
+        log.info("rollout states recovered", partitions=sorted(partitions), rollouts=len(self.states))
+
+    def _recovered(self, record: ConsumerRecord[bytes, bytes], partition: int) -> None:
+        rollout_id = (record.key or b"").decode(errors="replace")
+        if record.value is None:
+            self._untrack(rollout_id)
+            return
+        try:
+            state = self.codec.decode(record.value, RolloutState)
+        except CodecError as error:  # the sink dead-letters this topic's bad records
+            log.warning(
+                "undecodable state in the changelog", partition=partition, offset=record.offset, error=str(error)
+            )
+            return
+        self._track(state, partition, record.offset)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _track(self, state: RolloutState, partition: int, offset: int | None = None) -> None:
         rollout_id = state.rollout.rollout_id
-        self.decoded[rollout_id] = (partition, state)
+        old = self.states.get(rollout_id)
+        self.states[rollout_id] = state
+        self.partition_of[rollout_id] = partition
+        if offset is not None:
+            self.state_offset[rollout_id] = offset
+        if old is not None:
+            for attempt in old.attempts:
+                self.attempts.pop(attempt.attempt_id, None)
+        for attempt in state.attempts:
+            self.attempts[attempt.attempt_id] = rollout_id
         deadline = next_deadline(state)
         if deadline is None:
             self.deadlines.pop(rollout_id, None)
         else:
             self.deadlines[rollout_id] = deadline
         if state.finished_time is not None:
-            self.finished[rollout_id] = (partition, state.finished_time)
+            self.finished[rollout_id] = state.finished_time
         else:
             self.finished.pop(rollout_id, None)
+        if state.rollout.status in QUEUING_STATUSES:
+            entered = state.rollout.start_time if state.rollout.status == "queuing" else state.cause_time
+            self.queue.queued(rollout_id, entered)
+        else:
+            self.queue.left(rollout_id)
 
     def _untrack(self, rollout_id: str) -> None:
-        self.decoded.pop(rollout_id, None)
+        state = self.states.pop(rollout_id, None)
+        if state is not None:
+            for attempt in state.attempts:
+                self.attempts.pop(attempt.attempt_id, None)
+        self.partition_of.pop(rollout_id, None)
+        self.state_offset.pop(rollout_id, None)
         self.deadlines.pop(rollout_id, None)
         self.finished.pop(rollout_id, None)
+        self.queue.left(rollout_id)
+        self.queue.release(rollout_id)
 
-    def expired(self, partition: int, before: float) -> list[str]:
-        return [rid for rid, (p, t) in self.finished.items() if p == partition and t < before]
+    # -- one batch ---------------------------------------------------------------------------
 
-    def due(self, now: float) -> Iterable[RolloutState]:
-        for rollout_id, deadline in list(self.deadlines.items()):
-            entry = self.decoded.get(rollout_id)
-            if deadline <= now and entry is not None:
-                yield entry[1]
-
-    def drop_partitions(self, partitions: set[int]) -> None:
-        for rollout_id in [r for r, (p, _) in self.decoded.items() if p in partitions]:
-            self._untrack(rollout_id)
-
-
-def create_app(settings: Settings, *, partitions: int) -> faust.App:
-    watchdog_interval_s = settings.watchdog_interval_s
-    finished_retention_s = settings.finished_retention_s
-    codec = Codec.default()
-    # At-least-once with an idempotent fold (input_offset): see make_app.
-    app = make_app(
-        settings,
-        PROCESSOR,
-        partitions=partitions,
-        producer_linger=0.002,  # batch the state/task writes of events arriving together
-        broker_commit_every=100,
-        broker_commit_interval=0.05,
-        table_cleanup_interval=3600.0,
-        table_standby_replicas=0,  # the changelog is the standby; recovery replays it
-    )
-    events_topic = app.topic(settings.topic("rollouts"), partitions=partitions, **_RAW)
-    state_topic = app.topic(settings.topic("rollout-state"), partitions=partitions, **_RAW)
-    tasks_topic = app.topic(settings.topic("tasks"), partitions=partitions, **_RAW)
-    dlq_topic = app.topic(settings.topic("dlq"), **_RAW)
-    states_holder: list[RolloutStates] = []
-
-    async def on_changelog_event(event: Any) -> None:
-        await states_holder[0].recovered(event)
-
-    table = app.Table(
-        "rollout-state",
-        default=None,
-        partitions=partitions,
-        changelog_topic=state_topic,
-        key_type=bytes,
-        value_type=bytes,
-        on_changelog_event=on_changelog_event,
-    )
-    states = RolloutStates(table, codec)
-    states_holder.append(states)
-    watchdog: dict[str, AIOKafkaProducer] = {}
-
-    async def dead_letter(event: Any, reason: str, error_type: str) -> None:
-        record = DlqRecord(
-            source_topic=event.message.topic,
-            source_partition=event.message.partition,
-            source_offset=event.message.offset,
-            key=event.key,
-            value=event.value or b"",
-            reason=reason,
-            error_type=error_type,
-            processor=PROCESSOR,
-            time=time.time(),
-        )
-        await dlq_topic.send(key=event.message.topic.encode(), value=codec.encode(record))
-        log.info("event rejected", partition=event.message.partition, offset=event.message.offset, reason=reason[:200])
-
-    async def apply(event: Any, decoded: RolloutEvent) -> FoldResult | None:
-        state = states.get(decoded.rollout_id, event.message.partition)
-        if state is not None and event.message.offset <= state.input_offset:
-            # Replayed after a restart: the state has this event's effects. Its task may not: a
-            # crash can land the state record without the task record, so a queued rollout's
-            # task is sent again (a duplicate claim just loses at the fold).
-            if event.message.offset == state.input_offset and state.rollout.status in QUEUING_STATUSES:
-                task = TaskItem(
-                    task_id=state.cause_event_id,
-                    rollout=state.rollout,
-                    attempt_sequence_id=len(state.attempts) + 1,
-                    enqueue_time=state.cause_time,
-                )
-                await tasks_topic.send(key=decoded.rollout_id.encode(), value=codec.encode(task))
-            return None
-        result = fold(state, decoded)
-        if result.outcome == "applied" and result.state is not None:
-            new_state = result.state.model_copy(update={"input_offset": event.message.offset})
-            states.put(new_state, event.message.partition)
-            for task in result.tasks:
-                await tasks_topic.send(key=decoded.rollout_id.encode(), value=codec.encode(task))
-        elif result.outcome == "rejected":
-            await dead_letter(event, result.error or "rejected", "RejectedEvent")
-        return result
-
-    @app.agent(events_topic)
-    async def fold_rollout_events(stream: Any) -> None:
-        async for event in stream.events():
-            try:
-                decoded = codec.decode(event.value or b"", RolloutEvent)
-            except CodecError as error:
-                await dead_letter(event, str(error), type(error).__name__)
-                continue
-            if (event.key or b"").decode(errors="replace") != decoded.rollout_id:
-                await dead_letter(event, f"key {event.key!r} is not the rollout id {decoded.rollout_id}", "KeyMismatch")
-                continue
-            await apply(event, decoded)
-            # Forget finished rollouts of this partition inside this transaction (tombstones).
-            for rollout_id in states.expired(event.message.partition, time.time() - finished_retention_s):
-                states.forget(rollout_id)
-
-    @app.timer(interval=watchdog_interval_s)
-    async def run_watchdog() -> None:
+    async def handle(self, batch: Batch) -> None:
         now = time.time()
-        verdicts = [(s.rollout.rollout_id, v) for s in states.due(now) for v in due_verdicts(s, now)]
-        if not verdicts:
+        touched: dict[str, RolloutState] = {}
+        was_terminal: dict[str, bool] = {}
+        answers: list[_Answer] = []
+        rejected: list[Rejected] = []
+        claims: list[_Claim] = []
+        for tp, records in batch.items():
+            if tp.topic == self.events_topic:
+                for record in records:
+                    self._fold(record, touched, was_terminal, answers, rejected)
+                if tp.partition in self.catching_up and records[-1].offset + 1 >= self.catching_up[tp.partition]:
+                    del self.catching_up[tp.partition]
+        for tp, records in batch.items():
+            if tp.topic == self.requests_topic:
+                for record in records:
+                    self._request(record, touched, was_terminal, answers, rejected, claims)
+        outgoing = self._serve_claims(claims, now, answers)
+        outgoing += self._forget(now)
+        await self._send(touched, was_terminal, answers, rejected, outgoing)
+
+    def _fold(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        touched: dict[str, RolloutState],
+        was_terminal: dict[str, bool],
+        answers: list[_Answer],
+        rejected: list[Rejected],
+    ) -> None:
+        try:
+            event = self.codec.decode(record.value or b"", RolloutEvent)
+        except CodecError as error:
+            rejected.append(Rejected.of(record, error))
             return
-        producer = watchdog.get("producer")
-        if producer is None:
-            producer = watchdog["producer"] = make_producer(settings)
-            await producer.start()
-        for rollout_id, verdict in verdicts:
-            event = RolloutEvent(
-                event_id=new_event_id(), rollout_id=rollout_id, time=now, writer=PROCESSOR, payload=verdict
+        reply_to = self.reply_topics.header(record.headers, REPLY_HEADER)
+        if (record.key or b"").decode(errors="replace") != event.rollout_id:
+            mismatch = RejectedEvent(f"key {record.key!r} is not the rollout id {event.rollout_id}")
+            rejected.append(Rejected.of(record, mismatch))
+            if reply_to:
+                answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(mismatch)))
+            return
+        rollout_id = event.rollout_id
+        if event.writer == PROCESSOR and isinstance(event.payload, AttemptStarted):
+            self.queue.release(rollout_id)  # our own claim is decided now, whatever the fold says
+        state = self.states.get(rollout_id)
+        if state is not None and record.offset <= state.input_offset:
+            # Applied before a crash: the writer may still wait for its answer.
+            if reply_to:
+                answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, state))
+            return
+        result = fold(state, event)
+        if result.outcome == "rejected":
+            refused = RejectedEvent(result.error or "rejected")
+            rejected.append(Rejected.of(record, refused))
+            if reply_to:
+                answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(refused)))
+            return
+        if result.outcome == "ignored" or result.state is None:
+            if reply_to and state is not None:
+                answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, state))
+            return
+        update: dict[str, Any] = {"input_offset": record.offset}
+        if reply_to and state is None:  # the enqueuer hears when its rollout finishes
+            update["watchers"] = [reply_to]
+        new_state = result.state.model_copy(update=update)
+        if rollout_id not in was_terminal:
+            was_terminal[rollout_id] = state is not None and state.rollout.status in TERMINAL_STATUSES
+        touched[rollout_id] = new_state
+        self._track(new_state, record.partition)
+        if reply_to:
+            answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, new_state))
+
+    def _request(
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        touched: dict[str, RolloutState],
+        was_terminal: dict[str, bool],
+        answers: list[_Answer],
+        rejected: list[Rejected],
+        claims: list[_Claim],
+    ) -> None:
+        try:
+            request = self.codec.decode(record.value or b"", StoreRequest)
+        except CodecError as error:
+            rejected.append(Rejected.of(record, error))
+            return
+        if not self.reply_topics.valid(request.reply_to):
+            rejected.append(Rejected.of(record, RejectedEvent(f"reply_to {request.reply_to!r} is not a reply topic")))
+            return
+        if request.kind == "claim":
+            if request.request_id and claim_attempt_id(request.request_id) in self.attempts:
+                return  # served before a crash; its answer went out with the claim's fold
+            claims.append(_Claim(request, record.partition, record.offset))
+            return
+        rollout_id = request.rollout_id or ""
+        state = self.states.get(rollout_id)
+        if state is None or self.partition_of.get(rollout_id) != record.partition:
+            answers.append(_Answer(request.reply_to, request.request_id, "unknown", rollout_id))
+            return
+        if request.reply_to not in state.watchers:
+            state = state.model_copy(update={"watchers": [*state.watchers, request.reply_to]})
+            was_terminal.setdefault(rollout_id, state.rollout.status in TERMINAL_STATUSES)
+            touched[rollout_id] = state
+            self._track(state, record.partition)
+        answers.append(_Answer(request.reply_to, request.request_id, "applied", rollout_id, state))
+
+    def _serve_claims(self, claims: list[_Claim], now: float, answers: list[_Answer]) -> list[Record]:
+        """Claim events for agl.rollouts; waiting or empty claims otherwise."""
+        events: list[Record] = []
+        covered = sorted(self.owned)
+        for claim in self.queue.expired(now):
+            answers.append(_Answer(claim.request.reply_to, claim.request.request_id, "empty", covered=covered))
+        if self.catching_up:  # claims written before a restart must be folded first
+            for claim in claims:
+                self.queue.wait(claim, now + self._wait_of(claim.request, now))
+            return events
+        waiting = list(self.queue.waiting)
+        self.queue.waiting.clear()
+        for claim in [w.request for w in waiting] + claims:
+            rollout_id = self.queue.take()
+            if rollout_id is not None:
+                events.append(self._claim_event(claim.request, rollout_id, now))
+                continue
+            wait = self._wait_of(claim.request, now)
+            if wait > 0:
+                deadline = next((w.deadline for w in waiting if w.request is claim), now + wait)
+                self.queue.wait(claim, deadline)
+            else:
+                answers.append(_Answer(claim.request.reply_to, claim.request.request_id, "empty", covered=covered))
+        return events
+
+    @staticmethod
+    def _wait_of(request: StoreRequest, now: float) -> float:
+        # Time spent in transit counts against the wait; a stale replayed request waits not at all.
+        waited = max(0.0, now - request.time) if request.time <= now + 5 else 0.0
+        return max(0.0, min(request.wait_seconds, MAX_CLAIM_WAIT_S) - waited)
+
+    def _claim_event(self, request: StoreRequest, rollout_id: str, now: float) -> Record:
+        state = self.states[rollout_id]
+        attempt = Attempt(
+            rollout_id=rollout_id,
+            attempt_id=claim_attempt_id(request.request_id),
+            sequence_id=len(state.attempts) + 1,
+            start_time=now,
+            worker_id=request.worker_id,
+        )
+        event = RolloutEvent(
+            event_id=request.request_id,
+            rollout_id=rollout_id,
+            time=now,
+            writer=PROCESSOR,
+            payload=AttemptStarted(attempt=attempt, worker_id=request.worker_id, manual=False),
+        )
+        # The claimer's reply topic travels as the event's header, like any writer's.
+        return Record(
+            self.events_topic,
+            rollout_id.encode(),
+            self.codec.encode(event),
+            self.partition_of[rollout_id],
+            [(REPLY_HEADER, request.reply_to.encode())],
+        )
+
+    def _forget(self, now: float) -> list[Record]:
+        """Tombstones for finished rollouts past their retention."""
+        out: list[Record] = []
+        for rollout_id, finished in list(self.finished.items()):
+            if finished < now - self.retention_s:
+                partition = self.partition_of[rollout_id]
+                self._untrack(rollout_id)
+                out.append(Record(self.state_topic, rollout_id.encode(), None, partition))
+        return out
+
+    async def _send(
+        self,
+        touched: dict[str, RolloutState],
+        was_terminal: dict[str, bool],
+        answers: list[_Answer],
+        rejected: list[Rejected],
+        outgoing: list[Record],
+    ) -> None:
+        ids = list(touched)
+        states = [
+            Record(self.state_topic, rid.encode(), self.codec.encode(touched[rid]), self.partition_of[rid])
+            for rid in ids
+        ]
+        metadata, _ = await asyncio.gather(self.outbox.send_all(states + outgoing), self.outbox.reject(rejected))
+        for rid, meta in zip(ids, metadata, strict=False):
+            self.state_offset[rid] = meta.offset
+        for answer in answers:
+            if answer.state is None and answer.rollout_id in self.states and answer.outcome != "unknown":
+                answer.state = self.states[answer.rollout_id]
+        notices = [
+            _Answer(watcher, "", "notice", rid, state)
+            for rid, state in touched.items()
+            if state.rollout.status in TERMINAL_STATUSES and not was_terminal.get(rid, False)
+            for watcher in state.watchers
+        ]
+        await self._reply(answers + notices)
+
+    async def _reply(self, answers: list[_Answer]) -> None:
+        """Phase two: each answer on its writer's topic; a topic that is gone loses its answers.
+
+        Waits a bounded time for the acknowledgements: a writer that vanished (its topic deleted
+        a moment ago) must not hold up everyone else's answers; slow sends finish in the
+        background and their failures are counted.
+        """
+        if not answers:
+            return
+        await self.reply_topics.refresh({a.reply_to for a in answers})
+        deliveries = []
+        for answer in answers:
+            if not self.reply_topics.exists(answer.reply_to):
+                self.counts["replies_to_missing_topics"] += 1
+                continue
+            rid = answer.rollout_id
+            reply = Reply(
+                request_id=answer.request_id,
+                outcome=answer.outcome,
+                state=answer.state,
+                error=answer.error,
+                state_partition=self.partition_of.get(rid, -1) if rid and rid in self.state_offset else -1,
+                state_offset=self.state_offset.get(rid, -1) if rid else -1,
+                covered_partitions=answer.covered,
             )
-            await producer.send(settings.topic("rollouts"), codec.encode(event), key=rollout_id.encode())
+            deliveries.append(asyncio.create_task(self._deliver(answer.reply_to, self.codec.encode(reply))))
+        if deliveries:
+            await asyncio.wait(deliveries, timeout=REPLY_WAIT_S)
+
+    async def _deliver(self, topic: str, value: bytes) -> None:
+        try:
+            await (await self.reply_producer.send(topic, value))
+        except KafkaError as error:
+            self.counts["replies_failed"] += 1
+            self.reply_topics.gone(topic)
+            log.warning("a reply could not be delivered", topic=topic, error=str(error))
+
+    # -- timers ------------------------------------------------------------------------------
+
+    async def _caught_up(self) -> None:
+        """Partitions whose agl.rollouts position reached the end noted at assignment."""
+        if not self.catching_up or self.consumer is None:
+            return
+        owned = self.consumer.assignment()
+        for partition, end in list(self.catching_up.items()):
+            tp = TopicPartition(self.events_topic, partition)
+            if tp not in owned or await self.consumer.position(tp) >= end:
+                del self.catching_up[partition]
+
+    def poll_timeout(self) -> float:
+        now = time.time()
+        until = [0.5, self._next_watchdog - now]
+        deadline = self.queue.next_deadline()
+        if deadline is not None:
+            until.append(deadline - now)
+        return max(0.001, min(until))
+
+    async def tick(self) -> None:
+        await self._caught_up()
+        now = time.time()
+        expired = self.queue.expired(now)
+        if expired:
+            covered = sorted(self.owned)
+            await self._reply(
+                [_Answer(c.request.reply_to, c.request.request_id, "empty", covered=covered) for c in expired]
+            )
+        if now < self._next_watchdog:
+            return
+        self._next_watchdog = now + self.watchdog_interval_s
+        events = []
+        for rollout_id, deadline in list(self.deadlines.items()):
+            state = self.states.get(rollout_id)
+            if deadline > now or state is None:
+                continue
+            for verdict in due_verdicts(state, now):
+                event = RolloutEvent(
+                    event_id=new_event_id(), rollout_id=rollout_id, time=now, writer=PROCESSOR, payload=verdict
+                )
+                events.append(Record(self.events_topic, rollout_id.encode(), self.codec.encode(event)))
             # Until the verdict is folded, don't send it again on the next tick.
-            states.deadlines[rollout_id] = now + max(watchdog_interval_s * 4, 1.0)
-        await producer.flush()
-        log.info("watchdog verdicts", count=len(verdicts))
+            self.deadlines[rollout_id] = now + max(self.watchdog_interval_s * 4, 1.0)
+        if events:
+            await self.outbox.send_all(events)
+            log.info("watchdog verdicts", count=len(events))
 
-    @app.on_partitions_revoked.connect
-    async def forget_revoked(app_: Any, revoked: set[Any], **_: Any) -> None:
-        gone = {tp.partition for tp in revoked if tp.topic == settings.topic("rollouts")}
-        if gone:
-            states.drop_partitions(gone)
 
-    @app.on_rebalance_complete.connect
-    async def _ready(app_: Any, **_: Any) -> None:
-        # `agl-stream up` waits for this file: the processor owns partitions and folds events.
-        settings.run_dir.mkdir(parents=True, exist_ok=True)
-        (settings.run_dir / "processor.ready").write_text(str(os.getpid()))
-        log.info("rollout processor ready", group=app.conf.id, partitions=partitions)
-
-    app.agl_states = states  # type: ignore[attr-defined]
-    app.agl_watchdog = watchdog  # type: ignore[attr-defined]
-    _ = WatchdogFired  # the verdict record the watchdog writes (see due_verdicts)
-    return app
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    codec = Codec.default()
+    producer = make_producer(settings, linger_ms=1)
+    # Replies go to writers' own topics; one that vanished must not hold up the batch for long.
+    # Not idempotent: a topic deleted under a pending send must fail that send, not the producer,
+    # and a duplicate answer is harmless (the writer takes the first).
+    replies = make_producer(settings, linger_ms=1, request_timeout_ms=5000, enable_idempotence=False)
+    await producer.start()
+    await replies.start()
+    try:
+        outbox = Outbox(producer, DeadLetters(settings, producer, PROCESSOR, codec))
+        processor = RolloutProcessor(settings, outbox, replies, codec)
+        try:
+            await run_processor(
+                settings,
+                processor,
+                name=PROCESSOR,
+                topics=[settings.topic("rollouts"), settings.topic("store-requests")],
+                stop=stop,
+                ready_file=READY_FILE,
+                on_start=lambda consumer: setattr(processor, "consumer", consumer),
+            )
+        finally:
+            await processor.reply_topics.close()
+    finally:
+        await replies.stop()
+        await producer.stop()
 
 
 def main(settings: Settings) -> None:
     """Run the processor in the foreground until SIGTERM/SIGINT."""
-    from agl_stream.topics import load_topic_specs
 
-    partitions = next(s.partitions for s in load_topic_specs() if s.name == "rollouts")
-    app = create_app(settings, partitions=partitions)
-    run_app(app, settings)
+    async def _main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await run(settings, stop)
+
+    asyncio.run(_main())

@@ -61,9 +61,11 @@ class TypedProducer:
         self.producer = producer
         self.codec = codec or Codec.default()
 
-    async def send(self, topic: str, record: AglModel, key: str | None) -> RecordMetadata:
+    async def send(
+        self, topic: str, record: AglModel, key: str | None, *, partition: int | None = None
+    ) -> RecordMetadata:
         """Send one record and wait until the broker acknowledged it."""
-        future = await self.producer.send(topic, self.codec.encode(record), key=_key_bytes(key))
+        future = await self.producer.send(topic, self.codec.encode(record), key=_key_bytes(key), partition=partition)
         return await future
 
     async def send_many(self, topic: str, records: Iterable[tuple[str | None, AglModel]]) -> list[RecordMetadata]:

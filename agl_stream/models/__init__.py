@@ -37,6 +37,7 @@ from agl_stream.models.events import (
     SpanSequenceRequested,
     WatchdogFired,
 )
+from agl_stream.models.replies import Reply, ReplyOutcome, StoreRequest, StoreRequestKind
 from agl_stream.models.resources import (
     LLM,
     ModelCheckpoint,
@@ -52,6 +53,7 @@ from agl_stream.models.spans import (
     AttributeValue,
     OtelResource,
     Span,
+    SpanBatch,
     SpanContext,
     SpanEvent,
     SpanLink,
@@ -76,6 +78,7 @@ RECORD_MODELS: tuple[type[AglModel], ...] = (
     SpanLink,
     OtelResource,
     Span,
+    SpanBatch,
     *PAYLOAD_TYPES,
     RolloutEvent,
     RolloutState,
@@ -86,6 +89,8 @@ RECORD_MODELS: tuple[type[AglModel], ...] = (
     TrainerStep,
     TripletBatch,
     DlqRecord,
+    StoreRequest,
+    Reply,
 )
 """Every wire record model; each mirrors ``schemas/<Name>.avsc``."""
 
@@ -118,6 +123,8 @@ __all__ = [
     "OtelResource",
     "PromptTemplate",
     "ProxyLLM",
+    "Reply",
+    "ReplyOutcome",
     "Resource",
     "ResourcesUpdate",
     "Rollout",
@@ -131,12 +138,15 @@ __all__ = [
     "RolloutStatus",
     "RolloutUpdated",
     "Span",
+    "SpanBatch",
     "SpanContext",
     "SpanEvent",
     "SpanLink",
     "SpanSequenceRequested",
     "SpanStatus",
     "StatusCode",
+    "StoreRequest",
+    "StoreRequestKind",
     "TaskItem",
     "TaskRequest",
     "TrainerStep",

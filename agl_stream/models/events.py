@@ -212,10 +212,10 @@ class RolloutEvent(AglModel):
 
 
 class RolloutState(AglModel):
-    """A rollout after the processor folded an event (topic agl.rollout-state, compacted).
+    """A rollout after the processor folded events (topic agl.rollout-state, compacted).
 
-    The processor's changelog, the feed of the rollouts and attempts tables, and the reply to
-    whoever wrote ``cause_event_id``.
+    The processor's changelog and the feed of the rollouts and attempts tables; writers get
+    their answers as :class:`~agl_stream.models.replies.Reply` records on their own topic.
     """
 
     avro_name: ClassVar[str] = "agl.RolloutState"
@@ -230,3 +230,4 @@ class RolloutState(AglModel):
     finished_time: float | None = None
     input_offset: int = -1
     span_counts: dict[str, int] = Field(default_factory=dict)
+    watchers: list[str] = Field(default_factory=list)

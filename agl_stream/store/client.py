@@ -1,10 +1,15 @@
 """The store client: Agent Lightning's LightningStore API over Kafka and ClickHouse.
 
+Concurrency model: one client per event loop; its coroutines may run concurrently (many
+runner coroutines share one client), and nothing in it is thread-safe.
+
 Writes append events (agl.rollouts, agl.spans, agl.resources, agl.workers) with ids made here.
-A write whose return value needs folded state waits for the processor's reply (the rollout's
-new state, or the DLQ record that rejected the event: a ValueError with the reason). Reads go
-to ClickHouse (through the gateway, or directly to a server) behind an offset fence: the
-newest offsets this client wrote or was answered with, so a client always reads its writes.
+A write whose return value needs folded state waits for the processor's answer on the client's
+own reply topic (:mod:`agl_stream.store.replies`): the rollout's new state, or a rejection (a
+ValueError with the reason). Claims are store requests the processor answers with the oldest
+queued rollout of the partitions it owns. Reads go to ClickHouse (through the gateway, or
+directly to a server) behind an offset fence: the newest offsets this client wrote or was
+answered with, so a client always reads its writes.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings, load_settings
 from agl_stream.errors import AglError
 from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
-from agl_stream.kafka.io import DeadLetters, Rejected, TypedProducer, make_producer
+from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.models import (
     AglModel,
     Attempt,
@@ -38,13 +43,14 @@ from agl_stream.models import (
     RolloutUpdated,
     Span,
     SpanSequenceRequested,
-    TaskItem,
+    StoreRequest,
     Worker,
 )
 from agl_stream.models.base import TERMINAL_STATUSES
+from agl_stream.models.replies import Reply
+from agl_stream.store.queue import claim_attempt_id
 from agl_stream.store.reads import StoreReads
-from agl_stream.store.replies import RejectedError, Reply, ReplyReader
-from agl_stream.store.tasks import TaskClaimer
+from agl_stream.store.replies import REPLY_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities
 
 # A rollout event must fit in one Kafka message of agl.rollouts (broker default ~1 MB).
@@ -70,13 +76,18 @@ class AglStore(StoreReads):
         super().__init__(settings, self._fence)
         self.request_timeout = request_timeout if request_timeout is not None else settings.request_timeout_s
         self.codec = Codec.default()
-        self.writer = f"client-{uuid.uuid4().hex[:8]}"
+        self.writer = f"client-{uuid.uuid4().hex[:12]}"
         # A 2 ms linger lets concurrent requests share produce requests: far less broker work.
         self._producer: AIOKafkaProducer = make_producer(settings, linger_ms=2)
         self._records = TypedProducer(self._producer, self.codec)
-        self._dead_letters = DeadLetters(settings, self._producer, "store.claimer", self.codec)
-        self._replies = ReplyReader(settings, self.codec)
-        self._claimer = TaskClaimer(settings)
+        self._replies = ReplyChannel(settings, self.writer, self.codec)
+        self._replies.on_state = self._on_state
+        self._reply_header = [(REPLY_HEADER, self._replies.topic.encode())]
+        # What this client knows without asking: rollouts seen finished, rollouts it will hear of.
+        self._finished: dict[str, Rollout] = {}
+        self._watched: set[str] = set()
+        self._finish_seen = asyncio.Event()
+        self._claim_partition = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -91,7 +102,6 @@ class AglStore(StoreReads):
         return self
 
     async def close(self) -> None:
-        await self._claimer.stop()
         await self._replies.stop()
         await self._close_reads()
         await self._producer.stop()
@@ -137,31 +147,58 @@ class AglStore(StoreReads):
         return state
 
     async def _request_many(self, events: Sequence[tuple[str, AglModel]]) -> list[RolloutState]:
-        """Append events in order, then wait for every verdict (the first rejection raises)."""
+        """Append events in order (one produce batch), then wait for every answer (the first
+        rejection raises)."""
         encoded = [self._encode_event(rollout_id, payload) for rollout_id, payload in events]
-        replies = [self._replies.expect(event.event_id, event.rollout_id) for event, _ in encoded]
+        replies = [self._replies.expect(event.event_id) for event, _ in encoded]
+        topic = self.settings.topic("rollouts")
         try:
             sends = [
-                await self._producer.send(self.settings.topic("rollouts"), data, key=event.rollout_id.encode())
+                await self._producer.send(topic, data, key=event.rollout_id.encode(), headers=self._reply_header)
                 for event, data in encoded
             ]
-            for (event, _), send in zip(encoded, sends, strict=True):
-                metadata = await send
+            for metadata in await asyncio.gather(*sends):
                 self._note(metadata.topic, metadata.partition, metadata.offset)
-                self._replies.sent(event.event_id, metadata.partition, metadata.offset)
-            answers: list[Reply] = await asyncio.wait_for(asyncio.gather(*replies), self.request_timeout)
-        except TimeoutError as error:
-            raise AglError(
-                f"no answer from the rollout processor within {self.request_timeout}s: is it running? "
-                "(`agl-stream status`)"
-            ) from error
+            answers: list[Reply] = await self._answers(replies, self.request_timeout)
         finally:
             for reply in replies:
                 if not reply.done():
                     reply.cancel()
+        states = []
+        for (event, _), answer in zip(encoded, answers, strict=True):
+            assert answer.state is not None, f"an answer without a state to event {event.event_id}"
+            states.append(answer.state)
+            if isinstance(event.payload, RolloutEnqueued):
+                self._watched.add(event.rollout_id)  # the processor tells the enqueuer when it finishes
+        return states
+
+    async def _answers(self, replies: Sequence[asyncio.Future[Reply]], timeout: float) -> list[Reply]:
+        try:
+            answers: list[Reply] = await asyncio.wait_for(asyncio.gather(*replies), timeout)
+        except TimeoutError as error:
+            raise AglError(
+                f"no answer from the rollout processor within {timeout}s: is it running? (`agl-stream status`)"
+            ) from error
         for answer in answers:
-            self._note(self.settings.topic("rollout-state"), answer.partition, answer.offset)
-        return [answer.state for answer in answers]
+            self._note_answer(answer)
+        return answers
+
+    def _note_answer(self, answer: Reply) -> None:
+        if answer.state_partition >= 0:
+            self._note(self.settings.topic("rollout-state"), answer.state_partition, answer.state_offset)
+
+    def _on_state(self, reply: Reply) -> None:
+        """Every state the processor sent us: remember finished rollouts for wait_for_rollouts."""
+        assert reply.state is not None
+        rollout = reply.state.rollout
+        if rollout.status in TERMINAL_STATUSES:
+            self._note_answer(reply)
+            if rollout.rollout_id not in self._finished and len(self._finished) >= _FINISHED_MEMORY:
+                self._finished.pop(next(iter(self._finished)))
+            self._finished[rollout.rollout_id] = rollout
+            self._finish_seen.set()
+        else:
+            self._finished.pop(rollout.rollout_id, None)
 
     async def _check_resources(self, resources_id: str | None) -> str | None:
         if resources_id is not None and await self.get_resources_by_id(resources_id) is None:
@@ -228,34 +265,42 @@ class AglStore(StoreReads):
         states = await self._request_many([(r.rollout_id, RolloutEnqueued(rollout=r)) for r in rollouts])
         return [state.rollout for state in states]
 
-    async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
-        """Claim the oldest queued rollout (FIFO per partition); None when nothing is queued."""
-        while True:
-            record = await self._claimer.next()
-            if record is None:
-                return None
-            try:
-                task = self.codec.decode(record.value or b"", TaskItem)
-            except AglError as error:
-                await self._dead_letters.send_many([Rejected.of(record, error)])  # durable before the commit
-                await self._claimer.done(record)
-                continue
-            attempt = Attempt(
-                rollout_id=task.rollout.rollout_id,
-                attempt_id=new_attempt_id(),
-                sequence_id=task.attempt_sequence_id,
-                start_time=time.time(),
+    async def dequeue_rollout(self, worker_id: str | None = None, *, wait: float = 0.0) -> AttemptedRollout | None:
+        """Claim the oldest queued rollout; None when nothing is queued.
+
+        One store request to the processor, which answers with the rollout it claimed for us
+        (oldest first over the partitions it owns) or empty; with several processors the
+        request goes on to the partitions the first did not cover. ``wait`` lets the processor
+        hold the request that long for work to arrive (a runner's long poll: no polling loop).
+        """
+        topic = self.settings.topic("store-requests")
+        partitions = sorted(await self._producer.partitions_for(topic))
+        covered: set[int] = set()
+        while len(covered) < len(partitions):
+            partition = next(p for p in _rotation(partitions, self._claim_partition) if p not in covered)
+            request = StoreRequest(
+                request_id=new_event_id(),
+                kind="claim",
+                reply_to=self._replies.topic,
+                time=time.time(),
                 worker_id=worker_id,
+                wait_seconds=wait if not covered else 0.0,
             )
+            reply = self._replies.expect(request.request_id)
             try:
-                state = await self._request(
-                    task.rollout.rollout_id, AttemptStarted(attempt=attempt, worker_id=worker_id, manual=False)
-                )
+                await self._records.send(topic, request, key=request.request_id, partition=partition)
+                [answer] = await self._answers([reply], self.request_timeout + request.wait_seconds)
             except RejectedError:
-                await self._claimer.done(record)  # someone else won, or the rollout moved on
-                continue
-            await self._claimer.done(record)
-            return _attempted(state, attempt.attempt_id)
+                continue  # the rollout moved on between the claim and its fold: ask again
+            finally:
+                if not reply.done():
+                    reply.cancel()
+            if answer.outcome == "applied" and answer.state is not None:
+                self._claim_partition = partition  # a processor with work: ask it first next time
+                return _attempted(answer.state, claim_attempt_id(request.request_id))
+            covered |= {partition, *answer.covered_partitions}
+            self._claim_partition = partition + 1
+        return None
 
     async def start_attempt(self, rollout_id: str) -> AttemptedRollout:
         attempt = Attempt(rollout_id=rollout_id, attempt_id=new_attempt_id(), sequence_id=1, start_time=time.time())
@@ -310,45 +355,68 @@ class AglStore(StoreReads):
     async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         """Rollouts among ``rollout_ids`` that reach a terminal status before ``timeout``.
 
-        Watches the processor's state stream (no polling); the read side answers for rollouts
-        that finished before the watch began. Unknown ids raise ValueError.
+        Answered from what this client already heard: the processor sends a notice to the
+        enqueuer of a rollout (and to every client that watches it) when it finishes. Ids this
+        client has never seen are watched first (one store request each, answered with the
+        current state); only the ids the processor does not hold (finished and forgotten, or
+        unknown) are looked up on the read side. Repeated calls therefore cost no round trip.
+        Unknown ids raise ValueError.
         """
-        finished: dict[str, Rollout] = {}
-        remaining = set(rollout_ids)
-        done = asyncio.Event()
+        wanted = list(dict.fromkeys(rollout_ids))
+        unseen = [rid for rid in wanted if rid not in self._finished and rid not in self._watched]
+        if unseen:
+            await self._watch(unseen)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._finish_seen.clear()
+            if all(rid in self._finished for rid in wanted):
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._finish_seen.wait(), left)
+            except TimeoutError:
+                break
+        return [self._finished[rid] for rid in rollout_ids if rid in self._finished]
 
-        def on_state(state: RolloutState, partition: int, offset: int) -> None:
-            rollout = state.rollout
-            if rollout.rollout_id in remaining and rollout.status in TERMINAL_STATUSES:
-                finished[rollout.rollout_id] = rollout
-                remaining.discard(rollout.rollout_id)
-                self._note(self.settings.topic("rollout-state"), partition, offset)
-                if not remaining:
-                    done.set()
-
-        unwatch = [self._replies.watch(rid, on_state) for rid in set(rollout_ids)]
-        # States before this point were passed over without a watcher: the read side must
-        # hold them, so the query waits until the sink has applied everything seen so far.
-        for partition, offset in self._replies.dispatched.items():
-            self._note(self.settings.topic("rollout-state"), partition, offset)
+    async def _watch(self, rollout_ids: list[str]) -> None:
+        """Ask the processor to tell us when these rollouts finish; look up those it forgot."""
+        topic = self.settings.topic("store-requests")
+        requests = [
+            StoreRequest(
+                request_id=new_event_id(), kind="watch", reply_to=self._replies.topic, time=time.time(), rollout_id=rid
+            )
+            for rid in rollout_ids
+        ]
+        replies = [self._replies.expect(r.request_id) for r in requests]
         try:
-            known = {r.rollout_id: r for r in await self.query_rollouts(rollout_id_in=list(set(rollout_ids)))}
-            unknown = [rid for rid in rollout_ids if rid not in known and rid not in finished]
+            sends = [
+                await self._producer.send(topic, self.codec.encode(r), key=(r.rollout_id or "").encode())
+                for r in requests
+            ]
+            await asyncio.gather(*sends)
+            answers = await self._answers(replies, self.request_timeout)
+        finally:
+            for reply in replies:
+                if not reply.done():
+                    reply.cancel()
+        forgotten = []
+        for rid, answer in zip(rollout_ids, answers, strict=True):
+            if answer.outcome == "unknown":
+                forgotten.append(rid)
+            else:
+                self._watched.add(rid)  # finished ones were recorded by _on_state already
+        if forgotten:
+            found = {r.rollout_id: r for r in await self.query_rollouts(rollout_id_in=forgotten)}
+            unknown = [rid for rid in forgotten if rid not in found]
             if unknown:
                 raise ValueError(f"unknown rollout ids: {unknown}")
-            for rid, rollout in known.items():
-                if rollout.status in TERMINAL_STATUSES and rid in remaining:
-                    finished[rid] = rollout
-                    remaining.discard(rid)
-            if remaining:
-                try:
-                    await asyncio.wait_for(done.wait(), timeout)
-                except TimeoutError:
-                    pass
-        finally:
-            for stop in unwatch:
-                stop()
-        return [finished[rid] for rid in rollout_ids if rid in finished]
+            for rid, rollout in found.items():
+                if rollout.status in TERMINAL_STATUSES:
+                    self._finished[rid] = rollout
+                # Not finished, yet not held by the processor: enqueued but not folded yet; the
+                # next call asks again.
 
     # -- spans -----------------------------------------------------------------------------
 
@@ -497,6 +565,16 @@ class AglStore(StoreReads):
         worker = await self.get_worker_by_id(worker_id)
         assert worker is not None
         return worker
+
+
+_FINISHED_MEMORY = 200_000
+"""Finished rollouts a client remembers for wait_for_rollouts (older ones are asked again)."""
+
+
+def _rotation(partitions: Sequence[int], start: int) -> list[int]:
+    """The partitions starting at ``start`` (modulo), then wrapping around."""
+    n = len(partitions)
+    return [partitions[(start + i) % n] for i in range(n)]
 
 
 class _Connection:

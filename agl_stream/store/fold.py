@@ -13,7 +13,8 @@ reservation, which sets it). The input state is never mutated; the new state sha
 sub-objects with it, so treat states as immutable.
 
 Every event but RolloutEnqueued is rejected while the rollout does not exist ("unknown rollout
-id ..."), and every event keyed by another rollout id than the state's is rejected.
+id ..."), and every event keyed by another rollout id than the state's is rejected. ``watchers`` (reply topics
+the processor notifies when the rollout finishes) are the processor's business: carried over.
 
 Rules applied to every status change of the rollout, whatever the event:
 
@@ -258,6 +259,7 @@ def _commit(
         reserved_sequence_id=reserved_sequence_id,
         finished_time=finished_time,
         span_counts=span_counts if span_counts is not None else (old.span_counts if old is not None else {}),
+        watchers=old.watchers if old is not None else [],
     )
     return FoldResult(outcome="applied", state=state, tasks=tasks)
 

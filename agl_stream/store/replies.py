@@ -1,32 +1,43 @@
-"""Replies to a store client's writes, read from the processor's output.
+"""Replies addressed to their writer: one reply topic per store client (Kafka's request-reply).
 
-Every event a client writes is answered by exactly one record: the rollout's new state on
-``agl.rollout-state`` (its ``cause_event_id`` is the event) when the fold applied it, or a DLQ
-record naming the event's (partition, offset) when it was rejected. The client reads both
-topics from their end (manual assignment, no consumer group, so no rebalancing) and resolves
-the future registered for the event. Records for rollouts nobody here waits for are skipped
-without decoding.
+Concurrency model: a :class:`ReplyChannel` belongs to one event loop; one task reads the
+client's topic and resolves the futures registered on that loop. :class:`ReplyTopics` is used
+by the processor's single task.
 
-The same stream serves ``wait_for_rollouts``: watchers get every state of their rollouts.
+Every store client creates ``<prefix>.replies.<client id>`` (one partition) when it starts and
+deletes it when it closes. An event that wants an answer carries the topic in its
+``agl-reply-to`` header (a store request in its ``reply_to`` field); the processor writes the
+:class:`~agl_stream.models.Reply` there. So a client reads its own answers and nothing else:
+the cost of a reply does not grow with the number of clients. A client killed with -9 leaves
+its topic behind; ``agl-stream replies prune`` (and the processor, hourly) deletes reply topics
+that have had no record for longer than their retention.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+import re
+import time
+from collections.abc import Callable, Sequence
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.errors import AglError
+from agl_stream.errors import AglError, CodecError
+from agl_stream.kafka.admin import admin_client, broker_count
 from agl_stream.logs import get_logger
-from agl_stream.models import DlqRecord, RolloutState
+from agl_stream.models import Reply
+
+__all__ = ["REPLY_HEADER", "RejectedError", "ReplyChannel", "ReplyTopics", "reply_topic"]
 
 log = get_logger("agl.store.replies")
+
+REPLY_HEADER = "agl-reply-to"
+REPLY_RETENTION_MS = 3_600_000  # an answer nobody read within an hour is useless
+_CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class RejectedError(AglError, ValueError):
@@ -36,54 +47,103 @@ class RejectedError(AglError, ValueError):
     """
 
 
-@dataclass(frozen=True)
-class Reply:
-    state: RolloutState
-    partition: int
-    offset: int  # of the state record on agl.rollout-state: a read fence for what follows
+def reply_topic(settings: Settings, client_id: str) -> str:
+    """The reply topic of one store client."""
+    if _CLIENT_ID.fullmatch(client_id) is None:
+        raise ValueError(f"a client id is 1-64 letters, digits, '-' or '_', not {client_id!r}")
+    return f"{settings.topic('replies')}.{client_id}"
 
 
-class ReplyReader:
-    def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
+class ReplyTopics:
+    """The processor's view of reply topics: which names are valid, which exist.
+
+    Producing to a topic that does not exist would hold a batch until the producer times out,
+    so answers go only to topics seen in the cluster's metadata, looked up again when an unknown
+    one is named (once per batch at most) and every few seconds (clients delete theirs on close).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.prefix = f"{settings.topic('replies')}."
+        self._known: set[str] = set()
+        self._looked = 0.0
+        self._admin: AIOKafkaAdminClient | None = None
+
+    def valid(self, name: str) -> bool:
+        return name.startswith(self.prefix) and _CLIENT_ID.fullmatch(name[len(self.prefix) :]) is not None
+
+    def header(self, headers: Sequence[tuple[str, bytes]] | None, key: str) -> str | None:
+        """The valid reply topic named by header ``key``, else None (a bad one is ignored, counted)."""
+        for name, value in headers or ():
+            if name == key:
+                topic = value.decode(errors="replace")
+                return topic if self.valid(topic) else None
+        return None
+
+    def exists(self, name: str) -> bool:
+        return name in self._known
+
+    def gone(self, name: str) -> None:
+        """A send found the topic missing: stop answering there until it shows up again."""
+        self._known.discard(name)
+
+    async def refresh(self, names: set[str]) -> None:
+        if names <= self._known and time.monotonic() - self._looked < 5.0:
+            return
+        self._looked = time.monotonic()
+        if self._admin is None:
+            self._admin = admin_client(self.settings)
+            await self._admin.start()
+        topics = await self._admin.list_topics()
+        self._known = {t for t in topics if t.startswith(self.prefix)}
+
+    async def close(self) -> None:
+        if self._admin is not None:
+            await self._admin.close()
+
+
+class ReplyChannel:
+    """A store client's reply topic: futures for answers, and a hook for notices."""
+
+    def __init__(self, settings: Settings, client_id: str, codec: Codec | None = None) -> None:
         self.settings = settings
         self.codec = codec or Codec.default()
-        self.state_topic = settings.topic("rollout-state")
-        self.dlq_topic = settings.topic("dlq")
-        self.rollouts_topic = settings.topic("rollouts")
-        self._by_event: dict[str, asyncio.Future[Reply]] = {}
-        self._by_position: dict[tuple[int, int], str] = {}  # (partition, offset) on agl.rollouts -> event id
-        self._position_of: dict[str, tuple[int, int]] = {}
-        self._early_dlq: dict[tuple[int, int], DlqRecord] = {}
-        self._waiting_rollouts: dict[bytes, int] = defaultdict(int)  # keys worth decoding
-        self._watchers: dict[str, list[Callable[[RolloutState, int, int], None]]] = defaultdict(list)
+        self.topic = reply_topic(settings, client_id)
+        self._pending: dict[str, asyncio.Future[Reply]] = {}
+        self.on_state: Callable[[Reply], None] | None = None
+        """Called with every reply that carries a state (answers and notices alike)."""
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
-        # Per partition of agl.rollout-state, the last offset handed to futures and watchers.
-        self.dispatched: dict[int, int] = {}
+        self.received = 0
 
     async def start(self) -> None:
+        admin = admin_client(self.settings)
+        await admin.start()
+        try:
+            replication = min(self.settings.replication_factor or 3, await broker_count(admin))
+            configs = {
+                "retention.ms": str(REPLY_RETENTION_MS),
+                "cleanup.policy": "delete",
+                "min.insync.replicas": str(max(1, min(2, replication - 1))),
+            }
+            response = await admin.create_topics([NewTopic(self.topic, 1, replication, topic_configs=configs)])
+            codes = [code for _, code, *_ in response.topic_errors if code != 0]
+            if codes:
+                raise AglError(f"cannot create the reply topic {self.topic} (Kafka error codes {codes})")
+        finally:
+            await admin.close()
         consumer = AIOKafkaConsumer(
-            **self.settings.kafka_client_options(),
-            enable_auto_commit=False,
-            isolation_level="read_committed",
-            # Long polls: the broker answers as soon as a record arrives, so this costs no latency
-            # (a short wait only made every idle client poll the broker).
+            **self.settings.kafka_client_options(), enable_auto_commit=False, isolation_level="read_committed"
         )
         await consumer.start()
-        partitions = []
-        for topic in (self.state_topic, self.dlq_topic):
-            found = consumer.partitions_for_topic(topic)
-            if not found:
-                await consumer._client.force_metadata_update()
-                found = consumer.partitions_for_topic(topic) or set()
-            partitions += [TopicPartition(topic, p) for p in sorted(found)]
-        if not partitions:
-            await consumer.stop()
-            raise AglError(f"topics {self.state_topic} and {self.dlq_topic} do not exist: run `agl-stream up`")
-        consumer.assign(partitions)
-        await consumer.seek_to_end(*partitions)
-        for tp in partitions:  # resolve the end positions now, before any write is sent
-            await consumer.position(tp)
+        partition = TopicPartition(self.topic, 0)
+        for _ in range(50):  # the new topic's metadata reaches the broker we ask within moments
+            if consumer.partitions_for_topic(self.topic):
+                break
+            await consumer._client.force_metadata_update()
+            await asyncio.sleep(0.02)  # metadata propagation has no event to wait on
+        consumer.assign([partition])
+        await consumer.seek_to_beginning(partition)
         self._consumer = consumer
         self._task = asyncio.create_task(self._run(), name="agl-store-replies")
 
@@ -94,107 +154,54 @@ class ReplyReader:
                 await self._task
         if self._consumer is not None:
             await self._consumer.stop()
-        for future in self._by_event.values():
+        for future in self._pending.values():
             if not future.done():
                 future.cancel()
+        admin = admin_client(self.settings)
+        try:
+            await admin.start()
+            await admin.delete_topics([self.topic])
+        except Exception as error:
+            log.warning("could not delete the reply topic; prune it later", topic=self.topic, error=str(error))
+        finally:
+            await admin.close()
 
-    # -- registration ----------------------------------------------------------------------
-
-    def expect(self, event_id: str, rollout_id: str) -> asyncio.Future[Reply]:
-        """Register before sending, so the reply cannot slip past."""
+    def expect(self, request_id: str) -> asyncio.Future[Reply]:
+        """Register before sending, so the answer cannot slip past."""
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._by_event[event_id] = future
-        self._waiting_rollouts[rollout_id.encode()] += 1
-        future.add_done_callback(lambda _: self._release(event_id, rollout_id))
+        self._pending[request_id] = future
+        future.add_done_callback(lambda _: self._pending.pop(request_id, None))
         return future
-
-    def sent(self, event_id: str, partition: int, offset: int) -> None:
-        """The event landed at (partition, offset) of agl.rollouts: a DLQ record may name it."""
-        position = (partition, offset)
-        early = self._early_dlq.pop(position, None)
-        future = self._by_event.get(event_id)
-        if early is not None and future is not None and not future.done():
-            future.set_exception(RejectedError(early.reason))
-            return
-        if future is not None and not future.done():
-            self._by_position[position] = event_id
-            self._position_of[event_id] = position
-
-    def _release(self, event_id: str, rollout_id: str) -> None:
-        self._by_event.pop(event_id, None)
-        position = self._position_of.pop(event_id, None)
-        if position is not None:
-            self._by_position.pop(position, None)
-        key = rollout_id.encode()
-        self._waiting_rollouts[key] -= 1
-        if self._waiting_rollouts[key] <= 0:
-            del self._waiting_rollouts[key]
-
-    def watch(self, rollout_id: str, callback: Callable[[RolloutState, int, int], None]) -> Callable[[], None]:
-        """Call ``callback(state, partition, offset)`` for every new state of the rollout."""
-        self._watchers[rollout_id].append(callback)
-        self._waiting_rollouts[rollout_id.encode()] += 1
-
-        def unwatch() -> None:
-            callbacks = self._watchers.get(rollout_id, [])
-            if callback in callbacks:
-                callbacks.remove(callback)
-                self._release("", rollout_id)
-            if not callbacks:
-                self._watchers.pop(rollout_id, None)
-
-        return unwatch
-
-    # -- the loop --------------------------------------------------------------------------
 
     async def _run(self) -> None:
         assert self._consumer is not None
         while True:
             try:
-                batches = await self._consumer.getmany(timeout_ms=500)
+                batches = await self._consumer.getmany(timeout_ms=1000)
             except asyncio.CancelledError:
                 raise
-            except Exception as error:  # a broker hiccup must not silence every later reply
+            except Exception as error:
                 log.warning("reading replies failed; retrying", error=str(error))
                 continue
-            for tp, messages in batches.items():
-                if tp.topic == self.state_topic:
-                    for message in messages:
-                        if message.value is not None and message.key in self._waiting_rollouts:
-                            self._on_state(message.value, tp.partition, message.offset)
-                    if messages:
-                        self.dispatched[tp.partition] = messages[-1].offset
-                else:
-                    for message in messages:
-                        self._on_dlq(message.value or b"")
+            for messages in batches.values():
+                for message in messages:
+                    self._on_reply(message.value or b"")
 
-    def _on_state(self, value: bytes, partition: int, offset: int) -> None:
+    def _on_reply(self, value: bytes) -> None:
         try:
-            state = self.codec.decode(value, RolloutState)
-        except AglError as error:  # not ours to dead-letter: the sink does that for this topic
-            log.warning("undecodable rollout state", partition=partition, offset=offset, error=str(error))
+            reply = self.codec.decode(value, Reply)
+        except CodecError as error:
+            log.warning("undecodable reply", error=str(error))
             return
-        future = self._by_event.get(state.cause_event_id)
-        if future is not None and not future.done():
-            future.set_result(Reply(state, partition, offset))
-        for callback in list(self._watchers.get(state.rollout.rollout_id, ())):
-            callback(state, partition, offset)
-
-    def _on_dlq(self, value: bytes) -> None:
-        try:
-            record = self.codec.decode(value, DlqRecord)
-        except AglError:
+        self.received += 1
+        if reply.state is not None and self.on_state is not None:
+            self.on_state(reply)
+        if reply.outcome == "notice":
             return
-        if record.source_topic != self.rollouts_topic:
-            return
-        position = (record.source_partition, record.source_offset)
-        event_id = self._by_position.pop(position, None)
-        if event_id is None:
-            # The rejection can arrive before our producer's acknowledgement: keep it briefly.
-            if len(self._early_dlq) > 10_000:
-                self._early_dlq.clear()
-            self._early_dlq[position] = record
-            return
-        future = self._by_event.get(event_id)
-        if future is not None and not future.done():
-            future.set_exception(RejectedError(record.reason))
+        future = self._pending.get(reply.request_id)
+        if future is None or future.done():
+            return  # a second answer after a processor restart, or one we stopped waiting for
+        if reply.outcome == "rejected":
+            future.set_exception(RejectedError(reply.error or "rejected"))
+        else:
+            future.set_result(reply)

@@ -12,7 +12,6 @@ from agl_stream.topics import ActualTopic, TopicSpec, check_specs, load_topic_sp
 DESIGN_TOPICS = {
     "rollouts",
     "rollout-state",
-    "tasks",
     "spans",
     "resources",
     "workers",
@@ -21,8 +20,9 @@ DESIGN_TOPICS = {
     "triplet-batches",
     "dlq",
 }
-# Topics agl-stream adds beyond DESIGN.md's list (docs/design-notes.md, "Topics").
-EXTRA_TOPICS = {"trainer-metrics"}
+# Topics agl-stream adds beyond DESIGN.md's list (docs/design-notes.md, "Topics"); DESIGN.md's
+# agl.tasks gave way to store-requests (claims the processor answers, not bound to partitions).
+EXTRA_TOPICS = {"trainer-metrics", "store-requests"}
 
 
 def test_every_topic_in_the_design_is_declared() -> None:

@@ -1,0 +1,210 @@
+"""One skeleton for a stream processor: a consumer-group member that handles what one fetch returns.
+
+Concurrency model: one asyncio task runs the loop (fetch, handle, commit); aiokafka calls the
+rebalance callbacks from its coordinator task, and they take the same lock the loop holds while
+it handles a batch, so a partition never moves in the middle of a batch. Nothing else touches
+the handler.
+
+The loop, per fetch: records of partitions still assigned go to ``handler.handle`` as one batch;
+the handler sends its effects and waits for their acknowledgements before it returns (the
+:class:`Outbox` helps); then the batch's offsets become committable. Commits are coalesced
+(every ``commit_interval_s``, on revocation and at stop): a crash re-delivers at most that much,
+and handlers are idempotent (at-least-once). ``handler.tick`` runs after every fetch, also an
+empty one, for timers; ``handler.poll_timeout`` says how long a fetch may wait for records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.structs import OffsetAndMetadata, RecordMetadata
+
+from agl_stream.config import Settings
+from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer
+from agl_stream.logs import get_logger
+
+__all__ = ["Batch", "Handler", "Outbox", "Record", "run_processor"]
+
+log = get_logger("agl.kafka.processor")
+
+Batch = dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
+
+
+class Handler(Protocol):
+    """What a processor supplies to the skeleton."""
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        """Partitions were assigned: rebuild what the handler keeps for them."""
+
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        """Partitions were taken away: forget what the handler keeps for them."""
+
+    async def handle(self, batch: Batch) -> None:
+        """Handle one fetch; return once every effect is durable (acknowledged)."""
+
+    async def tick(self) -> None:
+        """Timers; called after every fetch."""
+
+    def poll_timeout(self) -> float:
+        """Seconds the next fetch may wait for records."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record to produce (``value`` None is a tombstone; ``partition`` None: by key)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    partition: int | None = None
+    headers: list[tuple[str, bytes]] | None = None
+
+
+@dataclass
+class Outbox:
+    """Sends records and waits for all of them: one produce batch per phase of a handler."""
+
+    producer: AIOKafkaProducer
+    dead_letters: DeadLetters
+
+    async def send_all(self, records: Iterable[Record]) -> list[RecordMetadata]:
+        """Send the records (one produce batch per partition), then wait for every acknowledgement."""
+        futures = [
+            await self.producer.send(r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers)
+            for r in records
+        ]
+        return list(await asyncio.gather(*futures))
+
+    async def reject(self, rejected: Sequence[Rejected]) -> None:
+        if rejected:
+            await self.dead_letters.send_many(list(rejected))
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, loop: _Loop) -> None:
+        self.loop = loop
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        async with self.loop.lock:
+            await self.loop.commit()
+            self.loop.handler.revoked(set(revoked))
+            for tp in revoked:
+                self.loop.positions.pop(tp, None)
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        async with self.loop.lock:
+            await self.loop.handler.assigned(set(assigned))
+        self.loop.assigned_once.set()
+
+
+class _Loop:
+    def __init__(
+        self, consumer: AIOKafkaConsumer, handler: Handler, *, max_records: int, commit_interval_s: float
+    ) -> None:
+        self.consumer = consumer
+        self.handler = handler
+        self.max_records = max_records
+        self.commit_interval_s = commit_interval_s
+        self.lock = asyncio.Lock()
+        self.assigned_once = asyncio.Event()
+        self.positions: dict[TopicPartition, int] = {}  # handled, not committed yet
+        self._last_commit = time.monotonic()
+
+    async def commit(self) -> None:
+        if not self.positions:
+            return
+        owned = self.consumer.assignment()
+        offsets = {tp: OffsetAndMetadata(o, "") for tp, o in self.positions.items() if tp in owned}
+        self.positions = {}
+        self._last_commit = time.monotonic()
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except (CommitFailedError, KafkaError) as error:  # a rebalance: the next owner re-reads (idempotent)
+            log.warning("commit failed; handled records will be read again", error=str(error))
+
+    async def step(self) -> None:
+        timeout_ms = max(1, int(self.handler.poll_timeout() * 1000))
+        fetched: Batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
+        async with self.lock:
+            owned = self.consumer.assignment()
+            batch = {tp: records for tp, records in fetched.items() if records and tp in owned}
+            if batch:
+                await self.handler.handle(batch)
+                for tp, records in batch.items():
+                    self.positions[tp] = records[-1].offset + 1
+            await self.handler.tick()
+            if time.monotonic() - self._last_commit >= self.commit_interval_s:
+                await self.commit()
+
+
+async def run_processor(
+    settings: Settings,
+    handler: Handler,
+    *,
+    name: str,
+    topics: Sequence[str],
+    stop: asyncio.Event,
+    ready_file: str | None = None,
+    max_records: int = 5000,
+    commit_interval_s: float = 0.2,
+    on_start: Callable[[AIOKafkaConsumer], None] | None = None,
+    **consumer_options: Any,
+) -> None:
+    """Run ``handler`` as member of group ``<prefix>.<name>`` on ``topics`` until ``stop`` is set.
+
+    Partitions are assigned by range, so equal partition numbers of co-partitioned topics go to
+    the same member. ``ready_file`` (under the run dir) is written once the first assignment was
+    handled: what ``agl-stream up`` waits for. ``on_start`` gets the consumer (for positions).
+    """
+    consumer = make_consumer(
+        settings,
+        group_id=f"{settings.topic_prefix}.{name}",
+        max_poll_records=max_records,
+        partition_assignment_strategy=(RangePartitionAssignor,),
+        # A member killed with -9 holds its partitions until its session times out.
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=1500,
+        **consumer_options,
+    )
+    loop = _Loop(consumer, handler, max_records=max_records, commit_interval_s=commit_interval_s)
+    consumer.subscribe(list(topics), listener=_Rebalance(loop))
+    if on_start is not None:
+        on_start(consumer)
+    await consumer.start()
+    ready_task: asyncio.Task[None] | None = None
+    if ready_file is not None:
+        ready_task = asyncio.create_task(_signal_ready(settings.run_dir / ready_file, loop.assigned_once, name))
+    try:
+        while not stop.is_set():
+            await loop.step()
+        async with loop.lock:
+            await loop.commit()
+    finally:
+        if ready_task is not None:
+            ready_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ready_task
+        await consumer.stop()
+
+
+async def _signal_ready(path: Path, assigned: asyncio.Event, name: str) -> None:
+    await assigned.wait()
+    _write_ready(path)
+    log.info("processor ready", processor=name)
+
+
+def _write_ready(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(str(os.getpid()))
