@@ -34,6 +34,7 @@ import asyncio
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES
 from agl_stream.models.replies import ReplyOutcome
 from agl_stream.store.fold import fold
 from agl_stream.store.queue import ClaimQueue, claim_attempt_id
-from agl_stream.store.replies import REPLY_HEADER, ReplyTopics
+from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, ReplyTopics
 from agl_stream.store.watchdog import due_verdicts, next_deadline
 
 log = get_logger("agl.processor")
@@ -239,7 +240,7 @@ class RolloutProcessor:
                 for record in records:
                     self._request(record, touched, was_terminal, answers, rejected, claims)
         outgoing = self._serve_claims(claims, now, answers)
-        outgoing += self._forget(now)
+        outgoing += self._forget(now, keep=touched.keys())
         await self._send(touched, was_terminal, answers, rejected, outgoing)
 
     def _fold(
@@ -255,7 +256,7 @@ class RolloutProcessor:
         except CodecError as error:
             rejected.append(Rejected.of(record, error))
             return
-        reply_to = self.reply_topics.header(record.headers, REPLY_HEADER)
+        reply_to, with_state = self.reply_topics.of(record.headers)
         if (record.key or b"").decode(errors="replace") != event.rollout_id:
             mismatch = RejectedEvent(f"key {record.key!r} is not the rollout id {event.rollout_id}")
             rejected.append(Rejected.of(record, mismatch))
@@ -269,7 +270,7 @@ class RolloutProcessor:
         if state is not None and record.offset <= state.input_offset:
             # Applied before a crash: the writer may still wait for its answer.
             if reply_to:
-                answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, state))
+                answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None))
             return
         result = fold(state, event)
         if result.outcome == "rejected":
@@ -280,7 +281,7 @@ class RolloutProcessor:
             return
         if result.outcome == "ignored" or result.state is None:
             if reply_to and state is not None:
-                answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, state))
+                answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None))
             return
         update: dict[str, Any] = {"input_offset": record.offset}
         if reply_to and state is None:  # the enqueuer hears when its rollout finishes
@@ -291,7 +292,7 @@ class RolloutProcessor:
         touched[rollout_id] = new_state
         self._track(new_state, record.partition)
         if reply_to:
-            answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, new_state))
+            answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, new_state if with_state else None))
 
     def _request(
         self,
@@ -380,14 +381,14 @@ class RolloutProcessor:
             rollout_id.encode(),
             self.codec.encode(event),
             self.partition_of[rollout_id],
-            [(REPLY_HEADER, request.reply_to.encode())],
+            [(REPLY_HEADER, request.reply_to.encode()), (REPLY_STATE_HEADER, b"1")],
         )
 
-    def _forget(self, now: float) -> list[Record]:
-        """Tombstones for finished rollouts past their retention."""
+    def _forget(self, now: float, keep: Collection[str]) -> list[Record]:
+        """Tombstones for finished rollouts past their retention (not those this batch wrote)."""
         out: list[Record] = []
         for rollout_id, finished in list(self.finished.items()):
-            if finished < now - self.retention_s:
+            if finished < now - self.retention_s and rollout_id not in keep:
                 partition = self.partition_of[rollout_id]
                 self._untrack(rollout_id)
                 out.append(Record(self.state_topic, rollout_id.encode(), None, partition))
@@ -409,9 +410,6 @@ class RolloutProcessor:
         metadata, _ = await asyncio.gather(self.outbox.send_all(states + outgoing), self.outbox.reject(rejected))
         for rid, meta in zip(ids, metadata, strict=False):
             self.state_offset[rid] = meta.offset
-        for answer in answers:
-            if answer.state is None and answer.rollout_id in self.states and answer.outcome != "unknown":
-                answer.state = self.states[answer.rollout_id]
         notices = [
             _Answer(watcher, "", "notice", rid, state)
             for rid, state in touched.items()

@@ -50,7 +50,7 @@ from agl_stream.models.base import TERMINAL_STATUSES
 from agl_stream.models.replies import Reply
 from agl_stream.store.queue import claim_attempt_id
 from agl_stream.store.reads import StoreReads
-from agl_stream.store.replies import REPLY_HEADER, RejectedError, ReplyChannel
+from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities
 
 # A rollout event must fit in one Kafka message of agl.rollouts (broker default ~1 MB).
@@ -83,6 +83,7 @@ class AglStore(StoreReads):
         self._replies = ReplyChannel(settings, self.writer, self.codec)
         self._replies.on_state = self._on_state
         self._reply_header = [(REPLY_HEADER, self._replies.topic.encode())]
+        self._state_header = [*self._reply_header, (REPLY_STATE_HEADER, b"1")]
         # What this client knows without asking: rollouts seen finished, rollouts it will hear of.
         self._finished: dict[str, Rollout] = {}
         self._watched: set[str] = set()
@@ -147,14 +148,28 @@ class AglStore(StoreReads):
         return state
 
     async def _request_many(self, events: Sequence[tuple[str, AglModel]]) -> list[RolloutState]:
-        """Append events in order (one produce batch), then wait for every answer (the first
-        rejection raises)."""
+        """Append events in order (one produce batch), then wait for every answer with its state
+        (the first rejection raises)."""
+        answers = await self._submit(events, with_state=True)
+        states = []
+        for answer in answers:
+            assert answer.state is not None, f"an answer without a state to {answer.request_id}"
+            states.append(answer.state)
+        return states
+
+    async def _acknowledged(self, events: Sequence[tuple[str, AglModel]]) -> None:
+        """Append events and wait until the processor applied them all (ValueError on the first
+        rejection); the answers carry no state, which spares encoding and decoding it."""
+        await self._submit(events, with_state=False)
+
+    async def _submit(self, events: Sequence[tuple[str, AglModel]], *, with_state: bool) -> list[Reply]:
         encoded = [self._encode_event(rollout_id, payload) for rollout_id, payload in events]
         replies = [self._replies.expect(event.event_id) for event, _ in encoded]
         topic = self.settings.topic("rollouts")
+        headers = self._state_header if with_state else self._reply_header
         try:
             sends = [
-                await self._producer.send(topic, data, key=event.rollout_id.encode(), headers=self._reply_header)
+                await self._producer.send(topic, data, key=event.rollout_id.encode(), headers=headers)
                 for event, data in encoded
             ]
             for metadata in await asyncio.gather(*sends):
@@ -164,13 +179,10 @@ class AglStore(StoreReads):
             for reply in replies:
                 if not reply.done():
                     reply.cancel()
-        states = []
-        for (event, _), answer in zip(encoded, answers, strict=True):
-            assert answer.state is not None, f"an answer without a state to event {event.event_id}"
-            states.append(answer.state)
+        for event, _ in encoded:
             if isinstance(event.payload, RolloutEnqueued):
                 self._watched.add(event.rollout_id)  # the processor tells the enqueuer when it finishes
-        return states
+        return answers
 
     async def _answers(self, replies: Sequence[asyncio.Future[Reply]], timeout: float) -> list[Reply]:
         try:
@@ -251,8 +263,8 @@ class AglStore(StoreReads):
     ) -> Rollout:
         await self._check_resources(resources_id)
         rollout = self._new_rollout(input, mode, resources_id, config, metadata)
-        state = await self._request(rollout.rollout_id, RolloutEnqueued(rollout=rollout))
-        return state.rollout
+        await self._acknowledged([(rollout.rollout_id, RolloutEnqueued(rollout=rollout))])
+        return rollout  # as the fold stores a new rollout
 
     async def enqueue_many_rollouts(self, requests: Sequence[Mapping[str, Any]]) -> list[Rollout]:
         """Enqueue several rollouts at once (keys as enqueue_rollout's arguments), pipelined."""
@@ -262,8 +274,8 @@ class AglStore(StoreReads):
             self._new_rollout(r["input"], r.get("mode"), r.get("resources_id"), r.get("config"), r.get("metadata"))
             for r in requests
         ]
-        states = await self._request_many([(r.rollout_id, RolloutEnqueued(rollout=r)) for r in rollouts])
-        return [state.rollout for state in states]
+        await self._acknowledged([(r.rollout_id, RolloutEnqueued(rollout=r)) for r in rollouts])
+        return rollouts
 
     async def dequeue_rollout(self, worker_id: str | None = None, *, wait: float = 0.0) -> AttemptedRollout | None:
         """Claim the oldest queued rollout; None when nothing is queued.
@@ -429,7 +441,7 @@ class AglStore(StoreReads):
         if not spans:
             return []
         await self._write("spans", [(span.rollout_id, span) for span in spans])
-        await asyncio.gather(*(self._request(rid, beat) for rid, beat in _heartbeats(spans)))
+        await self._acknowledged(_heartbeats(spans))
         return list(spans)
 
     async def export_spans(self, spans: Sequence[Span]) -> None:

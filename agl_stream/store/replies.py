@@ -31,11 +31,13 @@ from agl_stream.kafka.admin import admin_client, broker_count
 from agl_stream.logs import get_logger
 from agl_stream.models import Reply
 
-__all__ = ["REPLY_HEADER", "RejectedError", "ReplyChannel", "ReplyTopics", "reply_topic"]
+__all__ = ["REPLY_HEADER", "REPLY_STATE_HEADER", "RejectedError", "ReplyChannel", "ReplyTopics", "reply_topic"]
 
 log = get_logger("agl.store.replies")
 
 REPLY_HEADER = "agl-reply-to"
+REPLY_STATE_HEADER = "agl-reply-state"
+"""Present (any value): the answer carries the rollout's state; absent: just the verdict."""
 REPLY_RETENTION_MS = 3_600_000  # an answer nobody read within an hour is useless
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -72,13 +74,18 @@ class ReplyTopics:
     def valid(self, name: str) -> bool:
         return name.startswith(self.prefix) and _CLIENT_ID.fullmatch(name[len(self.prefix) :]) is not None
 
-    def header(self, headers: Sequence[tuple[str, bytes]] | None, key: str) -> str | None:
-        """The valid reply topic named by header ``key``, else None (a bad one is ignored, counted)."""
+    def of(self, headers: Sequence[tuple[str, bytes]] | None) -> tuple[str | None, bool]:
+        """The valid reply topic the headers name (None: no answer wanted, or a bad name) and
+        whether the answer should carry the state."""
+        topic: str | None = None
+        with_state = False
         for name, value in headers or ():
-            if name == key:
-                topic = value.decode(errors="replace")
-                return topic if self.valid(topic) else None
-        return None
+            if name == REPLY_HEADER:
+                candidate = value.decode(errors="replace")
+                topic = candidate if self.valid(candidate) else None
+            elif name == REPLY_STATE_HEADER:
+                with_state = True
+        return topic, with_state
 
     def exists(self, name: str) -> bool:
         return name in self._known

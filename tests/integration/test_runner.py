@@ -17,7 +17,7 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import connect, stack
+from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import RolloutConfig
@@ -227,3 +227,29 @@ async def test_resources_come_from_the_rollouts_snapshot_or_the_latest(own_stack
             )
     finally:
         assert stop_role(runner, timeout=60) == 0
+
+
+async def test_eight_runner_processes_on_four_partitions_all_claim(own_stack: Settings) -> None:
+    # Claims are store requests the processor answers, not partitions of a consumer group: a
+    # runner process beyond the partition count gets work like the others.
+    runners = _runner(own_stack, "--workers", "8", "--concurrency", "1", name="eight")
+    try:
+        async with connect(**own_stack.model_dump(exclude_none=True)) as store:
+            await _until(lambda: _workers_seen(store, 8), 120, "8 runner processes to report")
+            tasks = [{"input": {"kind": "sleep", "seconds": 0.05, "i": i}} for i in range(160)]
+            made = await store.enqueue_many_rollouts(tasks)
+            finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=300)
+            assert len(finished) == 160
+            per_worker: dict[str, int] = {}
+            for rollout in made:
+                [attempt] = await store.query_attempts(rollout.rollout_id)
+                assert attempt.worker_id is not None
+                per_worker[attempt.worker_id] = per_worker.get(attempt.worker_id, 0) + 1
+            print("rollouts per runner process:", sorted(per_worker.values()))
+            assert len(per_worker) == 8, per_worker
+    finally:
+        assert stop_role(runners, timeout=60) == 0
+
+
+async def _workers_seen(store: AglStore, count: int) -> bool:
+    return len(await store.query_workers()) >= count

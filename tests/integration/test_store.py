@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from agl_stream import UNSET, AglStore, connect
+from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.models import LLM, RolloutConfig, Span
+from agl_stream.models import LLM, Reply, RolloutConfig, Span
 from agl_stream.store.replies import RejectedError
 
 pytestmark = pytest.mark.integration
@@ -377,3 +379,82 @@ async def test_resources_query_sorts_pages_and_misses(store: AglStore) -> None:
 async def test_capabilities_describe_the_client(store: AglStore) -> None:
     capabilities = store.capabilities
     assert capabilities["async_safe"] is True and capabilities["thread_safe"] is False
+
+
+async def test_a_client_receives_only_answers_to_its_own_requests(stack_settings: Settings) -> None:
+    options = stack_settings.model_dump(exclude_none=True)
+    stores = [await connect(**options) for _ in range(4)]
+    sent: list[set[str]] = [set() for _ in stores]
+    received: list[list[Any]] = [[] for _ in stores]
+    for index, client in enumerate(stores):
+        channel = client._replies
+        expect, on_reply = channel.expect, channel._on_reply
+
+        def recording_expect(request_id: str, index: int = index, expect: Any = expect) -> Any:
+            sent[index].add(request_id)
+            return expect(request_id)
+
+        def recording_on_reply(value: bytes, index: int = index, on_reply: Any = on_reply) -> None:
+            received[index].append(Codec.default().decode(value, Reply))
+            on_reply(value)
+
+        channel.expect = recording_expect  # type: ignore[method-assign]
+        channel._on_reply = recording_on_reply  # type: ignore[method-assign]
+    try:
+        algorithm, *runners = stores
+        made = await algorithm.enqueue_many_rollouts([{"input": {"i": i}} for i in range(30)])
+        ids = {r.rollout_id for r in made}
+
+        async def run(store: AglStore, worker: str) -> None:
+            while True:
+                claimed = await store.dequeue_rollout(worker_id=worker)
+                if claimed is None:
+                    return
+                spans = [_span(claimed.rollout_id, claimed.attempt.attempt_id, 1)]
+                await store.add_many_spans(spans)
+                await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+
+        await asyncio.gather(*(run(s, f"w-own-{i}") for i, s in enumerate(runners)))
+        finished = await algorithm.wait_for_rollouts(rollout_ids=list(ids), timeout=60)
+        assert {r.rollout_id for r in finished} == ids
+    finally:
+        for client in stores:
+            await client.close()
+    for index, replies in enumerate(received):
+        answers = [r for r in replies if r.outcome != "notice"]
+        notices = [r for r in replies if r.outcome == "notice"]
+        foreign = [r for r in answers if r.request_id not in sent[index]]
+        print(f"client {index}: {len(answers)} answers, {len(notices)} notices, {len(foreign)} foreign")
+        assert foreign == []
+        if index > 0:
+            assert notices == [], "only the enqueuer hears when a rollout finishes"
+    assert {r.state.rollout.rollout_id for r in received[0] if r.outcome == "notice" and r.state} == ids
+    assert sum(len(r) for r in received[1:]) > 0
+
+
+async def test_repeated_waits_ask_the_read_side_only_for_ids_never_seen(
+    store: AglStore, stack_settings: Settings
+) -> None:
+    async with connect(**stack_settings.model_dump(exclude_none=True)) as other:
+        mine = await store.enqueue_many_rollouts([{"input": {"mine": i}} for i in range(3)])
+        theirs = await other.enqueue_rollout({"theirs": True})
+        for rollout in [*mine, theirs]:
+            claimed = await _claim(other, rollout.rollout_id, "w-wait")
+            await other.update_attempt(rollout.rollout_id, claimed.attempt.attempt_id, status="succeeded")  # type: ignore[attr-defined]
+    queries: list[str] = []
+    rows = store._rows
+
+    async def counting_rows(query: Any, *sources: str) -> Any:
+        queries.append(str(query))
+        return await rows(query, *sources)
+
+    store._rows = counting_rows  # type: ignore[method-assign]
+    ids = [r.rollout_id for r in mine] + [theirs.rollout_id]
+    for _ in range(1000):
+        done = await store.wait_for_rollouts(rollout_ids=ids, timeout=0.01)
+        assert [r.rollout_id for r in done] == ids and {r.status for r in done} == {"succeeded"}
+    # The enqueuer was told; the other client's rollout was watched once; nothing was queried.
+    assert queries == []
+    with pytest.raises(ValueError, match="unknown"):
+        await store.wait_for_rollouts(rollout_ids=["ro-00000000dead"], timeout=0.01)
+    assert len(queries) == 1  # only the id the processor does not hold went to the read side
