@@ -34,7 +34,6 @@ import asyncio
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +228,8 @@ class RolloutProcessor:
         answers: list[_Answer] = []
         rejected: list[Rejected] = []
         claims: list[_Claim] = []
+        # Forgotten before the batch is folded, so its events find them gone (unknown rollout).
+        tombstones = self._forget(now)
         for tp, records in batch.items():
             if tp.topic == self.events_topic:
                 for record in records:
@@ -240,8 +241,7 @@ class RolloutProcessor:
                 for record in records:
                     self._request(record, touched, was_terminal, answers, rejected, claims)
         outgoing = self._serve_claims(claims, now, answers)
-        outgoing += self._forget(now, keep=touched.keys())
-        await self._send(touched, was_terminal, answers, rejected, outgoing)
+        await self._send(touched, was_terminal, answers, rejected, tombstones, outgoing)
 
     def _fold(
         self,
@@ -384,11 +384,11 @@ class RolloutProcessor:
             [(REPLY_HEADER, request.reply_to.encode()), (REPLY_STATE_HEADER, b"1")],
         )
 
-    def _forget(self, now: float, keep: Collection[str]) -> list[Record]:
-        """Tombstones for finished rollouts past their retention (not those this batch wrote)."""
+    def _forget(self, now: float) -> list[Record]:
+        """Tombstones for finished rollouts past their retention."""
         out: list[Record] = []
         for rollout_id, finished in list(self.finished.items()):
-            if finished < now - self.retention_s and rollout_id not in keep:
+            if finished < now - self.retention_s:
                 partition = self.partition_of[rollout_id]
                 self._untrack(rollout_id)
                 out.append(Record(self.state_topic, rollout_id.encode(), None, partition))
@@ -400,6 +400,7 @@ class RolloutProcessor:
         was_terminal: dict[str, bool],
         answers: list[_Answer],
         rejected: list[Rejected],
+        tombstones: list[Record],
         outgoing: list[Record],
     ) -> None:
         ids = list(touched)
@@ -407,7 +408,11 @@ class RolloutProcessor:
             Record(self.state_topic, rid.encode(), self.codec.encode(touched[rid]), self.partition_of[rid])
             for rid in ids
         ]
-        metadata, _ = await asyncio.gather(self.outbox.send_all(states + outgoing), self.outbox.reject(rejected))
+        # Tombstones first: a rollout forgotten and enqueued again in one batch ends up present.
+        sent, _ = await asyncio.gather(
+            self.outbox.send_all(tombstones + states + outgoing), self.outbox.reject(rejected)
+        )
+        metadata = sent[len(tombstones) :]
         for rid, meta in zip(ids, metadata, strict=False):
             self.state_offset[rid] = meta.offset
         notices = [
