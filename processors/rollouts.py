@@ -59,7 +59,7 @@ from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES
 from agl_stream.models.replies import ReplyOutcome
 from agl_stream.store.fold import fold
 from agl_stream.store.queue import ClaimQueue, claim_attempt_id
-from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, ReplyTopics
+from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, ReplyTopics, prune_reply_topics
 from agl_stream.store.watchdog import due_verdicts, next_deadline
 
 log = get_logger("agl.processor")
@@ -68,6 +68,7 @@ PROCESSOR = "processor.rollouts"
 READY_FILE = "processor.ready"
 MAX_CLAIM_WAIT_S = 30.0
 REPLY_WAIT_S = 2.0
+PRUNE_EVERY_S = 3600.0
 
 
 class RejectedEvent(Exception):
@@ -114,6 +115,8 @@ class RolloutProcessor:
         self.owned: set[int] = set()
         self.catching_up: dict[int, int] = {}  # partition -> end of agl.rollouts at assignment
         self._next_watchdog = 0.0
+        self._next_prune = time.monotonic() + PRUNE_EVERY_S
+        self._pruning: asyncio.Task[list[str]] | None = None
         self.counts: dict[str, int] = defaultdict(int)
         self.consumer: AIOKafkaConsumer | None = None  # the skeleton's, for positions
 
@@ -462,6 +465,16 @@ class RolloutProcessor:
 
     # -- timers ------------------------------------------------------------------------------
 
+    async def _prune(self) -> list[str]:
+        try:
+            deleted = await prune_reply_topics(self.settings)
+        except Exception as error:
+            log.warning("pruning reply topics failed", error=str(error))
+            return []
+        if deleted:
+            log.info("reply topics of gone clients deleted", count=len(deleted))
+        return deleted
+
     async def _caught_up(self) -> None:
         """Partitions whose agl.rollouts position reached the end noted at assignment."""
         if not self.catching_up or self.consumer is None:
@@ -482,6 +495,10 @@ class RolloutProcessor:
 
     async def tick(self) -> None:
         await self._caught_up()
+        if time.monotonic() >= self._next_prune and (self._pruning is None or self._pruning.done()):
+            # In the background: reply topics of clients killed without closing.
+            self._next_prune = time.monotonic() + PRUNE_EVERY_S
+            self._pruning = asyncio.create_task(self._prune())
         now = time.time()
         expired = self.queue.expired(now)
         if expired:
@@ -532,6 +549,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 on_start=lambda consumer: setattr(processor, "consumer", consumer),
             )
         finally:
+            if processor._pruning is not None:
+                processor._pruning.cancel()
             await processor.reply_topics.close()
     finally:
         await replies.stop()

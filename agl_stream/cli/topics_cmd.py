@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -43,6 +44,26 @@ def apply_cmd(ctx: typer.Context) -> None:
 def plan_cmd(ctx: typer.Context) -> None:
     """Show what `apply` would do, changing nothing."""
     _show(asyncio.run(admin.plan(settings_of(ctx))), applied=False)
+
+
+@topics_app.command("prune-replies")
+def prune_replies_cmd(
+    ctx: typer.Context,
+    idle: Annotated[
+        float, typer.Option(help="Seconds without a record (keepalives included) after which a client is gone.")
+    ] = 1800.0,
+) -> None:
+    """Delete reply topics of store clients that are gone (killed without closing).
+
+    Every store client has a reply topic (<prefix>.replies.<client id>) that it deletes when it
+    closes and writes a keepalive to every 5 minutes; the rollout processor runs this hourly.
+    """
+    from agl_stream.store.replies import prune_reply_topics
+
+    deleted = asyncio.run(prune_reply_topics(settings_of(ctx), idle_s=idle))
+    for name in deleted:
+        console.print(f"[yellow]deleted[/] {name}")
+    console.print(f"{len(deleted)} reply topic(s) deleted")
 
 
 @topics_app.command("list")

@@ -82,6 +82,7 @@ class AglStore(StoreReads):
         self._records = TypedProducer(self._producer, self.codec)
         self._replies = ReplyChannel(settings, self.writer, self.codec)
         self._replies.on_state = self._on_state
+        self._replies.send_keepalive = self._producer.send_and_wait
         self._reply_header = [(REPLY_HEADER, self._replies.topic.encode())]
         self._state_header = [*self._reply_header, (REPLY_STATE_HEADER, b"1")]
         # What this client knows without asking: rollouts seen finished, rollouts it will hear of.

@@ -9,8 +9,9 @@ deletes it when it closes. An event that wants an answer carries the topic in it
 ``agl-reply-to`` header (a store request in its ``reply_to`` field); the processor writes the
 :class:`~agl_stream.models.Reply` there. So a client reads its own answers and nothing else:
 the cost of a reply does not grow with the number of clients. A client killed with -9 leaves
-its topic behind; ``agl-stream replies prune`` (and the processor, hourly) deletes reply topics
-that have had no record for longer than their retention.
+its topic behind: a live client writes a keepalive record to its own topic every
+``KEEPALIVE_S``, and :func:`prune_reply_topics` (``agl-stream topics prune-replies``; the
+processor runs it hourly) deletes reply topics whose newest record is older than ``idle_s``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -31,7 +32,15 @@ from agl_stream.kafka.admin import admin_client, broker_count
 from agl_stream.logs import get_logger
 from agl_stream.models import Reply
 
-__all__ = ["REPLY_HEADER", "REPLY_STATE_HEADER", "RejectedError", "ReplyChannel", "ReplyTopics", "reply_topic"]
+__all__ = [
+    "REPLY_HEADER",
+    "REPLY_STATE_HEADER",
+    "RejectedError",
+    "ReplyChannel",
+    "ReplyTopics",
+    "prune_reply_topics",
+    "reply_topic",
+]
 
 log = get_logger("agl.store.replies")
 
@@ -39,6 +48,8 @@ REPLY_HEADER = "agl-reply-to"
 REPLY_STATE_HEADER = "agl-reply-state"
 """Present (any value): the answer carries the rollout's state; absent: just the verdict."""
 REPLY_RETENTION_MS = 3_600_000  # an answer nobody read within an hour is useless
+KEEPALIVE_S = 300.0
+PRUNE_IDLE_S = 1_800.0  # six missed keepalives
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -121,6 +132,9 @@ class ReplyChannel:
         """Called with every reply that carries a state (answers and notices alike)."""
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
+        self._keepalive: asyncio.Task[None] | None = None
+        self.send_keepalive: Callable[[str, bytes], Awaitable[object]] | None = None
+        """How the client writes to its own topic (set by the store client)."""
         self.received = 0
 
     async def start(self) -> None:
@@ -153,12 +167,14 @@ class ReplyChannel:
         await consumer.seek_to_beginning(partition)
         self._consumer = consumer
         self._task = asyncio.create_task(self._run(), name="agl-store-replies")
+        self._keepalive = asyncio.create_task(self._keep_alive(), name="agl-store-replies-keepalive")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._keepalive):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._consumer is not None:
             await self._consumer.stop()
         for future in self._pending.values():
@@ -172,6 +188,17 @@ class ReplyChannel:
             log.warning("could not delete the reply topic; prune it later", topic=self.topic, error=str(error))
         finally:
             await admin.close()
+
+    async def _keep_alive(self) -> None:
+        """Say "still here" on our own topic now and then, so pruning leaves it alone."""
+        record = self.codec.encode(Reply(request_id="", outcome="notice"))
+        while True:
+            if self.send_keepalive is not None:
+                try:
+                    await self.send_keepalive(self.topic, record)
+                except Exception as error:
+                    log.warning("keepalive failed; the next one tries again", topic=self.topic, error=str(error))
+            await asyncio.sleep(KEEPALIVE_S)  # the keepalive's period, not a wait on state
 
     def expect(self, request_id: str) -> asyncio.Future[Reply]:
         """Register before sending, so the answer cannot slip past."""
@@ -212,3 +239,37 @@ class ReplyChannel:
             future.set_exception(RejectedError(reply.error or "rejected"))
         else:
             future.set_result(reply)
+
+
+async def prune_reply_topics(settings: Settings, *, idle_s: float = PRUNE_IDLE_S) -> list[str]:
+    """Delete the reply topics of clients gone for ``idle_s`` (no record, keepalives included,
+    for that long; an empty topic counts as gone). Returns the names deleted."""
+    prefix = f"{settings.topic('replies')}."
+    admin = admin_client(settings)
+    await admin.start()
+    consumer = AIOKafkaConsumer(**settings.kafka_client_options(), enable_auto_commit=False)
+    await consumer.start()
+    try:
+        names = [t for t in await admin.list_topics() if t.startswith(prefix)]
+        if not names:
+            return []
+        partitions = [TopicPartition(name, 0) for name in names]
+        ends = await consumer.end_offsets(partitions)
+        cutoff_ms = (time.time() - idle_s) * 1000
+        idle = []
+        for tp in partitions:
+            if ends[tp] == 0:
+                idle.append(tp.topic)
+                continue
+            consumer.assign([tp])
+            consumer.seek(tp, ends[tp] - 1)
+            fetched = await consumer.getmany(tp, timeout_ms=2000, max_records=1)
+            records = fetched.get(tp, [])
+            if records and records[-1].timestamp < cutoff_ms:
+                idle.append(tp.topic)
+        if idle:
+            await admin.delete_topics(idle)
+        return idle
+    finally:
+        await consumer.stop()
+        await admin.close()

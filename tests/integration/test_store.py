@@ -422,7 +422,7 @@ async def test_a_client_receives_only_answers_to_its_own_requests(stack_settings
             await client.close()
     for index, replies in enumerate(received):
         answers = [r for r in replies if r.outcome != "notice"]
-        notices = [r for r in replies if r.outcome == "notice"]
+        notices = [r for r in replies if r.outcome == "notice" and r.state is not None]  # not keepalives
         foreign = [r for r in answers if r.request_id not in sent[index]]
         print(f"client {index}: {len(answers)} answers, {len(notices)} notices, {len(foreign)} foreign")
         assert foreign == []
@@ -458,3 +458,28 @@ async def test_repeated_waits_ask_the_read_side_only_for_ids_never_seen(
     with pytest.raises(ValueError, match="unknown"):
         await store.wait_for_rollouts(rollout_ids=["ro-00000000dead"], timeout=0.01)
     assert len(queries) == 1  # only the id the processor does not hold went to the read side
+
+
+async def test_reply_topics_of_gone_clients_are_pruned_and_live_ones_kept(
+    store: AglStore, stack_settings: Settings
+) -> None:
+    from aiokafka.admin import NewTopic
+
+    from agl_stream.kafka.admin import admin_client
+    from agl_stream.store.replies import prune_reply_topics, reply_topic
+
+    gone = reply_topic(stack_settings, f"gone-{uuid.uuid4().hex[:8]}")  # a client killed before any keepalive
+    admin = admin_client(stack_settings)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(gone, 1, 1)])
+        deleted = await prune_reply_topics(stack_settings, idle_s=60)
+        assert gone in deleted
+        assert store._replies.topic not in deleted  # its keepalive is recent
+        left = set(await admin.list_topics())
+        assert store._replies.topic in left and gone not in left
+    finally:
+        await admin.close()
+    # The live client still gets its answers.
+    rollout = await store.enqueue_rollout({"after": "prune"})
+    assert (await store.get_rollout_by_id(rollout.rollout_id)) is not None
