@@ -7,7 +7,8 @@ the handler.
 
 The loop, per fetch: records of partitions still assigned go to ``handler.handle`` as one batch;
 the handler sends its effects and waits for their acknowledgements before it returns (the
-:class:`Outbox` helps); then the batch's offsets become committable. Commits are coalesced
+:class:`Outbox` helps); then the batch's offsets become committable. A broker error retries the
+batch with backoff (0.5 s doubling to 30 s). Commits are coalesced
 (every ``commit_interval_s``, on revocation and at stop): a crash re-delivers at most that much,
 and handlers are idempotent (at-least-once). ``handler.tick`` runs after every fetch, also an
 empty one, for timers; ``handler.poll_timeout`` says how long a fetch may wait for records.
@@ -134,19 +135,35 @@ class _Loop:
         except (CommitFailedError, KafkaError) as error:  # a rebalance: the next owner re-reads (idempotent)
             log.warning("commit failed; handled records will be read again", error=str(error))
 
-    async def step(self) -> None:
+    async def step(self, stop: asyncio.Event) -> None:
         timeout_ms = max(1, int(self.handler.poll_timeout() * 1000))
         fetched: Batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
         async with self.lock:
             owned = self.consumer.assignment()
             batch = {tp: records for tp, records in fetched.items() if records and tp in owned}
-            if batch:
-                await self.handler.handle(batch)
+            if batch and await self._handle(batch, stop):
                 for tp, records in batch.items():
                     self.positions[tp] = records[-1].offset + 1
             await self.handler.tick()
             if time.monotonic() - self._last_commit >= self.commit_interval_s:
                 await self.commit()
+
+
+    async def _handle(self, batch: Batch, stop: asyncio.Event) -> bool:
+        """Handle the batch, retrying with backoff while the broker fails (handlers are
+        idempotent); False when stopping first (uncommitted: read again after a restart)."""
+        delay = 0.5
+        while True:
+            try:
+                await self.handler.handle(batch)
+                return True
+            except (KafkaError, TimeoutError) as error:
+                if stop.is_set():
+                    return False
+                log.warning("batch failed, retrying", error=f"{type(error).__name__}: {error}"[:300])
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)  # backoff, cut short by a stop
+                delay = min(delay * 2, 30.0)
 
 
 async def run_processor(
@@ -188,7 +205,7 @@ async def run_processor(
         ready_task = asyncio.create_task(_signal_ready(settings.run_dir / ready_file, loop.assigned_once, name))
     try:
         while not stop.is_set():
-            await loop.step()
+            await loop.step(stop)
         async with loop.lock:
             await loop.commit()
     finally:
