@@ -75,26 +75,15 @@ async def _phase(
 
 
 async def _wait_for_members(settings: Settings, count: int, timeout: float = 120.0) -> None:
-    """Start the clock only once every runner process has joined the claimers' group."""
-    from agl_stream.kafka.admin import admin_client
+    """Start the clock only once every runner process has reported (its first worker heartbeat)."""
+    from agl_stream import connect
 
-    group = f"{settings.topic_prefix}.runners"
-    admin = admin_client(settings)
-    await admin.start()
-    try:
+    async with connect(**settings.model_dump(exclude_none=True)) as store:
         deadline = time.monotonic() + timeout
-        while True:
-            [response] = await admin.describe_consumer_groups([group])
-            groups = response.to_object()["groups"]
-            members = len(groups[0]["members"]) if groups else 0
-            state = groups[0]["state"] if groups else ""
-            if members >= count and state == "Stable":
-                return
+        while len(await store.query_workers()) < count:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {members} runners joined {group} in {timeout}s")
-            await asyncio.sleep(0.1)
-    finally:
-        await admin.close()
+                raise TimeoutError(f"fewer than {count} runners reported within {timeout}s")
+            await asyncio.sleep(0.1)  # runners report on their own schedule: nothing to wait on
 
 
 def _run_phase(
