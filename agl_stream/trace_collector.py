@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -103,17 +103,29 @@ class TraceCollector(Generic[Token]):
     def add_span(self, span: Span, token: Token, now: float) -> tuple[list[ReadyAttempt[Token]], list[Token]]:
         """A span arrived. Returns attempts now ready, and tokens to acknowledge at once
         (spans of attempts already handed out: late duplicates, nothing to do)."""
-        key = (span.rollout_id, span.attempt_id)
+        return self.add_spans([span], token, now)
+
+    def add_spans(
+        self, spans: Sequence[Span], token: Token, now: float
+    ) -> tuple[list[ReadyAttempt[Token]], list[Token]]:
+        """Spans of one attempt that came in one input record (an agl.SpanBatch): like
+        :meth:`add_span` for each, with the record's token held once by the attempt."""
+        if not spans:
+            return [], [token]
+        key = (spans[0].rollout_id, spans[0].attempt_id)
+        if any((span.rollout_id, span.attempt_id) != key for span in spans):
+            raise ValueError("add_spans takes spans of one attempt; group them first (spans_by_attempt)")
         if key in self.handed_out:
-            self.stats.duplicate_spans += 1
+            self.stats.duplicate_spans += len(spans)
             return [], [token]
         entry = self._entry(key, now)
-        span_key = (span.sequence_id, span.span_id)
-        if span_key in entry.spans:
-            self.stats.duplicate_spans += 1
-        else:
-            entry.spans[span_key] = span
-            self.held_spans += 1
+        for span in spans:
+            span_key = (span.sequence_id, span.span_id)
+            if span_key in entry.spans:
+                self.stats.duplicate_spans += 1
+            else:
+                entry.spans[span_key] = span
+                self.held_spans += 1
         entry.tokens.append(token)
         ready = self._ready_if_complete(key, entry)
         return ready, []
@@ -203,6 +215,15 @@ class TraceCollector(Generic[Token]):
         self.stats.evicted += 1
         self.stats.evicted_spans += len(entry.spans)
         return EvictedAttempt(key[0], key[1], len(entry.spans), reason, entry.tokens)
+
+
+def spans_by_attempt(spans: Iterable[Span]) -> list[list[Span]]:
+    """Spans grouped by (rollout, attempt), groups in order of first appearance, each in the
+    given order: what :meth:`TraceCollector.add_spans` takes, from one input record."""
+    groups: dict[tuple[str, str], list[Span]] = {}
+    for span in spans:
+        groups.setdefault((span.rollout_id, span.attempt_id), []).append(span)
+    return list(groups.values())
 
 
 def group_id_of(rollout: Rollout) -> str:

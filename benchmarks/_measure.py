@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from pathlib import Path
 
 
@@ -16,3 +18,77 @@ def cpu_seconds(pid: int) -> float:
     """CPU time a process has used so far (user + system), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it (from /proc/<pid>/task/*/children)."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        try:
+            tasks = list(Path(f"/proc/{current}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                pending.extend(int(child) for child in (task / "children").read_text().split())
+            except OSError:
+                continue
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` and its live descendants (user + system); 0 for those gone meanwhile."""
+    total = 0.0
+    for member in descendants(pid):
+        try:
+            total += cpu_seconds(member)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def machine_busy_seconds() -> float:
+    """CPU time all cores of this machine have spent busy so far (everything but idle and iowait), /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    # guest time is already part of user time, so only the first eight counters add up
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def tcp_bytes(port: int, *, local: bool) -> dict[tuple[str, str], tuple[int | None, int, int]]:
+    """Byte counters of each established TCP socket on ``port``, from ``ss -tinp`` (Linux tcp_info).
+
+    ``local=True``: sockets whose local port is ``port`` (the server's ends); ``local=False``:
+    sockets connected to ``port`` (the clients' ends). Maps (local address, peer address) to
+    (pid or None where ss does not say, bytes_sent, bytes_received). Counters of sockets closed
+    meanwhile are gone: take the difference of two snapshots socket by socket.
+    """
+    side = "sport" if local else "dport"
+    text = subprocess.run(
+        ["ss", "-tinpH", "state", "established", f"( {side} = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    sockets: dict[tuple[str, str], tuple[int | None, int, int]] = {}
+    key: tuple[str, str] | None = None
+    pid: int | None = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if not line[0].isspace():  # Recv-Q Send-Q Local Peer [users:...]; its details follow indented
+            fields = line.split()
+            key = (fields[2], fields[3]) if len(fields) >= 4 else None
+            match = re.search(r"pid=(\d+)", line)
+            pid = int(match.group(1)) if match else None
+            continue
+        if key is None:
+            continue
+        sent = re.search(r"\bbytes_sent:(\d+)", line)
+        received = re.search(r"\bbytes_received:(\d+)", line)
+        sockets[key] = (pid, int(sent.group(1)) if sent else 0, int(received.group(1)) if received else 0)
+        key = None
+    return sockets

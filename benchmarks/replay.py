@@ -8,6 +8,9 @@ and end to end, and whether the two outputs' digests agree. A third run with ``-
 measures the validated-span path. Also times the pure steps per span (decode, span view,
 adapter) to show where the time goes.
 
+`--spans-per-record K` writes each attempt's spans as agl.SpanBatch records of up to K spans
+(a writer's flushes; 0: one agl.Span per record, the old form).
+
 Run: `python benchmarks/replay.py [--rollouts 10000]`; JSON to benchmarks/results/replay.json.
 """
 
@@ -28,20 +31,21 @@ from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker
 from agl_stream.models import Span
 from agl_stream.replay.core import ReplaySettings, span_view
+from agl_stream.span_records import span_dicts_of
 from producers.replay import replay
-from producers.replay_history import attempt_history, write_history
+from producers.replay_history import attempt_history, span_values, write_history
 
 
 def constant_reward(spans: list[Span]) -> float:
     return 1.0
 
 
-def _pure_costs(rollouts: int = 500) -> dict[str, float]:
+def _pure_costs(per_record: int | None, rollouts: int = 500) -> dict[str, float]:
     """Microseconds per span of each pure step, on the same history shape."""
     codec = Codec.default()
-    raw = [codec.encode_dict("agl.Span", s) for i in range(rollouts) for s in attempt_history(i).spans]
+    raw = [value for i in range(rollouts) for value in span_values(attempt_history(i), codec, per_record)]
     t = time.perf_counter()
-    dicts = [codec.decode_dict(r)[1] for r in raw]
+    dicts = [datum for r in raw for datum in span_dicts_of(codec, r)]
     decode = time.perf_counter() - t
     t = time.perf_counter()
     views = [span_view(d) for d in dicts]
@@ -49,13 +53,13 @@ def _pure_costs(rollouts: int = 500) -> dict[str, float]:
     t = time.perf_counter()
     validated = [Span.model_validate(d) for d in dicts]
     validate = time.perf_counter() - t
-    per_attempt = len(raw) // rollouts
+    per_attempt = len(dicts) // rollouts
     t = time.perf_counter()
     for i in range(rollouts):
         extract_triplets(views[i * per_attempt : (i + 1) * per_attempt], AdapterConfig())
     adapter = time.perf_counter() - t
     del validated
-    n = len(raw) / 1e6
+    n = len(dicts) / 1e6
     return {
         "decode_us": decode / n,
         "span_view_us": view / n,
@@ -64,13 +68,15 @@ def _pure_costs(rollouts: int = 500) -> dict[str, float]:
     }
 
 
-async def _measure(settings: Settings, rollouts: int) -> dict[str, Any]:
+async def _measure(settings: Settings, rollouts: int, per_record: int | None) -> dict[str, Any]:
     await admin.apply(settings)
     t = time.perf_counter()
     step = 2000
     for start in range(0, rollouts, step):
         await write_history(
-            settings, [attempt_history(i, groups=rollouts // 8) for i in range(start, min(rollouts, start + step))]
+            settings,
+            [attempt_history(i, groups=rollouts // 8) for i in range(start, min(rollouts, start + step))],
+            batch=per_record,
         )
     written_s = time.perf_counter() - t
     runs = {}
@@ -81,6 +87,8 @@ async def _measure(settings: Settings, rollouts: int) -> dict[str, Any]:
     a, b = runs["a"], runs["b"]
     return {
         "rollouts": rollouts,
+        "spans_per_record": per_record or 1,
+        "span_records": sum(hi - lo for lo, hi in a.ranges.values()),
         "spans": a.spans,
         "records": a.records,
         "history_write_s": written_s,
@@ -98,6 +106,7 @@ async def _measure(settings: Settings, rollouts: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=10_000)
+    parser.add_argument("--spans-per-record", type=int, default=0, help="spans per agl.SpanBatch (0: agl.Span records)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/replay.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="agl-bench-replay-") as tmp:
@@ -109,11 +118,11 @@ def main() -> None:
             broker.start(settings)
             started = True
         try:
-            results = asyncio.run(_measure(settings, args.rollouts))
+            results = asyncio.run(_measure(settings, args.rollouts, args.spans_per_record or None))
         finally:
             if started:
                 broker.stop(settings)
-    results["pure_per_span"] = _pure_costs()
+    results["pure_per_span"] = _pure_costs(args.spans_per_record or None)
     print(json.dumps(results, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))

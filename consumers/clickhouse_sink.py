@@ -4,7 +4,10 @@ ClickHouse decodes the Avro, not Python: each batch is handed over as one Avro c
 (partition, offset, record body) envelopes and loaded by one INSERT into a Null table whose
 materialized views (one per target table) write the real tables
 (agl_stream/clickhouse/avro_ingest.py). Python only checks headers and concatenates bytes, so a
-sink keeps up with what Kafka delivers.
+sink keeps up with what Kafka delivers. A topic may carry a second record type that becomes the
+first by bytes alone (SinkSpec.also): agl.spans holds agl.SpanBatch records, exploded into one
+row per span by the view (SinkSpec.explode), and single agl.Span records, each handed over as a
+one-span batch.
 
 Applying a batch twice must never show twice. Two resume policies (SinkSpec.resume):
 - "data" (spans): one INSERT is one part of the one target table, atomic in the engine; every
@@ -19,9 +22,11 @@ Either way Kafka offsets are committed only after the INSERT and the sink_offset
 Bad input never stops a sink: records with an unknown fingerprint, another record type or an
 undecodable body go to agl.dlq. Records written with an older schema version are decoded,
 resolved to the current schema and re-encoded. A block ClickHouse rejects is checked record by
-record in Python; the bad ones go to the DLQ and the rest is inserted. Tombstones (null values
-on compacted topics) are skipped where the spec says so: forgetting a key in Kafka does not
-delete history from the read side.
+record in Python, then, if Python finds nothing, by the engine itself through a probe pipeline
+that writes nothing (a NaN start time decodes but is no DateTime64); the bad ones go to the DLQ
+and the rest is inserted. A span batch is good or bad as a whole. Tombstones (null values on
+compacted topics) are skipped where the spec says so: forgetting a key in Kafka does not delete
+history from the read side.
 
 One exception to "the engine decodes": agl.ResourcesUpdate holds a union of two records with
 the same shape (LLM, ProxyLLM), which the engine's Avro reader cannot map to a Variant (the
@@ -43,13 +48,15 @@ from typing import Any, Literal, cast
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import DatabaseError
 
+from agl_stream import span_records
 from agl_stream.clickhouse import avro_ingest
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 from agl_stream.codec import HEADER_SIZE, MAGIC, Codec, dump_json
 from agl_stream.config import Settings
-from agl_stream.errors import CodecError, MalformedRecordError, RecordTypeError
+from agl_stream.errors import AglError, CodecError, MalformedRecordError, RecordTypeError
 from agl_stream.kafka.io import BatchConsumer, DeadLetters, Fetched, Rejected, make_consumer, make_producer
 from agl_stream.logs import get_logger
 from agl_stream.models import MODELS, ResourcesUpdate
@@ -62,10 +69,24 @@ OnApplied = Callable[[str, Mapping[int, int]], None]
 """``on_applied(topic, {partition: next offset})``: those records are visible in ClickHouse."""
 
 _IDLE_POLL_MS = 500  # how long an idle sink waits for a first record (also bounds stop latency)
+# One INSERT must make one part for the "data" resume policy. The engine squashes what a view
+# writes into blocks of min_insert_block_size_rows (~1M) or _bytes (256 MB in memory), and
+# writes a part per block: exploded span batches pass the byte threshold (measured: 100k spans
+# of 1.9 KB made two parts). Rows off, bytes out of reach: the whole INSERT is one block.
+_ONE_PART_SETTINGS = {"min_insert_block_size_rows": 0, "min_insert_block_size_bytes": 1 << 40}
 
 
 PythonRows = Callable[[Any], dict[str, Any]]
 """Turns a decoded record (the topic's model) into one row; raises CodecError if it cannot."""
+
+
+@dataclass(frozen=True)
+class AlsoReads:
+    """Another record type a topic carries, and how a body of it (in its current schema)
+    becomes a body of the spec's record, so one INSERT still takes the whole batch."""
+
+    record: str
+    to_body: Callable[[memoryview], bytes]
 
 
 @dataclass(frozen=True)
@@ -91,6 +112,11 @@ class SinkSpec:
     batch_size: int = 10_000
     flush_ms: int = 200  # how long a batch may linger after its first record
     python_rows: PythonRows | None = None  # decode in Python and insert rows into targets[0]
+    # Rows come from the items of this array field of the record (the views read each item as
+    # `record`, through an ARRAY JOIN), e.g. the spans of an agl.SpanBatch.
+    explode: str | None = None
+    also: tuple[AlsoReads, ...] = ()  # other record types of the topic, turned into `record`
+    batch_bytes: int = 64 << 20  # a batch also ends once its records hold this many bytes
 
     @property
     def table(self) -> str:
@@ -101,14 +127,20 @@ class SinkSpec:
         return f"{settings.topic_prefix}.sink.{self.name}"
 
 
+# agl.spans carries agl.SpanBatch records (one attempt's spans) and single agl.Span records:
+# a single span's body becomes a one-span batch body (bytes only), so every sink batch is one
+# INSERT of batches, exploded into rows by the view. All rows of a record share its offset.
 SPANS = SinkSpec(
     "clickhouse-spans",
     "spans",
-    "agl.Span",
+    span_records.SPAN_BATCH,
     (Target("otel_traces", "otel_traces.sql"),),
     ingest="otel_traces",
     resume="data",
     position_columns=("KafkaPartition", "KafkaOffset"),
+    explode="spans",
+    also=(AlsoReads(span_records.SPAN, span_records.batch_body_of_span),),
+    batch_bytes=16 << 20,  # ~10,000 spans' worth, what one INSERT held before batches
 )
 # State topics are small and read behind fences: flush as soon as a fetch is in (flush_ms=0);
 # batches still form under load from whatever arrived while the previous INSERT ran.
@@ -189,30 +221,58 @@ TRAINER_STEPS = SinkSpec(
 SPECS: tuple[SinkSpec, ...] = (SPANS, ROLLOUT_STATE, RESOURCES, WORKERS, TRIPLETS, TRIPLET_BATCHES, TRAINER_STEPS)
 
 
-def ingest_ddl(spec: SinkSpec, database: str, fingerprint_hex: str, record_schema: dict[str, Any]) -> list[str]:
+def ingest_ddl(
+    spec: SinkSpec, database: str, fingerprint_hex: str, record_schema: dict[str, Any], *, probe: bool = False
+) -> list[str]:
     """The Null table for one writer schema and a materialized view into each target table.
 
     Named after the writer schema's fingerprint: a new schema version gets new ones and the old
     ones stay valid for data still in flight.
+
+    ``probe``: the same pipeline (``..._probe``) into Null copies of the targets, made afresh
+    (so they have the targets' current columns). An INSERT there runs the engine's decoding and
+    transforms and writes nothing: it tells which records the engine refuses.
     """
     if spec.python_rows is not None:
         return []
-    null_table = avro_ingest.ingest_table(database, spec.ingest, fingerprint_hex)
+    suffix = "_probe" if probe else ""
+    null_table = avro_ingest.ingest_table(database, spec.ingest, fingerprint_hex) + suffix
     columns = ", ".join(f"`{name}` {kind}" for name, kind in avro_ingest.columns_of(record_schema))
-    statements = [f"CREATE TABLE IF NOT EXISTS {null_table} ({columns}) ENGINE = Null"]
+    statements = []
+    if probe:
+        for target in spec.targets:
+            statements += [
+                f"DROP VIEW IF EXISTS {null_table}_mv_{target.table}",
+                f"DROP TABLE IF EXISTS {database}.{target.table}{suffix}",
+                f"CREATE TABLE {database}.{target.table}{suffix} AS {database}.{target.table} ENGINE = Null",
+            ]
+    statements.append(f"CREATE TABLE IF NOT EXISTS {null_table} ({columns}) ENGINE = Null")
+    source = null_table
+    if spec.explode is not None:
+        # One row per item, presented to the transform as `record` (as if each item had come
+        # alone); the view still triggers on the Null table, the innermost one.
+        source = (
+            f"(SELECT kafka_partition, kafka_offset, item AS record FROM "
+            f"(SELECT kafka_partition, kafka_offset, record AS outer_record FROM {null_table}) "
+            f"ARRAY JOIN outer_record.{spec.explode} AS item)"
+        )
     for target in spec.targets:
         # str.replace, not str.format: the transforms are full of JSON braces.
         transform = resource_path(f"infra/clickhouse/ingest/{target.transform}").read_text()
         statements.append(
-            f"CREATE MATERIALIZED VIEW IF NOT EXISTS {null_table}_mv_{target.table} TO {database}.{target.table} AS "
-            f"{transform.replace('{db}', database)} FROM {null_table}"
+            f"CREATE MATERIALIZED VIEW IF NOT EXISTS {null_table}_mv_{target.table} "
+            f"TO {database}.{target.table}{suffix} AS {transform.replace('{db}', database)} FROM {source}"
         )
     return statements
 
 
+class EngineRefusedError(AglError):
+    """A record decodes, but ClickHouse refuses to make rows of it (its message says why)."""
+
+
 @dataclass
 class SinkStats:
-    rows: int = 0
+    records: int = 0  # Kafka records inserted (a span batch is one record, many rows)
     batches: int = 0
     dead_lettered: int = 0
     tombstones: int = 0
@@ -223,33 +283,48 @@ class SinkStats:
 class EnvelopeBody:
     """``prepare`` for the BatchConsumer: the Avro body of a record in the current schema.
 
-    A record in the current schema costs a slice; an older known version is resolved and
-    re-encoded; a tombstone is None where tombstones are skipped; anything else raises
-    CodecError (-> DLQ). BatchConsumer hands over ``value or b""``, so an empty value counts as a
-    tombstone too.
+    A record in the current schema costs a slice; a record of an ``also`` type in its current
+    schema is turned into a body of ``record`` by its ``to_body`` (bytes only); an older known
+    version of either is resolved and re-encoded first; a tombstone is None where tombstones
+    are skipped; anything else raises CodecError (-> DLQ). BatchConsumer hands over
+    ``value or b""``, so an empty value counts as a tombstone too.
     """
 
-    def __init__(self, codec: Codec, record: str, *, skip_tombstones: bool = False) -> None:
+    def __init__(
+        self, codec: Codec, record: str, *, skip_tombstones: bool = False, also: Sequence[AlsoReads] = ()
+    ) -> None:
         self.codec = codec
         self.record = record
         self.skip_tombstones = skip_tombstones
         self.current = codec.fingerprint(record).to_bytes(8, "little")
+        self.also = {a.record: a.to_body for a in also}
+        self.also_current = {codec.fingerprint(a.record).to_bytes(8, "little"): a.to_body for a in also}
+        self.expected = " or ".join((record, *self.also))
 
     def __call__(self, data: bytes) -> memoryview | None:
-        if data[:2] == MAGIC and data[2:HEADER_SIZE] == self.current:
-            return memoryview(data)[HEADER_SIZE:]
+        if data[:2] == MAGIC:
+            fingerprint = data[2:HEADER_SIZE]
+            if fingerprint == self.current:
+                return memoryview(data)[HEADER_SIZE:]
+            to_body = self.also_current.get(fingerprint)
+            if to_body is not None:
+                return memoryview(to_body(memoryview(data)[HEADER_SIZE:]))
         if not data and self.skip_tombstones:
             return None
         name, value = self.codec.decode_dict(data)
-        if name != self.record:
-            raise RecordTypeError(f"expected a {self.record} record, got {name}")
-        return memoryview(self.codec.encode_dict(name, value))[HEADER_SIZE:]
+        if name == self.record:
+            return memoryview(self.codec.encode_dict(name, value))[HEADER_SIZE:]
+        to_body = self.also.get(name)
+        if to_body is None:
+            raise RecordTypeError(f"expected a {self.expected} record, got {name}")
+        return memoryview(to_body(memoryview(self.codec.encode_dict(name, value))[HEADER_SIZE:]))
 
     def check(self, data: bytes) -> None:
-        """Full decode, for finding the record that made ClickHouse reject a block."""
+        """Full decode, for finding the record that made ClickHouse reject a block (a batch
+        with one bad item is bad as a whole)."""
         name, _ = self.codec.decode_dict(data)
-        if name != self.record:
-            raise RecordTypeError(f"expected a {self.record} record, got {name}")
+        if name != self.record and name not in self.also:
+            raise RecordTypeError(f"expected a {self.expected} record, got {name}")
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -293,7 +368,7 @@ class TableSink:
         self.topic = settings.topic(spec.topic)
         self.db = settings.clickhouse_database
         self.table = f"{self.db}.{spec.table}"
-        self.bodies = EnvelopeBody(self.codec, spec.record, skip_tombstones=spec.skip_tombstones)
+        self.bodies = EnvelopeBody(self.codec, spec.record, skip_tombstones=spec.skip_tombstones, also=spec.also)
         schema = self.codec.contract.schema(spec.record)
         self.header = avro_ingest.container_header(schema.expanded)
         self.ingest_table = avro_ingest.ingest_table(self.db, spec.ingest, schema.fingerprint_hex)
@@ -308,6 +383,7 @@ class TableSink:
         # below it are never inserted again, however the consumer's position came back to
         # them (a rebalance resets positions to the committed offsets, which can lag).
         self.applied_next: dict[int, int] = {}
+        self._probe_ready = False  # the probe pipeline is (re)made the first time it is needed
 
     def stop(self) -> None:
         self._stopping.set()
@@ -382,7 +458,7 @@ class TableSink:
         log.info(
             "sink stopped",
             sink=self.spec.name,
-            rows=self.stats.rows,
+            records=self.stats.records,
             batches=self.stats.batches,
             dlq=self.stats.dead_lettered,
             tombstones=self.stats.tombstones,
@@ -394,7 +470,8 @@ class TableSink:
         next_offsets: dict[TopicPartition, int] = {}
         generation = self.generation
         deadline: float | None = None  # set by the first record: a batch lingers flush_ms at most
-        while len(fetched_all) < self.batch_size and not self._stopping.is_set():
+        size = 0  # bytes of the records so far: span batches make records of up to ~1 MB
+        while len(fetched_all) < self.batch_size and size < self.spec.batch_bytes and not self._stopping.is_set():
             if deadline is None:
                 timeout_ms = _IDLE_POLL_MS
             else:
@@ -405,6 +482,7 @@ class TableSink:
                 max_records=self.batch_size - len(fetched_all), timeout_ms=max(timeout_ms, 1)
             )
             fetched_all.extend(fetched)
+            size += sum(len(r.raw) for r in fetched)
             next_offsets.update(offsets)
             if not next_offsets:
                 return  # idle for a whole poll; the caller checks for stop and calls again
@@ -427,7 +505,7 @@ class TableSink:
                 return
             if records:
                 written = cast(list[Fetched[memoryview]], records)
-                self.stats.rows += await self._insert_with_retry(written, next_offsets, batches.dead_letters)
+                self.stats.records += await self._insert_with_retry(written, next_offsets, batches.dead_letters)
             else:
                 await asyncio.to_thread(self._record_offsets, next_offsets)
             # Visible in ClickHouse from here on; the commit below only moves the restart point.
@@ -441,7 +519,7 @@ class TableSink:
         self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int], dead_letters: DeadLetters
     ) -> int:
         delay = 0.5
-        checked = False
+        checked = False  # looked for bad records and found none: a failure now is the engine's
         rows_in = False  # once the rows are in, a retry only records the offsets (no duplicate rows)
         while True:
             try:
@@ -454,13 +532,23 @@ class TableSink:
                 if self._stopping.is_set():
                     raise
                 if not checked and not rows_in:
-                    # Maybe a record ClickHouse cannot read: find it in Python, dead-letter it.
-                    checked = True
+                    # Maybe a record ClickHouse cannot read: find it in Python, else ask the
+                    # engine record by record (a NaN time decodes but has no DateTime64), and
+                    # dead-letter it. A span batch is good or bad as a whole. Looked for again
+                    # after every find: Python's and the engine's may be different records.
                     records, bad = self._split_bad(records)
+                    probed = True
+                    if not bad and self.spec.python_rows is None:
+                        try:
+                            records, bad = await asyncio.to_thread(self._split_refused, records)
+                        except Exception as probe_error:  # the engine is unreachable: look again later
+                            probed = False
+                            log.warning("probing the rejected block failed", error=str(probe_error)[:300])
                     if bad:
                         log.warning("ClickHouse rejected a block; dead-lettering bad records", bad=len(bad))
                         await dead_letters.send_many(bad)
                         continue
+                    checked = probed
                 # The engine is down or refusing: keep the batch (offsets stay uncommitted) and retry.
                 log.warning("insert failed, retrying", error=str(exc)[:300], retry_in_s=delay)
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
@@ -480,6 +568,32 @@ class TableSink:
                 good.append(record)
         return good, bad
 
+    def _split_refused(self, records: list[Fetched[memoryview]]) -> tuple[list[Fetched[memoryview]], list[Rejected]]:
+        """The records the engine refuses on their own, found by bisection through the probe
+        pipeline (which writes nothing). A block the probe accepts whole has no bad record:
+        the failure was the engine's, and the caller retries."""
+        if not self._probe_ready:
+            schema = self.codec.contract.schema(self.spec.record)
+            for statement in ingest_ddl(self.spec, self.db, schema.fingerprint_hex, schema.expanded, probe=True):
+                self.client.command(statement)
+            self._probe_ready = True
+        refused: dict[tuple[int, int], Exception] = {}
+
+        def search(chunk: list[Fetched[memoryview]]) -> None:
+            try:
+                block = avro_ingest.container(self.header, [(r.partition, r.offset, r.value) for r in chunk])
+                self.client.raw_insert(f"{self.ingest_table}_probe", insert_block=block, fmt="Avro")
+            except DatabaseError as error:  # the engine's verdict, not a lost connection
+                if len(chunk) == 1:
+                    refused[(chunk[0].partition, chunk[0].offset)] = EngineRefusedError(str(error)[:2000])
+                else:
+                    search(chunk[: len(chunk) // 2])
+                    search(chunk[len(chunk) // 2 :])
+
+        search(records)
+        bad = [Rejected.of(r, refused[(r.partition, r.offset)]) for r in records if (r.partition, r.offset) in refused]
+        return [r for r in records if (r.partition, r.offset) not in refused], bad
+
     def _insert(self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int]) -> None:
         self._insert_rows(records)
         self._record_offsets(next_offsets)
@@ -491,7 +605,8 @@ class TableSink:
             self.client.insert(self.table, [[row[c] for c in columns] for row in rows], column_names=columns)
         elif records:
             block = avro_ingest.container(self.header, [(r.partition, r.offset, r.value) for r in records])
-            self.client.raw_insert(self.ingest_table, insert_block=block, fmt="Avro")
+            one_part = _ONE_PART_SETTINGS if self.spec.resume == "data" else None
+            self.client.raw_insert(self.ingest_table, insert_block=block, fmt="Avro", settings=one_part)
 
     def _python_row(self, record: Fetched[memoryview]) -> dict[str, Any]:
         assert self.spec.python_rows is not None

@@ -16,6 +16,10 @@ same rollout and attempt ids (the batcher drops the repeat). This is a plain aio
 not a faust agent, for that reason: faust commits past the first unacknowledged offset of a
 partition when later ones are acknowledged (the batcher's notes say more).
 
+A record of agl.spans is one span or an agl.SpanBatch (a writer's flush of one attempt's
+spans, :mod:`agl_stream.span_records`); a batch stays pending until every attempt it holds
+spans of was emitted.
+
 Undecodable records go to ``agl.dlq`` (acknowledged before their offset is committed); spans of
 attempts that never finish are evicted after a bound (counted, logged), so memory and the
 uncommitted range stay bounded.
@@ -41,13 +45,15 @@ from agl_stream.config import Settings
 from agl_stream.errors import CodecError
 from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer, make_producer
 from agl_stream.logs import get_logger
-from agl_stream.models import RolloutState, Span, TripletRecord
+from agl_stream.models import RolloutState, TripletRecord
+from agl_stream.span_records import spans_of
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.trace_collector import (
     EvictedAttempt,
     ReadyAttempt,
     TraceCollector,
     resources_id_of,
+    spans_by_attempt,
     triplet_record,
 )
 
@@ -94,7 +100,9 @@ class TripletBuilder:
         self.spans_topic = settings.topic("spans")
         self.states_topic = settings.topic("rollout-state")
         self.collector: TraceCollector[Token] = self._new_collector()
-        self.pending: dict[TopicPartition, set[int]] = defaultdict(set)
+        # Per partition, offset -> how many attempts still hold that record (a span batch of
+        # several attempts is done when the last of them is emitted; everything else holds 1).
+        self.pending: dict[TopicPartition, dict[int, int]] = defaultdict(dict)
         self.emitted = 0
         self._last_commit = 0.0
         self._committed: dict[TopicPartition, int] = {}
@@ -133,7 +141,6 @@ class TripletBuilder:
                 for tp, messages in fetched.items():
                     for message in messages:
                         token = (tp, message.offset)
-                        self.pending[tp].add(message.offset)
                         got, at_once = self._take(tp, message, token, now, rejected)
                         ready += got
                         done += at_once
@@ -160,15 +167,27 @@ class TripletBuilder:
     def _take(
         self, tp: TopicPartition, message: Any, token: Token, now: float, rejected: list[tuple[Token, Rejected]]
     ) -> tuple[list[ReadyAttempt[Token]], list[Token]]:
+        self.pending[tp][message.offset] = 1
         if message.value is None:  # a tombstone on the state topic: a forgotten rollout
             return [], [token]
         try:
-            if tp.topic == self.spans_topic:
-                return self.collector.add_span(self.codec.decode(message.value, Span), token, now)
-            return self.collector.add_state(self.codec.decode(message.value, RolloutState), token, now)
+            if tp.topic == self.spans_topic:  # an agl.Span or an agl.SpanBatch
+                groups = spans_by_attempt(spans_of(self.codec, message.value))
+            else:
+                return self.collector.add_state(self.codec.decode(message.value, RolloutState), token, now)
         except CodecError as error:
             rejected.append((token, Rejected.of(message, error)))
             return [], []
+        if not groups:  # an empty batch
+            return [], [token]
+        self.pending[tp][message.offset] = len(groups)
+        ready: list[ReadyAttempt[Token]] = []
+        done: list[Token] = []
+        for group in groups:
+            got, at_once = self.collector.add_spans(group, token, now)
+            ready += got
+            done += at_once
+        return ready, done
 
     def _evicted(self, evicted: Iterable[EvictedAttempt[Token]]) -> list[Token]:
         tokens: list[Token] = []
@@ -213,7 +232,12 @@ class TripletBuilder:
 
     def _done(self, tokens: Iterable[Token]) -> None:
         for tp, offset in tokens:
-            self.pending[tp].discard(offset)
+            held = self.pending[tp]
+            left = held.get(offset, 0) - 1
+            if left > 0:
+                held[offset] = left
+            else:
+                held.pop(offset, None)
 
     async def commit(self, *, force: bool = False) -> None:
         """Commit each partition up to its lowest pending offset (or all it read)."""

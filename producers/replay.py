@@ -4,7 +4,8 @@ One pass per partition of ``agl.spans`` (``agl.rollouts`` is co-partitioned with
 id): first the partition's rollout events are folded with the processor's pure fold (the
 history of ``agl.rollout-state`` is compacted and tombstoned, the events are kept forever),
 and every state goes into the live builder's pure :class:`TraceCollector`; then the spans in
-the range go in, and each attempt the collector hands out becomes a record through the live
+the range go in (a record is one agl.Span or an agl.SpanBatch, decoded in one call; ranges and
+offsets count records), and each attempt the collector hands out becomes a record through the live
 builder's pure :func:`triplet_record`. Records are written after all partitions were read, in
 canonical order (see :mod:`agl_stream.replay.core`).
 
@@ -28,7 +29,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.errors import AglError, CodecError, RecordTypeError
+from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.admin import create_topic_like
 from agl_stream.kafka.io import make_consumer, make_producer
 from agl_stream.logs import get_logger
@@ -54,9 +55,10 @@ from agl_stream.replay.core import (
     validated_span,
     with_reward,
 )
+from agl_stream.span_records import span_dicts_of
 from agl_stream.store.fold import fold
 from agl_stream.store.readside import read_side_for
-from agl_stream.trace_collector import ReadyAttempt, TraceCollector, resources_id_of, triplet_record
+from agl_stream.trace_collector import ReadyAttempt, TraceCollector, resources_id_of, spans_by_attempt, triplet_record
 
 log = get_logger("agl.replay")
 
@@ -97,7 +99,7 @@ class ReplaySummary:
     incomplete: int = 0
     incomplete_skipped: int = 0
     unfinished_attempts: int = 0
-    malformed_spans: Problems = field(default_factory=Problems)
+    malformed_spans: Problems = field(default_factory=Problems)  # records of agl.spans (a batch counts once)
     bad_events: Problems = field(default_factory=Problems)
     reward_errors: Problems = field(default_factory=Problems)
     digest: str = ""
@@ -173,7 +175,12 @@ async def replay(
         ]
         busy = [job for job in jobs if job.bounds[1] > job.bounds[0]]
         count = workers if workers is not None else min(os.cpu_count() or 1, len(busy))
-        if count > 1 and len(busy) > 1 and (workers is not None or total >= _PARALLEL_MIN_SPANS):
+        spans = float(total)
+        if count > 1 and len(busy) > 1 and workers is None and total < _PARALLEL_MIN_SPANS:
+            # A record holds one span or a batch of many: estimate from the first few.
+            first = TopicPartition(settings.topic("spans"), busy[0].partition)
+            spans *= await _spans_per_record(consumer, first, busy[0].bounds, codec)
+        if count > 1 and len(busy) > 1 and (workers is not None or spans >= _PARALLEL_MIN_SPANS):
             records = await _in_processes(settings, jobs, keys, replay_settings, resources, summary, count, on_progress)
         else:
             records = await _in_this_process(
@@ -389,6 +396,20 @@ async def _select_rollouts(
     return selected, rollouts
 
 
+async def _spans_per_record(
+    consumer: AIOKafkaConsumer, tp: TopicPartition, bounds: tuple[int, int], codec: Codec, sample: int = 20
+) -> float:
+    """Mean spans per record over the first ``sample`` records of a range (1 if none decodes)."""
+    lo, hi = bounds
+    counts = []
+    async for message in _range(consumer, tp, lo, min(hi, lo + sample)):
+        try:
+            counts.append(len(span_dicts_of(codec, message.value or b"")))
+        except CodecError:
+            continue
+    return sum(counts) / len(counts) if counts else 1.0
+
+
 async def _resources(consumer: AIOKafkaConsumer, settings: Settings, codec: Codec) -> dict[str, ResourcesUpdate]:
     """The resources snapshots written before the replay began (compacted: the latest per id)."""
     topic = settings.topic("resources")
@@ -465,27 +486,24 @@ async def _read_spans(
     lo, hi = bounds
     out: list[OutRecord] = []
     make_span = validated_span if reward_fn is not None else span_view
-    decode = codec.decode_dict
     read = 0
     last_report = 0
     async for message in _range(consumer, tp, lo, hi):
         read = message.offset - lo + 1
         if keys is not None and message.key not in keys:
             continue
-        summary.spans += 1
-        try:
-            kind, datum = decode(message.value or b"")
-            if kind != "agl.Span":
-                raise RecordTypeError(f"expected an agl.Span, got a {kind}")
-            span = make_span(datum)
+        try:  # one agl.Span, or an agl.SpanBatch decoded in one call (good or bad as a whole)
+            spans = [make_span(datum) for datum in span_dicts_of(codec, message.value or b"")]
         except CodecError as error:
             summary.malformed_spans.add(f"{tp.topic}[{tp.partition}]@{message.offset}: {error}")
             continue
-        ready, _ = collector.add_span(span, message.offset, 0.0)
-        for attempt in ready:
-            out += _derived(
-                tp.partition, (0, message.offset), attempt, summary, replay_settings, reward_fn, resources, codec
-            )
+        summary.spans += len(spans)
+        for group in spans_by_attempt(spans):
+            ready, _ = collector.add_spans(group, message.offset, 0.0)
+            for attempt in ready:
+                out += _derived(
+                    tp.partition, (0, message.offset), attempt, summary, replay_settings, reward_fn, resources, codec
+                )
         if read - last_report >= 5000:
             last_report = read
             progress(read)

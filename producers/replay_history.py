@@ -26,6 +26,7 @@ from agl_stream.models import (
     RolloutEnqueued,
     RolloutEvent,
 )
+from agl_stream.span_records import SPAN, span_dict_records
 
 BASE_TIME = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 _TEXT = "plan the next step, call a tool, then answer with digits only. " * 40
@@ -160,8 +161,21 @@ def attempt_history(
     return AttemptHistory(rollout_id, events, spans, value)
 
 
-async def write_history(settings: Settings, histories: list[AttemptHistory]) -> None:
-    """Write the histories' events to ``agl.rollouts`` and spans to ``agl.spans`` (acknowledged)."""
+def span_values(history: AttemptHistory, codec: Codec, batch: int | None) -> list[bytes]:
+    """The history's agl.spans values: one agl.Span each (``batch`` None), or agl.SpanBatch
+    records of up to ``batch`` spans, as a writer flushing every ``batch`` spans sends them."""
+    if batch is None:
+        return [codec.encode_dict(SPAN, span) for span in history.spans]
+    return [
+        value
+        for start in range(0, len(history.spans), batch)
+        for _, value in span_dict_records(history.spans[start : start + batch], codec)
+    ]
+
+
+async def write_history(settings: Settings, histories: list[AttemptHistory], *, batch: int | None = None) -> None:
+    """Write the histories' events to ``agl.rollouts`` and spans to ``agl.spans`` (acknowledged);
+    ``batch``: spans as agl.SpanBatch records of up to that many spans (see :func:`span_values`)."""
     codec = Codec.default()
     producer = make_producer(settings)
     await producer.start()
@@ -171,8 +185,8 @@ async def write_history(settings: Settings, histories: list[AttemptHistory]) -> 
             key = history.rollout_id.encode()
             for ev in history.events:
                 futures.append(await producer.send(settings.topic("rollouts"), codec.encode(ev), key=key))
-            for sp in history.spans:
-                futures.append(await producer.send(settings.topic("spans"), codec.encode_dict("agl.Span", sp), key=key))
+            for value in span_values(history, codec, batch):
+                futures.append(await producer.send(settings.topic("spans"), value, key=key))
             if len(futures) >= 5000:
                 for future in futures:
                     await future

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -11,6 +11,7 @@ from aiokafka import TopicPartition
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.io import make_producer
+from agl_stream.span_records import SPAN, span_dict_records
 
 _WORDS = ("plan", "search", "tool", "answer", "digit", "reward", "think", "call", "agent", "step")
 # Prompt text is cut from one long deterministic string: generating text per span would cost
@@ -78,27 +79,48 @@ def synthetic_span(index: int, *, rollouts: int = 100, text_bytes: int = 1200, s
     }
 
 
+def synthetic_records(
+    start_index: int, count: int, *, rollouts: int = 100, per_record: int = 1, text_bytes: int = 1200
+) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) of the agl.spans records of spans ``start_index`` onwards: single agl.Span
+    records (``per_record`` 1), else agl.SpanBatch records of up to ``per_record`` spans of one
+    attempt, as a writer that flushes every ``per_record`` spans of each of ``rollouts``
+    attempts sends them."""
+    codec = Codec.default()
+    end = start_index + count
+    if per_record == 1:
+        for i in range(start_index, end):
+            span = synthetic_span(i, rollouts=rollouts, text_bytes=text_bytes)
+            yield span["rollout_id"].encode(), codec.encode_dict(SPAN, span)
+        return
+    step = per_record * rollouts  # the next `per_record` spans of every rollout
+    for chunk in range(start_index, end, step):
+        indices = range(chunk, min(chunk + step, end))
+        spans = [synthetic_span(i, rollouts=rollouts, text_bytes=text_bytes) for i in indices]
+        for key, value in span_dict_records(spans, codec):
+            yield key.encode(), value
+
+
 async def produce_spans(
     settings: Settings,
     count: int,
     *,
     rollouts: int = 100,
     start_index: int = 0,
+    per_record: int = 1,
     on_progress: Callable[[int], None] | None = None,
 ) -> dict[TopicPartition, int]:
-    """Produce ``count`` synthetic spans keyed by rollout id; return the end offset written per partition."""
-    codec = Codec.default()
+    """Produce ``count`` synthetic spans keyed by rollout id, ``per_record`` at most in a record
+    (see :func:`synthetic_records`); return the end offset written per partition.
+    ``on_progress`` gets the number of records acknowledged."""
     topic = settings.topic("spans")
     producer = make_producer(settings)
     await producer.start()
     ends: dict[TopicPartition, int] = {}
     try:
         futures = []
-        for i in range(start_index, start_index + count):
-            span = synthetic_span(i, rollouts=rollouts)
-            futures.append(
-                await producer.send(topic, codec.encode_dict("agl.Span", span), key=span["rollout_id"].encode())
-            )
+        for key, value in synthetic_records(start_index, count, rollouts=rollouts, per_record=per_record):
+            futures.append(await producer.send(topic, value, key=key))
             if len(futures) >= 2000:
                 _collect(await _gather(futures), ends, on_progress)
                 futures = []

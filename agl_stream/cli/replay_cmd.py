@@ -97,7 +97,7 @@ def replay(
         TextColumn("[bold]replay {task.fields[name]}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]} spans/s"),
+        TextColumn("{task.fields[rate]} records/s"),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),

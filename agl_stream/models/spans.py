@@ -92,3 +92,17 @@ class Span(AglModel):
     resource: OtelResource = Field(default_factory=OtelResource)
     scope_name: str = ""
     scope_version: str = ""
+
+
+class SpanBatch(AglModel):
+    """Spans of one attempt in one record (topic agl.spans, key rollout_id).
+
+    Written by :func:`agl_stream.span_records.span_records`; agl.spans carries these beside
+    single :class:`Span` records, and every reader takes both (``span_records.spans_of``).
+    """
+
+    avro_name: ClassVar[str] = "agl.SpanBatch"
+
+    rollout_id: str
+    attempt_id: str
+    spans: list[Span] = Field(default_factory=list)

@@ -48,6 +48,7 @@ from agl_stream.models import (
 )
 from agl_stream.models.base import TERMINAL_STATUSES
 from agl_stream.models.replies import Reply
+from agl_stream.span_records import span_records
 from agl_stream.store.queue import claim_attempt_id
 from agl_stream.store.reads import StoreReads
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
@@ -141,6 +142,15 @@ class AglStore(StoreReads):
     async def _write(self, topic: str, records: Sequence[tuple[str, AglModel]]) -> None:
         """Write records (not rollout events) and raise our read fence to them."""
         for metadata in await self._records.send_many(self.settings.topic(topic), records):
+            self._note(metadata.topic, metadata.partition, metadata.offset)
+
+    async def _write_spans(self, spans: Sequence[Span]) -> None:
+        """Spans as agl.SpanBatch records (one per attempt, split under 1 MB, keyed by rollout id)."""
+        topic = self.settings.topic("spans")
+        sends = [
+            await self._producer.send(topic, value, key=key.encode()) for key, value in span_records(spans, self.codec)
+        ]
+        for metadata in await asyncio.gather(*sends):
             self._note(metadata.topic, metadata.partition, metadata.offset)
 
     async def _request(self, rollout_id: str, payload: AglModel) -> RolloutState:
@@ -441,7 +451,7 @@ class AglStore(StoreReads):
         """Write spans to agl.spans; their arrival is one heartbeat per attempt (ValueError if unknown)."""
         if not spans:
             return []
-        await self._write("spans", [(span.rollout_id, span) for span in spans])
+        await self._write_spans(spans)
         await self._acknowledged(_heartbeats(spans))
         return list(spans)
 
@@ -456,7 +466,7 @@ class AglStore(StoreReads):
             return
         beats = [self._encode_event(rid, beat) for rid, beat in _heartbeats(spans)]
         acks = await self._send_events(beats)
-        await self._write("spans", [(span.rollout_id, span) for span in spans])
+        await self._write_spans(spans)
         await self._await_acks(acks)
 
     async def beat(

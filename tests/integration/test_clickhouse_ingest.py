@@ -6,13 +6,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
 
 from agl_stream.clickhouse.avro_ingest import columns_of, container, container_header
-from agl_stream.codec import HEADER_SIZE, Codec
+from agl_stream.clickhouse.client import get_client
+from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.io import Fetched
-from agl_stream.models import Attempt, Rollout, RolloutState
-from consumers.clickhouse_sink import ROLLOUT_STATE, SPANS, TableSink
+from agl_stream.models import Attempt, Rollout, RolloutState, Span
+from agl_stream.span_records import span_dict_records
+from consumers.clickhouse_sink import ROLLOUT_STATE, SPANS, EngineRefusedError, TableSink
 from tests.integration.helpers import clickhouse
 from tests.unit.test_codec import span_dict
 
@@ -44,8 +47,7 @@ def test_a_span_becomes_an_otel_traces_row(tmp_path: Path) -> None:
         sink = TableSink(settings, ch)
         sink.prepare_tables()
         sink.prepare_tables()  # idempotent
-        record = Fetched("agl.spans", 3, 77, b"k", memoryview(raw)[HEADER_SIZE:], raw, 0)
-        sink._insert([record], {})
+        sink._insert(_fetched(sink, [raw], partition=3, first_offset=77), {})
         result = ch.query("SELECT * FROM agl.otel_traces")
         rows = [dict(zip(result.column_names, r, strict=True)) for r in result.result_rows]
     assert len(rows) == 1
@@ -85,7 +87,7 @@ def test_an_open_span_has_zero_duration(tmp_path: Path) -> None:
     with clickhouse(settings) as ch:
         sink = TableSink(settings, ch)
         sink.prepare_tables()
-        sink._insert([Fetched("agl.spans", 0, 0, None, memoryview(raw)[HEADER_SIZE:], raw, 0)], {})
+        sink._insert(_fetched(sink, [raw]), {})
         query = "SELECT Duration, StatusCode, StatusMessage FROM agl.otel_traces"
         [(duration, code, message)] = ch.query(query).result_rows
     assert (duration, code, message) == (0, "STATUS_CODE_ERROR", "boom")
@@ -121,8 +123,8 @@ def test_rows_carry_the_policy_version_their_work_ran_with(tmp_path: Path) -> No
         spans, states = TableSink(settings, ch, SPANS), TableSink(settings, ch, ROLLOUT_STATE)
         spans.prepare_tables()
         states.prepare_tables()
-        spans._insert(_fetched([codec.encode_dict("agl.Span", s) for s in (tagged, untagged)]), {})
-        states._insert(_fetched([codec.encode(retried), codec.encode(queued)]), {})
+        spans._insert(_fetched(spans, [codec.encode_dict("agl.Span", s) for s in (tagged, untagged)]), {})
+        states._insert(_fetched(states, [codec.encode(retried), codec.encode(queued)]), {})
         span_versions = ch.query("SELECT PolicyVersion FROM agl.otel_traces ORDER BY SpanId").result_rows
         attempts = ch.query("SELECT attempt_id, policy_version FROM agl.attempts FINAL ORDER BY 1").result_rows
         rollouts = ch.query("SELECT rollout_id, policy_version FROM agl.rollouts FINAL ORDER BY 1").result_rows
@@ -131,5 +133,90 @@ def test_rows_carry_the_policy_version_their_work_ran_with(tmp_path: Path) -> No
     assert rollouts == [("ro-0123456789ab", 5), ("ro-0123456789ac", None)]  # the latest attempt's
 
 
-def _fetched(raws: list[bytes]) -> list[Fetched[memoryview]]:
-    return [Fetched("t", 0, offset, b"k", memoryview(raw)[HEADER_SIZE:], raw, 0) for offset, raw in enumerate(raws)]
+def _fetched(
+    sink: TableSink, raws: list[bytes], *, partition: int = 0, first_offset: int = 0
+) -> list[Fetched[memoryview]]:
+    """Records as the sink's consumer hands them over (its ``prepare`` applied), at consecutive offsets."""
+    out = []
+    for offset, raw in enumerate(raws, start=first_offset):
+        body = sink.bodies(raw)
+        assert body is not None
+        out.append(Fetched("t", partition, offset, b"k", body, raw, 0))
+    return out
+
+
+def test_a_span_batch_becomes_one_row_per_span_at_its_offset(tmp_path: Path) -> None:
+    """Batches and single spans in one INSERT; every span comes back from SpanJson as it was sent."""
+    settings = Settings(data_dir=tmp_path)
+    codec = Codec.default()
+    spans = [span_dict(sequence_id=seq, span_id=f"{seq:016x}") for seq in (1, 2, 3)]
+    single = span_dict(sequence_id=4, span_id=f"{4:016x}", attempt_id="at-00000002")
+    [(_, batch)] = span_dict_records(spans, codec)
+    with clickhouse(settings) as ch:
+        sink = TableSink(settings, ch, SPANS)
+        sink.prepare_tables()
+        sink._insert(_fetched(sink, [batch, codec.encode_dict("agl.Span", single)], first_offset=10), {})
+        rows = ch.query("SELECT SequenceId, KafkaOffset, SpanJson FROM agl.otel_traces ORDER BY SequenceId").result_rows
+        assert sink.applied_offsets() == {0: 12}
+    assert [(seq, offset) for seq, offset, _ in rows] == [(1, 10), (2, 10), (3, 10), (4, 11)]
+    assert [Span.model_validate_json(js) for *_, js in rows] == [Span.model_validate(s) for s in (*spans, single)]
+
+
+def test_one_insert_is_one_part_however_the_engine_would_squash_it(tmp_path: Path) -> None:
+    """The "data" resume policy needs one part per INSERT. The engine writes a part per block
+    it squashed (ARRAY JOIN yields blocks of max_block_size rows, squashed up to 256 MB by
+    default: 100k spans of 1.9 KB made two parts); small blocks here show it with 3,000 spans."""
+    settings = Settings(data_dir=tmp_path)
+    codec = Codec.default()
+    spans = [span_dict(sequence_id=seq, span_id=f"{seq:016x}") for seq in range(1, 3001)]
+    records = [
+        value for start in range(0, 3000, 100) for _, value in span_dict_records(spans[start : start + 100], codec)
+    ]
+    parts = "SELECT count() FROM system.parts WHERE database = 'agl' AND table = 'otel_traces' AND active"
+    with clickhouse(settings) as setup:
+        TableSink(settings, setup, SPANS).prepare_tables()
+    small_blocks = get_client(
+        settings, max_block_size=100, min_insert_block_size_rows=100, min_insert_block_size_bytes=10_000
+    )
+    try:
+        small_blocks.command("SYSTEM STOP MERGES agl.otel_traces")
+        sink = TableSink(settings, small_blocks, SPANS)
+        plain = _fetched(sink, records[:15])
+        block = container(sink.header, [(r.partition, r.offset, r.value) for r in plain])
+        small_blocks.raw_insert(sink.ingest_table, insert_block=block, fmt="Avro")
+        assert int(small_blocks.command(parts)) > 1  # what the session alone does
+        small_blocks.command("TRUNCATE TABLE agl.otel_traces")
+        sink._insert(_fetched(sink, records), {})
+        assert int(small_blocks.command(parts)) == 1
+        assert int(small_blocks.command("SELECT count() FROM agl.otel_traces")) == 3000
+    finally:
+        small_blocks.close()
+
+
+def test_the_probe_finds_the_records_the_engine_refuses_and_writes_nothing(tmp_path: Path) -> None:
+    """A NaN start time is valid Avro and a valid Span, but no DateTime64: the engine refuses
+    the block. The probe names that record alone (a batch is refused whole)."""
+    settings = Settings(data_dir=tmp_path)
+    codec = Codec.default()
+    good = [span_dict(sequence_id=seq, span_id=f"{seq:016x}") for seq in range(1, 9)]
+    nan = span_dict(sequence_id=9, span_id=f"{9:016x}", start_time=float("nan"))
+    raws = [
+        span_dict_records(good[:3], codec)[0][1],
+        span_dict_records([good[3], nan, good[4]], codec)[0][1],
+        codec.encode_dict("agl.Span", good[5]),
+        span_dict_records(good[6:], codec)[0][1],
+    ]
+    with clickhouse(settings) as ch:
+        sink = TableSink(settings, ch, SPANS)
+        sink.prepare_tables()
+        records = _fetched(sink, raws)
+        with pytest.raises(DatabaseError, match="DateTime64"):
+            sink._insert(records, {})
+        kept, refused = sink._split_refused(records)
+        assert [r.offset for r in kept] == [0, 2, 3]
+        [bad] = refused
+        assert bad.offset == 1 and isinstance(bad.error, EngineRefusedError) and "DateTime64" in str(bad.error)
+        assert int(ch.command("SELECT count() FROM agl.otel_traces")) == 0  # probing writes nothing
+        sink._insert(kept, {})
+        assert int(ch.command("SELECT count() FROM agl.otel_traces")) == 6
+        assert sink._split_refused(kept) == (kept, [])  # a block the engine takes has no bad record

@@ -26,7 +26,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from agl_stream import AglStore, connect
+from agl_stream import AglStore, connect, span_records
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
@@ -302,7 +302,7 @@ async def spans_in_kafka(settings: Settings, rollout_id: str) -> list[Span]:
     """The rollout's spans on agl.spans, up to the topic's end offsets as of this call."""
     codec = Codec.default()
     records = await read_to_end(settings, settings.topic("spans"))
-    return [codec.decode(r.value, Span) for r in records if r.key == rollout_id.encode()]
+    return [span for r in records if r.key == rollout_id.encode() for span in span_records.spans_of(codec, r.value)]
 
 
 # -- tests ------------------------------------------------------------------------------------

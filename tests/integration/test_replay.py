@@ -42,8 +42,8 @@ def picky_reward(spans: list[Span]) -> float | None:
 
 @pytest.fixture(scope="module")
 def history(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """A stack of its own (the SQL selection needs the gateway's engine), with the history and
-    one undecodable span in it."""
+    """A stack of its own (the SQL selection needs the gateway's engine), with the history
+    (single spans and span batches) and one undecodable span in it."""
     import asyncio
 
     settings = Settings(
@@ -57,7 +57,9 @@ def history(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> I
         running = stack.local_stack_settings(settings)
 
         async def write() -> None:
-            await write_history(running, [attempt_history(i, groups=GROUPS) for i in range(ROLLOUTS)])
+            # Even rollouts as single spans, odd ones as span batches of up to 4 spans (3 records).
+            await write_history(running, [attempt_history(i, groups=GROUPS) for i in range(0, ROLLOUTS, 2)])
+            await write_history(running, [attempt_history(i, groups=GROUPS) for i in range(1, ROLLOUTS, 2)], batch=4)
             producer = make_producer(running)
             await producer.start()
             try:
@@ -82,7 +84,7 @@ async def test_replays_are_identical_idempotent_and_report_bad_spans(history: Se
     second = await replay(history, "two", workers=2)
     assert first.records == second.records == ROLLOUTS
     assert first.digest == second.digest and len(first.digest) == 64
-    assert (first.spans, first.attempts) == (second.spans, second.attempts)
+    assert (first.spans, first.attempts) == (second.spans, second.attempts) == (ROLLOUTS * 10, ROLLOUTS)
     for run in (first, second):
         assert run.malformed_spans.count == 1 and "not the Avro single-object marker" in run.malformed_spans.reasons[0]
     one = await read_topic(history, first.topic, ROLLOUTS)

@@ -1,6 +1,7 @@
 """The ClickHouse sink against the real broker and the real embedded engine.
 
-Exactly-once across a real `kill -9`, and bad records dead-lettered without stopping the sink.
+Exactly-once across a real `kill -9`, and bad records dead-lettered without stopping the sink,
+with spans as single agl.Span records and as agl.SpanBatch records (many spans, one offset).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from agl_stream.kafka import admin
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import committed_offsets, wait_for_group
 from agl_stream.models import DlqRecord
+from agl_stream.span_records import span_dict_records
 from producers.synthetic_spans import produce_spans, synthetic_span
 from tests.integration.helpers import (
     clickhouse,
@@ -33,29 +35,33 @@ def _group(settings: Settings) -> str:
     return f"{settings.topic_prefix}.sink.clickhouse-spans"
 
 
-async def test_kill_9_halfway_loses_nothing_and_duplicates_nothing(settings: Settings) -> None:
+@pytest.mark.parametrize("per_record", [1, 7])
+async def test_kill_9_halfway_loses_nothing_and_duplicates_nothing(settings: Settings, per_record: int) -> None:
     await admin.apply(settings)
-    ends = await produce_spans(settings, TOTAL, rollouts=200)
-    assert sum(ends.values()) == TOTAL
+    ends = await produce_spans(settings, TOTAL, rollouts=200, per_record=per_record)
+    records = sum(ends.values())
+    assert records == (TOTAL if per_record == 1 else 200 * -(-TOTAL // (200 * per_record)))
     group = _group(settings)
 
     # Small batches so the sink is still mid-stream when it is killed.
-    sink = start_role(settings, "sink", "--batch-size", "200", "--flush-ms", "50", log_name="sink1")
+    batch_size = str(200 // per_record)
+    sink = start_role(settings, "sink", "--batch-size", batch_size, "--flush-ms", "50", log_name="sink1")
     try:
-        await wait_committed_at_least(settings, group, 2_000, timeout=120)
+        await wait_committed_at_least(settings, group, records // 5, timeout=120)
         sink.send_signal(signal.SIGKILL)
         sink.wait(30)
     finally:
         stop_role(sink)
     at_kill = sum((await committed_offsets(settings, group)).values())
-    assert at_kill < TOTAL, "the sink finished before it was killed; lower its batch size"
+    assert at_kill < records, "the sink finished before it was killed; lower its batch size"
 
     # Offsets are committed only after the rows are durable: the table holds at least as much.
     with clickhouse(settings) as ch:
-        rows_after_kill = ch.command(f"SELECT count() FROM {settings.clickhouse_database}.otel_traces")
-    assert int(rows_after_kill) >= at_kill
+        query = f"SELECT uniqExact(KafkaPartition, KafkaOffset) FROM {settings.clickhouse_database}.otel_traces"
+        records_after_kill = ch.command(query)
+    assert int(records_after_kill) >= at_kill
 
-    sink = start_role(settings, "sink", "--batch-size", "200", "--flush-ms", "50", log_name="sink2")
+    sink = start_role(settings, "sink", "--batch-size", batch_size, "--flush-ms", "50", log_name="sink2")
     try:
         await wait_for_group(settings, group, ends, timeout=120)
     finally:
@@ -64,7 +70,7 @@ async def test_kill_9_halfway_loses_nothing_and_duplicates_nothing(settings: Set
     with clickhouse(settings) as ch:
         db = settings.clickhouse_database
         assert int(ch.command(f"SELECT count() FROM {db}.otel_traces")) == TOTAL
-        assert int(ch.command(f"SELECT uniqExact(KafkaPartition, KafkaOffset) FROM {db}.otel_traces")) == TOTAL
+        assert int(ch.command(f"SELECT uniqExact(KafkaPartition, KafkaOffset) FROM {db}.otel_traces")) == records
         assert int(ch.command(f"SELECT uniqExact(RolloutId, SequenceId) FROM {db}.otel_traces")) == TOTAL
         applied = dict(
             ch.query(f"SELECT Partition, max(NextOffset) FROM {db}.sink_offsets FINAL GROUP BY Partition").result_rows
@@ -138,3 +144,48 @@ async def test_a_block_clickhouse_rejects_is_split_and_only_the_bad_record_dead_
     with clickhouse(settings) as ch:
         ids = {r[0] for r in ch.query(f"SELECT SpanId FROM {settings.clickhouse_database}.otel_traces").result_rows}
     assert ids == {s["span_id"] for i, s in enumerate(spans) if i != 3}
+
+
+async def test_bad_span_batches_are_dead_lettered_whole_beside_good_batches_and_single_spans(
+    settings: Settings,
+) -> None:
+    """Two kinds of bad batch in one sink batch: a truncated body (Python finds it) and a span
+    with a NaN start time (valid Avro; the engine refuses it, its probe finds it)."""
+    await admin.apply(settings)
+    codec = Codec.default()
+    topic = settings.topic("spans")
+    spans = [synthetic_span(i, rollouts=1) for i in range(10)]  # one rollout: one partition, in order
+    [(_, broken)] = span_dict_records(spans[3:6], codec)
+    broken = broken[:-40]  # current fingerprint, body cut inside its last span
+    [(_, refused)] = span_dict_records([spans[8], {**spans[9], "start_time": float("nan")}], codec)
+    values = [
+        codec.encode_dict("agl.Span", spans[0]),
+        span_dict_records(spans[1:3], codec)[0][1],
+        broken,
+        refused,
+        span_dict_records(spans[6:8], codec)[0][1],
+    ]
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        sent = [await producer.send_and_wait(topic, value, key=spans[0]["rollout_id"].encode()) for value in values]
+    finally:
+        await producer.stop()
+
+    sink = start_role(settings, "sink", "--flush-ms", "200", log_name="sink")
+    try:
+        await wait_committed_at_least(settings, _group(settings), len(values), timeout=60)
+    finally:
+        assert stop_role(sink) == 0
+
+    dead = [codec.decode(m.value, DlqRecord) for m in await read_topic(settings, settings.topic("dlq"), 2)]
+    assert sorted((d.source_offset, d.value, d.error_type) for d in dead) == [
+        (sent[2].offset, broken, "MalformedRecordError"),
+        (sent[3].offset, refused, "EngineRefusedError"),
+    ]
+    assert "DateTime64" in next(d.reason for d in dead if d.error_type == "EngineRefusedError")
+    with clickhouse(settings) as ch:
+        rows = ch.query(f"SELECT SpanId, KafkaOffset FROM {settings.clickhouse_database}.otel_traces").result_rows
+    kept = [s["span_id"] for i, s in enumerate(spans) if i in (0, 1, 2, 6, 7)]
+    offsets = [sent[0].offset, sent[1].offset, sent[1].offset, sent[4].offset, sent[4].offset]
+    assert sorted(rows) == sorted(zip(kept, offsets, strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,9 +17,15 @@ from aiokafka import AIOKafkaConsumer
 from agl_stream import connect, stack
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
+from agl_stream.kafka import admin
 from agl_stream.kafka.io import make_producer
-from agl_stream.models import DlqRecord, TripletRecord
-from tests.integration.helpers import start_role, stop_role
+from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.models import DlqRecord, RolloutState, TripletRecord
+from agl_stream.span_records import SPAN_BATCH
+from agl_stream.store.fold import fold
+from processors.triplets import TripletBuilder
+from producers.replay_history import AttemptHistory, attempt_history, rollout_id_of, span_values
+from tests.integration.helpers import read_topic, start_role, stop_role
 
 pytestmark = pytest.mark.integration
 
@@ -136,3 +143,89 @@ async def test_a_killed_builder_loses_no_attempt_and_garbage_goes_to_the_dlq(own
         await producer.stop()
         assert stop_role(runner, timeout=60) == 0
         stop_role(builder, timeout=30)
+
+
+def _final_state(history: AttemptHistory) -> RolloutState:
+    """The state the rollout processor folds the history's events into (pure fold)."""
+    state: RolloutState | None = None
+    for event in history.events:
+        result = fold(state, event)
+        assert result.state is not None, result
+        state = result.state
+    assert state is not None
+    return state
+
+
+async def test_span_batches_and_single_spans_make_the_same_records(settings: Settings) -> None:
+    """Attempts written as single spans, as batches (split in several records) and, against
+    the contract, two attempts in one batch: every attempt gets its record, and a batch is
+    committed past only once every attempt it holds was emitted."""
+    await admin.apply(settings)
+    codec = Codec.default()
+    partition = _partition_of(rollout_id_of(0))
+    neighbour = next(i for i in range(1, 64) if _partition_of(rollout_id_of(i)) == partition)
+    singles = [attempt_history(1000 + i) for i in range(2)]
+    batched = [attempt_history(2000 + i) for i in range(2)]
+    mixed_a, mixed_b = attempt_history(0), attempt_history(neighbour)  # one partition
+    spans_topic, states_topic = settings.topic("spans"), settings.topic("rollout-state")
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for history in (*singles, *batched, mixed_a):
+            await producer.send_and_wait(
+                states_topic, codec.encode(_final_state(history)), key=history.rollout_id.encode()
+            )
+        sends = [
+            *((h.rollout_id, v) for h in singles for v in span_values(h, codec, None)),
+            *((h.rollout_id, v) for h in batched for v in span_values(h, codec, 4)),  # 3 records each
+            (mixed_a.rollout_id, codec.encode_dict(SPAN_BATCH, {
+                "rollout_id": mixed_a.rollout_id, "attempt_id": mixed_a.spans[0]["attempt_id"],
+                "spans": mixed_a.spans + mixed_b.spans,
+            })),
+        ]  # fmt: skip
+        sent = {value: await producer.send_and_wait(spans_topic, value, key=key.encode()) for key, value in sends}
+        mixed = sent[sends[-1][1]]
+    finally:
+        await producer.stop()
+
+    async def run_builder_until(records_wanted: int) -> list[TripletRecord]:
+        stop = asyncio.Event()
+        builder = TripletBuilder(settings, settle_s=60.0)  # complete by count, not by settling
+        task = asyncio.create_task(builder.run(stop))
+        try:
+            got = await read_topic(settings, settings.topic("triplets"), records_wanted, timeout=90)
+        finally:
+            stop.set()
+            await task
+        return [codec.decode(m.value, TripletRecord) for m in got]
+
+    first = await run_builder_until(5)
+    assert sorted(r.rollout_id for r in first) == sorted(h.rollout_id for h in (*singles, *batched, mixed_a))
+    for record in first:
+        assert len(record.triplets) == 8
+    group = f"{settings.topic_prefix}.processor.triplets"
+    committed = {
+        tp.partition: o for tp, o in (await committed_offsets(settings, group)).items() if tp.topic == spans_topic
+    }
+    assert committed[mixed.partition] == mixed.offset  # mixed_b still holds the batch
+    ends = await end_offsets(settings, spans_topic)
+    assert all(committed.get(tp.partition, 0) == end for tp, end in ends.items() if tp.partition != mixed.partition)
+
+    # mixed_b finishes: a new builder reads the batch again and emits it.
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        await producer.send_and_wait(states_topic, codec.encode(_final_state(mixed_b)), key=mixed_b.rollout_id.encode())
+    finally:
+        await producer.stop()
+    second = await run_builder_until(6)
+    [late] = [r for r in second if r.rollout_id == mixed_b.rollout_id]
+    assert [t.response_token_ids for t in late.triplets] == [
+        s["attributes"]["response_token_ids"] for s in mixed_b.spans[:8]
+    ]
+
+
+def _partition_of(rollout_id: str) -> int:
+    from aiokafka.partitioner import DefaultPartitioner
+
+    return int(DefaultPartitioner()(rollout_id.encode(), [0, 1, 2, 3], [0, 1, 2, 3]))

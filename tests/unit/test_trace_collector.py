@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from agl_stream.models import Attempt, Rollout, RolloutState, Span
-from agl_stream.trace_collector import TraceCollector, group_id_of
+from agl_stream.trace_collector import TraceCollector, group_id_of, spans_by_attempt
 
 RID = "ro-000000000001"
 
@@ -120,3 +120,34 @@ def test_group_id_is_the_task_identity_or_the_producers_choice() -> None:
     assert group_id_of(a) == group_id_of(b) != group_id_of(c)
     d = a.model_copy(update={"metadata": {"group_id": "task-17"}})
     assert group_id_of(d) == "task-17"
+
+
+def test_spans_of_one_record_hold_its_token_once() -> None:
+    collector: TraceCollector[str] = TraceCollector()
+    ready, at_once = collector.add_spans([span(1), span(2)], "batch-1", now=1.0)
+    assert (ready, at_once) == ([], [])
+    ready, _ = collector.add_spans([span(2), span(3)], "batch-2", now=1.0)  # a re-sent span in it
+    assert ready == [] and collector.stats.duplicate_spans == 1 and collector.held_spans == 3
+    [attempt], _ = collector.add_state(state(("at-1", "succeeded"), counts={"at-1": 3}), "state", now=1.0)
+    assert [s.sequence_id for s in attempt.spans] == [1, 2, 3]
+    assert attempt.tokens == ["batch-1", "batch-2", "state"]
+    # A late copy of the batch: acknowledged at once, once.
+    assert collector.add_spans([span(1), span(2)], "batch-1-again", now=2.0) == ([], ["batch-1-again"])
+    assert collector.add_spans([], "empty", now=2.0) == ([], ["empty"])
+
+
+def test_add_spans_takes_one_attempt_at_a_time() -> None:
+    collector: TraceCollector[str] = TraceCollector()
+    with pytest.raises(ValueError, match="one attempt"):
+        collector.add_spans([span(1), span(2, attempt="at-2")], "t", now=1.0)
+
+
+def test_spans_by_attempt_groups_in_first_appearance_order() -> None:
+    spans = [span(1, "at-2"), span(1, "at-1"), span(2, "at-2"), span(1, "at-1", rollout="ro-000000000002")]
+    groups = spans_by_attempt(spans)
+    assert [[(s.rollout_id, s.attempt_id, s.sequence_id) for s in g] for g in groups] == [
+        [(RID, "at-2", 1), (RID, "at-2", 2)],
+        [(RID, "at-1", 1)],
+        [("ro-000000000002", "at-1", 1)],
+    ]
+    assert spans_by_attempt([]) == []
