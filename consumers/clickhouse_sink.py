@@ -44,7 +44,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from clickhouse_connect.driver.client import Client
@@ -117,6 +117,9 @@ class SinkSpec:
     explode: str | None = None
     also: tuple[AlsoReads, ...] = ()  # other record types of the topic, turned into `record`
     batch_bytes: int = 64 << 20  # a batch also ends once its records hold this many bytes
+    # Compacted state topics: of several records of one key in a batch only the newest makes a
+    # row (the table keeps the newest version anyway); the others count as applied.
+    latest_per_key: bool = False
 
     @property
     def table(self) -> str:
@@ -152,6 +155,7 @@ ROLLOUT_STATE = SinkSpec(
     ingest="rollout_state",
     skip_tombstones=True,
     flush_ms=0,
+    latest_per_key=True,
 )
 
 
@@ -188,6 +192,7 @@ WORKERS = SinkSpec(
     ingest="workers",
     skip_tombstones=True,
     flush_ms=0,
+    latest_per_key=True,
 )
 # Training data: a TripletRecord can be MBs of token ids and a TripletBatch up to 16 MiB, so
 # batches of records are counted in hundreds, not thousands. Two targets for triplets (one
@@ -270,12 +275,22 @@ class EngineRefusedError(AglError):
     """A record decodes, but ClickHouse refuses to make rows of it (its message says why)."""
 
 
+T = TypeVar("T")
+
+
+def newest_per_key(records: list[Fetched[T]]) -> list[Fetched[T]]:
+    """The newest record of every (partition, key), in log order; keyless records all stay."""
+    newest = {(r.partition, r.key): r.offset for r in records if r.key is not None}
+    return [r for r in records if r.key is None or newest[(r.partition, r.key)] == r.offset]
+
+
 @dataclass
 class SinkStats:
     records: int = 0  # Kafka records inserted (a span batch is one record, many rows)
     batches: int = 0
     dead_lettered: int = 0
     tombstones: int = 0
+    superseded: int = 0  # records of a key a newer record of the same batch replaced
     started: float = field(default_factory=time.monotonic)
     first_record_at: float | None = None  # monotonic; after the group join and seek
 
@@ -496,6 +511,10 @@ class TableSink:
         self.stats.tombstones += len(fetched_all) - len(records)
         applied = self.applied_next
         records = [r for r in records if r.offset >= applied.get(r.partition, 0)]
+        if self.spec.latest_per_key:
+            kept = newest_per_key(records)
+            self.stats.superseded += len(records) - len(kept)
+            records = kept
         async with self.writing:
             if generation != self.generation:
                 # Partitions moved while this batch was filling: positions were reset by the
