@@ -1,4 +1,4 @@
-"""The runner: a consumer-group member on agl.tasks that runs an agent for every task it claims.
+"""The runner: claims queued rollouts from the rollout processor and runs an agent for each.
 
 One runner process runs up to ``concurrency`` attempts at once (async agents as tasks on the
 event loop, sync agents in threads). For each claimed attempt it:

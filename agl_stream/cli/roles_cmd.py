@@ -74,9 +74,10 @@ def runner(
     ] = None,
     worker_id: Annotated[str | None, typer.Option(help="Worker id (default: runner-<host>-<pid>).")] = None,
 ) -> None:
-    """Run an agent on every task of agl.tasks until SIGTERM or Ctrl-C.
+    """Run an agent on every queued rollout it claims until SIGTERM or Ctrl-C.
 
-    Each process claims tasks as a member of the runners' consumer group, resolves resources
+    Each process claims rollouts from the rollout processor (oldest first; any number of
+    processes, whatever the partition count), resolves resources
     from agl.resources, traces the agent's spans into agl.spans and reports the attempt's status.
     On SIGTERM it stops claiming, lets live attempts finish for --grace seconds and releases the
     rest so they are retried.
