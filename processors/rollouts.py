@@ -50,7 +50,6 @@ from agl_stream.logs import get_logger
 from agl_stream.models import (
     Attempt,
     AttemptStarted,
-    Reply,
     RolloutEvent,
     RolloutState,
     StoreRequest,
@@ -60,6 +59,7 @@ from agl_stream.models.replies import ReplyOutcome
 from agl_stream.store.fold import fold
 from agl_stream.store.queue import ClaimQueue, claim_attempt_id
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, ReplyTopics, prune_reply_topics
+from agl_stream.store.reply_wire import ReplyEncoder
 from agl_stream.store.watchdog import due_verdicts, next_deadline
 
 log = get_logger("agl.processor")
@@ -100,6 +100,7 @@ class RolloutProcessor:
         self.outbox = outbox
         self.reply_producer = replies
         self.reply_topics = ReplyTopics(settings)
+        self.replies_wire = ReplyEncoder(codec)
         self.events_topic = settings.topic("rollouts")
         self.state_topic = settings.topic("rollout-state")
         self.requests_topic = settings.topic("store-requests")
@@ -407,9 +408,10 @@ class RolloutProcessor:
         outgoing: list[Record],
     ) -> None:
         ids = list(touched)
+        encoded = [self.codec.encode(touched[rid]) for rid in ids]
         states = [
-            Record(self.state_topic, rid.encode(), self.codec.encode(touched[rid]), self.partition_of[rid])
-            for rid in ids
+            Record(self.state_topic, rid.encode(), value, self.partition_of[rid])
+            for rid, value in zip(ids, encoded, strict=True)
         ]
         # Tombstones first: a rollout forgotten and enqueued again in one batch ends up present.
         sent, _ = await asyncio.gather(
@@ -418,15 +420,19 @@ class RolloutProcessor:
         metadata = sent[len(tombstones) :]
         for rid, meta in zip(ids, metadata, strict=False):
             self.state_offset[rid] = meta.offset
+        # Answers that carry a state this batch wrote reuse its bytes (most of them do).
+        bodies = {
+            id(touched[rid]): self.replies_wire.state_body(value) for rid, value in zip(ids, encoded, strict=True)
+        }
         notices = [
             _Answer(watcher, "", "notice", rid, state)
             for rid, state in touched.items()
             if state.rollout.status in TERMINAL_STATUSES and not was_terminal.get(rid, False)
             for watcher in state.watchers
         ]
-        await self._reply(answers + notices)
+        await self._reply(answers + notices, bodies)
 
-    async def _reply(self, answers: list[_Answer]) -> None:
+    async def _reply(self, answers: list[_Answer], bodies: dict[int, bytes] | None = None) -> None:
         """Phase two: each answer on its writer's topic; a topic that is gone loses its answers.
 
         Waits a bounded time for the acknowledgements: a writer that vanished (its topic deleted
@@ -435,6 +441,7 @@ class RolloutProcessor:
         """
         if not answers:
             return
+        bodies = {} if bodies is None else bodies
         await self.reply_topics.refresh({a.reply_to for a in answers})
         deliveries = []
         for answer in answers:
@@ -442,16 +449,21 @@ class RolloutProcessor:
                 self.counts["replies_to_missing_topics"] += 1
                 continue
             rid = answer.rollout_id
-            reply = Reply(
-                request_id=answer.request_id,
-                outcome=answer.outcome,
-                state=answer.state,
+            body = None
+            if answer.state is not None:
+                body = bodies.get(id(answer.state))
+                if body is None:  # an intermediate state of the batch: encoded once
+                    body = bodies[id(answer.state)] = self.replies_wire.state_body(self.codec.encode(answer.state))
+            value = self.replies_wire.encode(
+                answer.request_id,
+                answer.outcome,
+                state_body=body,
                 error=answer.error,
                 state_partition=self.partition_of.get(rid, -1) if rid and rid in self.state_offset else -1,
                 state_offset=self.state_offset.get(rid, -1) if rid else -1,
                 covered_partitions=answer.covered,
             )
-            deliveries.append(asyncio.create_task(self._deliver(answer.reply_to, self.codec.encode(reply))))
+            deliveries.append(asyncio.create_task(self._deliver(answer.reply_to, value)))
         if deliveries:
             await asyncio.wait(deliveries, timeout=REPLY_WAIT_S)
 

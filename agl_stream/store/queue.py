@@ -68,28 +68,24 @@ class ClaimQueue(Generic[T]):
 
     def take(self) -> str | None:
         """Reserve and return the oldest queued rollout not reserved, or None."""
-        skipped: list[tuple[float, int, str]] = []
-        found: str | None = None
         while self._heap:
-            entry = heapq.heappop(self._heap)
-            _, counter, rollout_id = entry
-            if self._entry.get(rollout_id) != counter:
-                continue  # stale: left the queue, or queued again under a newer entry
-            if rollout_id in self.reserved:
-                skipped.append(entry)
-                continue
-            found = rollout_id
-            skipped.append(entry)  # still queued until its claim is folded
-            break
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        if found is not None:
-            self.reserved.add(found)
-        return found
+            _, counter, rollout_id = heapq.heappop(self._heap)
+            if self._entry.get(rollout_id) != counter or rollout_id in self.reserved:
+                continue  # stale: left the queue, queued again under a newer entry, or reserved
+            self.reserved.add(rollout_id)  # out of the heap; release() puts it back if need be
+            return rollout_id
+        return None
 
     def release(self, rollout_id: str) -> None:
         """The claim event for the rollout was folded: it may be handed out again if still queued."""
+        if rollout_id not in self.reserved:
+            return
         self.reserved.discard(rollout_id)
+        since = self._since.get(rollout_id)
+        if since is not None:  # the claim lost (say, a manual attempt won): back in its place
+            self._counter += 1
+            self._entry[rollout_id] = self._counter
+            heapq.heappush(self._heap, (since, self._counter, rollout_id))
 
     def wait(self, request: T, deadline: float) -> None:
         self.waiting.append(WaitingClaim(request, deadline))
