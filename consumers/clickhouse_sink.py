@@ -69,6 +69,7 @@ OnApplied = Callable[[str, Mapping[int, int]], None]
 """``on_applied(topic, {partition: next offset})``: those records are visible in ClickHouse."""
 
 _IDLE_POLL_MS = 500  # how long an idle sink waits for a first record (also bounds stop latency)
+BUSY_WINDOW_S = 0.1
 # One INSERT must make one part for the "data" resume policy. The engine squashes what a view
 # writes into blocks of min_insert_block_size_rows (~1M) or _bytes (256 MB in memory), and
 # writes a part per block: exploded span batches pass the byte threshold (measured: 100k spans
@@ -111,6 +112,10 @@ class SinkSpec:
     skip_tombstones: bool = False  # compacted topics: a null value forgets a key, it is not an error
     batch_size: int = 10_000
     flush_ms: int = 200  # how long a batch may linger after its first record
+    # While busy (the previous batch ended less than BUSY_WINDOW_S ago) a batch lingers at least
+    # this long: every INSERT (Null table, views, sink_offsets row) costs the engine ~15 ms
+    # whatever its size, so under load small batches cost more than they save in latency.
+    busy_flush_ms: int = 0
     python_rows: PythonRows | None = None  # decode in Python and insert rows into targets[0]
     # Rows come from the items of this array field of the record (the views read each item as
     # `record`, through an ARRAY JOIN), e.g. the spans of an agl.SpanBatch.
@@ -145,8 +150,8 @@ SPANS = SinkSpec(
     also=(AlsoReads(span_records.SPAN, span_records.batch_body_of_span),),
     batch_bytes=16 << 20,  # ~10,000 spans' worth, what one INSERT held before batches
 )
-# State topics are small and read behind fences: flush as soon as a fetch is in (flush_ms=0);
-# batches still form under load from whatever arrived while the previous INSERT ran.
+# State topics are small and read behind fences: flush as soon as a fetch is in when idle
+# (flush_ms=0), and linger 50 ms while busy, so one INSERT carries many states.
 ROLLOUT_STATE = SinkSpec(
     "clickhouse-rollout-state",
     "rollout-state",
@@ -155,6 +160,7 @@ ROLLOUT_STATE = SinkSpec(
     ingest="rollout_state",
     skip_tombstones=True,
     flush_ms=0,
+    busy_flush_ms=50,
     latest_per_key=True,
 )
 
@@ -192,6 +198,7 @@ WORKERS = SinkSpec(
     ingest="workers",
     skip_tombstones=True,
     flush_ms=0,
+    busy_flush_ms=50,
     latest_per_key=True,
 )
 # Training data: a TripletRecord can be MBs of token ids and a TripletBatch up to 16 MiB, so
@@ -378,6 +385,7 @@ class TableSink:
         self.spec = spec
         self.batch_size = batch_size if batch_size is not None else spec.batch_size
         self.flush_ms = flush_ms if flush_ms is not None else spec.flush_ms
+        self._last_batch_end = 0.0
         self.codec = codec or Codec.default()
         self.on_applied = on_applied
         self.topic = settings.topic(spec.topic)
@@ -502,7 +510,10 @@ class TableSink:
             if not next_offsets:
                 return  # idle for a whole poll; the caller checks for stop and calls again
             if deadline is None:
-                deadline = time.monotonic() + self.flush_ms / 1000
+                linger_ms = self.flush_ms
+                if time.monotonic() - self._last_batch_end < BUSY_WINDOW_S:
+                    linger_ms = max(linger_ms, self.spec.busy_flush_ms)
+                deadline = time.monotonic() + linger_ms / 1000
                 if self.stats.first_record_at is None:
                     self.stats.first_record_at = time.monotonic()
         if not next_offsets:
@@ -533,6 +544,7 @@ class TableSink:
             self._notify({tp.partition: offset for tp, offset in next_offsets.items()})
             await batches.commit(next_offsets)
             self.stats.batches += 1
+            self._last_batch_end = time.monotonic()
 
     async def _insert_with_retry(
         self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int], dead_letters: DeadLetters
