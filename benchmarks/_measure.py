@@ -50,12 +50,18 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def machine_busy_seconds() -> float:
-    """CPU time all cores of this machine have spent busy so far (everything but idle and iowait), /proc/stat."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    # guest time is already part of user time, so only the first eight counters add up
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+MACHINE_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu_seconds() -> dict[str, float]:
+    """CPU time all cores of this machine have spent so far, by kind (the first line of /proc/stat).
+
+    Processes are charged user/nice/system time; irq and softirq time (much of loopback
+    networking) is charged to no process; steal is time the hypervisor gave to someone else.
+    """
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return {name: value / tick for name, value in zip(MACHINE_CPU_FIELDS, values, strict=False)}
 
 
 def tcp_bytes(port: int, *, local: bool) -> dict[tuple[str, str], tuple[int | None, int, int]]:
