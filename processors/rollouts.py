@@ -87,6 +87,17 @@ class _Answer:
 
 
 @dataclass
+class _Batch:
+    """What folding one fetch produced, sent in two phases by ``_send``."""
+
+    touched: dict[str, RolloutState] = field(default_factory=dict)  # newest state per rollout
+    was_terminal: dict[str, bool] = field(default_factory=dict)  # before the batch, per touched rollout
+    answers: list[_Answer] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+    claims: list[_Claim] = field(default_factory=list)
+
+
+@dataclass
 class _Claim:
     request: StoreRequest
     partition: int
@@ -227,45 +238,34 @@ class RolloutProcessor:
 
     async def handle(self, batch: Batch) -> None:
         now = time.time()
-        touched: dict[str, RolloutState] = {}
-        was_terminal: dict[str, bool] = {}
-        answers: list[_Answer] = []
-        rejected: list[Rejected] = []
-        claims: list[_Claim] = []
+        out = _Batch()
         # Forgotten before the batch is folded, so its events find them gone (unknown rollout).
         tombstones = self._forget(now)
         for tp, records in batch.items():
             if tp.topic == self.events_topic:
                 for record in records:
-                    self._fold(record, touched, was_terminal, answers, rejected)
+                    self._fold(record, out)
                 if tp.partition in self.catching_up and records[-1].offset + 1 >= self.catching_up[tp.partition]:
                     del self.catching_up[tp.partition]
         for tp, records in batch.items():
             if tp.topic == self.requests_topic:
                 for record in records:
-                    self._request(record, touched, was_terminal, answers, rejected, claims)
-        outgoing = self._serve_claims(claims, now, answers)
-        await self._send(touched, was_terminal, answers, rejected, tombstones, outgoing)
+                    self._request(record, out)
+        outgoing = self._serve_claims(out.claims, now, out.answers)
+        await self._send(out, tombstones, outgoing)
 
-    def _fold(
-        self,
-        record: ConsumerRecord[bytes, bytes],
-        touched: dict[str, RolloutState],
-        was_terminal: dict[str, bool],
-        answers: list[_Answer],
-        rejected: list[Rejected],
-    ) -> None:
+    def _fold(self, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
         try:
             event = self.codec.decode(record.value or b"", RolloutEvent)
         except CodecError as error:
-            rejected.append(Rejected.of(record, error))
+            out.rejected.append(Rejected.of(record, error))
             return
         reply_to, with_state = self.reply_topics.of(record.headers)
         if (record.key or b"").decode(errors="replace") != event.rollout_id:
             mismatch = RejectedEvent(f"key {record.key!r} is not the rollout id {event.rollout_id}")
-            rejected.append(Rejected.of(record, mismatch))
+            out.rejected.append(Rejected.of(record, mismatch))
             if reply_to:
-                answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(mismatch)))
+                out.answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(mismatch)))
             return
         rollout_id = event.rollout_id
         if event.writer == PROCESSOR and isinstance(event.payload, AttemptStarted):
@@ -274,63 +274,63 @@ class RolloutProcessor:
         if state is not None and record.offset <= state.input_offset:
             # Applied before a crash: the writer may still wait for its answer.
             if reply_to:
-                answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None))
+                out.answers.append(
+                    _Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None)
+                )
             return
         result = fold(state, event)
         if result.outcome == "rejected":
             refused = RejectedEvent(result.error or "rejected")
-            rejected.append(Rejected.of(record, refused))
+            out.rejected.append(Rejected.of(record, refused))
             if reply_to:
-                answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(refused)))
+                out.answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(refused)))
             return
         if result.outcome == "ignored" or result.state is None:
             if reply_to and state is not None:
-                answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None))
+                out.answers.append(
+                    _Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None)
+                )
             return
         update: dict[str, Any] = {"input_offset": record.offset}
         if reply_to and state is None:  # the enqueuer hears when its rollout finishes
             update["watchers"] = [reply_to]
         new_state = result.state.model_copy(update=update)
-        if rollout_id not in was_terminal:
-            was_terminal[rollout_id] = state is not None and state.rollout.status in TERMINAL_STATUSES
-        touched[rollout_id] = new_state
+        if rollout_id not in out.was_terminal:
+            out.was_terminal[rollout_id] = state is not None and state.rollout.status in TERMINAL_STATUSES
+        out.touched[rollout_id] = new_state
         self._track(new_state, record.partition)
         if reply_to:
-            answers.append(_Answer(reply_to, event.event_id, "applied", rollout_id, new_state if with_state else None))
+            out.answers.append(
+                _Answer(reply_to, event.event_id, "applied", rollout_id, new_state if with_state else None)
+            )
 
-    def _request(
-        self,
-        record: ConsumerRecord[bytes, bytes],
-        touched: dict[str, RolloutState],
-        was_terminal: dict[str, bool],
-        answers: list[_Answer],
-        rejected: list[Rejected],
-        claims: list[_Claim],
-    ) -> None:
+    def _request(self, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
         try:
             request = self.codec.decode(record.value or b"", StoreRequest)
         except CodecError as error:
-            rejected.append(Rejected.of(record, error))
+            out.rejected.append(Rejected.of(record, error))
             return
         if not self.reply_topics.valid(request.reply_to):
-            rejected.append(Rejected.of(record, RejectedEvent(f"reply_to {request.reply_to!r} is not a reply topic")))
+            out.rejected.append(
+                Rejected.of(record, RejectedEvent(f"reply_to {request.reply_to!r} is not a reply topic"))
+            )
             return
         if request.kind == "claim":
             if request.request_id and claim_attempt_id(request.request_id) in self.attempts:
                 return  # served before a crash; its answer went out with the claim's fold
-            claims.append(_Claim(request, record.partition, record.offset))
+            out.claims.append(_Claim(request, record.partition, record.offset))
             return
         rollout_id = request.rollout_id or ""
         state = self.states.get(rollout_id)
         if state is None or self.partition_of.get(rollout_id) != record.partition:
-            answers.append(_Answer(request.reply_to, request.request_id, "unknown", rollout_id))
+            out.answers.append(_Answer(request.reply_to, request.request_id, "unknown", rollout_id))
             return
         if request.reply_to not in state.watchers:
             state = state.model_copy(update={"watchers": [*state.watchers, request.reply_to]})
-            was_terminal.setdefault(rollout_id, state.rollout.status in TERMINAL_STATUSES)
-            touched[rollout_id] = state
+            out.was_terminal.setdefault(rollout_id, state.rollout.status in TERMINAL_STATUSES)
+            out.touched[rollout_id] = state
             self._track(state, record.partition)
-        answers.append(_Answer(request.reply_to, request.request_id, "applied", rollout_id, state))
+        out.answers.append(_Answer(request.reply_to, request.request_id, "applied", rollout_id, state))
 
     def _serve_claims(self, claims: list[_Claim], now: float, answers: list[_Answer]) -> list[Record]:
         """Claim events for agl.rollouts; waiting or empty claims otherwise."""
@@ -398,15 +398,8 @@ class RolloutProcessor:
                 out.append(Record(self.state_topic, rollout_id.encode(), None, partition))
         return out
 
-    async def _send(
-        self,
-        touched: dict[str, RolloutState],
-        was_terminal: dict[str, bool],
-        answers: list[_Answer],
-        rejected: list[Rejected],
-        tombstones: list[Record],
-        outgoing: list[Record],
-    ) -> None:
+    async def _send(self, out: _Batch, tombstones: list[Record], outgoing: list[Record]) -> None:
+        touched, was_terminal, answers = out.touched, out.was_terminal, out.answers
         ids = list(touched)
         encoded = [self.codec.encode(touched[rid]) for rid in ids]
         states = [
@@ -415,7 +408,7 @@ class RolloutProcessor:
         ]
         # Tombstones first: a rollout forgotten and enqueued again in one batch ends up present.
         sent, _ = await asyncio.gather(
-            self.outbox.send_all(tombstones + states + outgoing), self.outbox.reject(rejected)
+            self.outbox.send_all(tombstones + states + outgoing), self.outbox.reject(out.rejected)
         )
         metadata = sent[len(tombstones) :]
         for rid, meta in zip(ids, metadata, strict=False):
