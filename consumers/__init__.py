@@ -1,1 +1,1 @@
-"""agl-stream consumers (see DESIGN.md's layout table)."""
+"""agl-stream consumers (the layout is in docs/design-notes.md)."""

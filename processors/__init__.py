@@ -1,1 +1,1 @@
-"""agl-stream processors (see DESIGN.md's layout table)."""
+"""agl-stream processors (the layout is in docs/design-notes.md)."""

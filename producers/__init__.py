@@ -1,1 +1,1 @@
-"""agl-stream producers (see DESIGN.md's layout table)."""
+"""agl-stream producers (the layout is in docs/design-notes.md)."""

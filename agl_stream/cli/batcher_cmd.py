@@ -1,7 +1,8 @@
 """``agl-stream batcher``: finished attempts (agl.triplets) -> training batches (agl.triplet-batches).
 
 The role lives in ``processors.batcher`` and is loaded by module name, so the library never
-imports the roles (DESIGN.md, dependency direction). The rules are agl_stream/batching.py.
+imports the roles (the dependency rule: roles import the library, never the reverse).
+The rules are agl_stream/batching.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``agl-stream gateway``: the sinks and the query API in the process that owns ClickHouse.
 
 The role lives in ``consumers.gateway`` and is loaded by module name, so the library never
-imports the roles (DESIGN.md, dependency direction).
+imports the roles (the dependency rule: roles import the library, never the reverse).
 """
 
 from __future__ import annotations

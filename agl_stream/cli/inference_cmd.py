@@ -1,7 +1,7 @@
 """``agl-stream inference``: the tiny policy behind an OpenAI-compatible (vLLM-shaped) API.
 
 The role lives in ``consumers.inference`` and is loaded by module name, so the library never
-imports the roles (DESIGN.md, dependency direction).
+imports the roles (the dependency rule: roles import the library, never the reverse).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``agl-stream ingress``: task requests from external systems (agl.task-requests) -> rollouts.
 
 The role lives in ``processors.ingress`` and is loaded by module name, so the library never
-imports the roles (DESIGN.md, dependency direction). The rules are agl_stream/ingress.py.
+imports the roles (the dependency rule: roles import the library, never the reverse).
+The rules are agl_stream/ingress.py.
 """
 
 from __future__ import annotations

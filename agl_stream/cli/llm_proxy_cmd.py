@@ -1,7 +1,7 @@
 """``agl-stream llm-proxy``: the OpenAI-compatible proxy that records every LLM call as a span.
 
 The role lives in ``producers.llm_proxy`` and is loaded by module name, so the library never
-imports the roles (DESIGN.md, dependency direction).
+imports the roles (the dependency rule: roles import the library, never the reverse).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``agl-stream otlp-kafka``: OTLP traces from the OpenTelemetry Collector's Kafka topic into agl.spans.
 
 The role lives in ``consumers.otlp_kafka`` and is loaded by module name, so the library never
-imports the roles (DESIGN.md, dependency direction).
+imports the roles (the dependency rule: roles import the library, never the reverse).
 """
 
 from __future__ import annotations

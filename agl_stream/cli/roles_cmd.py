@@ -1,5 +1,5 @@
 """Long-running roles. Each lives in its own top-level package and is loaded by module name,
-so the library never imports the roles (DESIGN.md, dependency direction)."""
+so the library never imports the roles (the dependency rule: roles import the library, never the reverse)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The demo's toy task: answer with digits.
 
 A prompt asks for digits; the reward is the fraction of the answer's characters that are
-digits (partial credit, so every sample says how close it was: ../shared/FACTS.md measured
-that an exact-match reward barely moves a tiny random policy in 20 steps). A random policy
+digits (partial credit, so every sample says how close it was: measured here, an exact-match
+reward barely moves a tiny random policy in 20 steps). A random policy
 over the 64-symbol alphabet scores about 0.15; GRPO raises it within minutes on CPU.
 """
 

@@ -20,7 +20,7 @@ DESIGN_TOPICS = {
     "triplet-batches",
     "dlq",
 }
-# Topics agl-stream adds beyond DESIGN.md's list (docs/design-notes.md, "Topics"); DESIGN.md's
+# Topics agl-stream adds beyond the original design's list (docs/design-notes.md, "Topics"); its
 # agl.tasks gave way to store-requests (claims the processor answers, not bound to partitions).
 EXTRA_TOPICS = {"trainer-metrics", "store-requests"}
 
