@@ -67,8 +67,11 @@ log = get_logger("agl.sink")
 ResumePolicy = Literal["data", "committed"]
 OnApplied = Callable[[str, Mapping[int, int]], None]
 """``on_applied(topic, {partition: next offset})``: those records are visible in ClickHouse."""
+Wanted = Callable[[str], bool]
+"""``wanted(topic)``: a reader waits for records of this topic, so a lingering batch flushes now."""
 
 _IDLE_POLL_MS = 500  # how long an idle sink waits for a first record (also bounds stop latency)
+_DEMAND_POLL_MS = 10  # while a batch lingers, how often it asks whether a reader waits
 BUSY_WINDOW_S = 0.1
 # One INSERT must make one part for the "data" resume policy. The engine squashes what a view
 # writes into blocks of min_insert_block_size_rows (~1M) or _bytes (256 MB in memory), and
@@ -114,7 +117,9 @@ class SinkSpec:
     flush_ms: int = 200  # how long a batch may linger after its first record
     # While busy (the previous batch ended less than BUSY_WINDOW_S ago) a batch lingers at least
     # this long: every INSERT (Null table, views, sink_offsets row) costs the engine ~15 ms
-    # whatever its size, so under load small batches cost more than they save in latency.
+    # whatever its size, so under load small batches cost more than they save in latency. A
+    # reader waiting on a fence of the topic (``wanted``) ends the linger at once, so the long
+    # linger costs latency only to readers the sink cannot hear (a direct ClickHouse client).
     busy_flush_ms: int = 0
     python_rows: PythonRows | None = None  # decode in Python and insert rows into targets[0]
     # Rows come from the items of this array field of the record (the views read each item as
@@ -149,9 +154,10 @@ SPANS = SinkSpec(
     explode="spans",
     also=(AlsoReads(span_records.SPAN, span_records.batch_body_of_span),),
     batch_bytes=16 << 20,  # ~10,000 spans' worth, what one INSERT held before batches
+    busy_flush_ms=1000,
 )
 # State topics are small and read behind fences: flush as soon as a fetch is in when idle
-# (flush_ms=0), and linger 50 ms while busy, so one INSERT carries many states.
+# (flush_ms=0), and linger while busy (unless a reader waits), so one INSERT carries many states.
 ROLLOUT_STATE = SinkSpec(
     "clickhouse-rollout-state",
     "rollout-state",
@@ -160,7 +166,7 @@ ROLLOUT_STATE = SinkSpec(
     ingest="rollout_state",
     skip_tombstones=True,
     flush_ms=0,
-    busy_flush_ms=50,
+    busy_flush_ms=500,
     latest_per_key=True,
 )
 
@@ -198,7 +204,7 @@ WORKERS = SinkSpec(
     ingest="workers",
     skip_tombstones=True,
     flush_ms=0,
-    busy_flush_ms=50,
+    busy_flush_ms=500,
     latest_per_key=True,
 )
 # Training data: a TripletRecord can be MBs of token ids and a TripletBatch up to 16 MiB, so
@@ -379,9 +385,11 @@ class TableSink:
         flush_ms: int | None = None,
         codec: Codec | None = None,
         on_applied: OnApplied | None = None,
+        wanted: Wanted | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
+        self.wanted = wanted
         self.spec = spec
         self.batch_size = batch_size if batch_size is not None else spec.batch_size
         self.flush_ms = flush_ms if flush_ms is not None else spec.flush_ms
@@ -499,8 +507,10 @@ class TableSink:
                 timeout_ms = _IDLE_POLL_MS
             else:
                 timeout_ms = int((deadline - time.monotonic()) * 1000)
-                if timeout_ms <= 0:
+                if timeout_ms <= 0 or (self.wanted is not None and self.wanted(self.topic)):
                     break
+                if self.wanted is not None:
+                    timeout_ms = min(timeout_ms, _DEMAND_POLL_MS)
             fetched, offsets = await batches.next_batch(
                 max_records=self.batch_size - len(fetched_all), timeout_ms=max(timeout_ms, 1)
             )
@@ -669,11 +679,13 @@ class SinkGroup:
         specs: Sequence[SinkSpec] = SPECS,
         *,
         on_applied: OnApplied | None = None,
+        wanted: Wanted | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.settings = settings
         self.specs = tuple(specs)
         self.on_applied = on_applied
+        self.wanted = wanted
         self.options = options or {}
         self.sinks: list[TableSink] = []
         self._stop_requested = False
@@ -689,7 +701,14 @@ class SinkGroup:
             # Migrate once before the sinks start, so they do not race on the same DDL.
             await asyncio.to_thread(migrate, clients[0], self.settings.clickhouse_database)
             self.sinks = [
-                TableSink(self.settings, client, spec, on_applied=self.on_applied, **self.options.get(spec.name, {}))
+                TableSink(
+                    self.settings,
+                    client,
+                    spec,
+                    on_applied=self.on_applied,
+                    wanted=self.wanted,
+                    **self.options.get(spec.name, {}),
+                )
                 for client, spec in zip(clients, self.specs, strict=True)
             ]
             if self._stop_requested:

@@ -40,6 +40,7 @@ import math
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date, datetime
@@ -85,6 +86,11 @@ class AppliedOffsets:
         self._next: dict[str, dict[int, int]] = {}
         self._changed = asyncio.Event()
         self._closed = False
+        self._waiting: Counter[str] = Counter()  # topic -> readers waiting for its records
+
+    def wanted(self, topic: str) -> bool:
+        """Whether a reader waits for records of ``topic``: its sink should flush without lingering."""
+        return self._waiting[topic] > 0
 
     def update(self, topic: str, offsets: Mapping[int, int]) -> None:
         partitions = self._next.setdefault(topic, {})
@@ -110,6 +116,16 @@ class AppliedOffsets:
     async def wait(self, fence: Mapping[str, Mapping[int, int]], timeout: float) -> None:
         """Return once every fenced record is applied; FenceTimeoutError after ``timeout`` s."""
         deadline = time.monotonic() + timeout
+        behind = fence_behind(self._next, fence)
+        if not behind:
+            return
+        self._waiting.update(behind.keys())
+        try:
+            await self._wait(fence, deadline, timeout)
+        finally:
+            self._waiting.subtract(behind.keys())
+
+    async def _wait(self, fence: Mapping[str, Mapping[int, int]], deadline: float, timeout: float) -> None:
         while fence_behind(self._next, fence):
             if self._closed:
                 raise GatewayClosingError("the gateway is shutting down")
@@ -345,7 +361,9 @@ class Gateway:
         self.specs = tuple(specs)
         self.topics = frozenset(settings.topic(spec.topic) for spec in self.specs)
         self.applied = AppliedOffsets()
-        self.sinks = SinkGroup(settings, self.specs, on_applied=self.applied.update, options=sink_options)
+        self.sinks = SinkGroup(
+            settings, self.specs, on_applied=self.applied.update, wanted=self.applied.wanted, options=sink_options
+        )
         self.queries = QueryRunner(settings, size=query_clients, time_limit_s=query_time_limit_s)
         self.traces = TraceIngest(settings)
         self.tasks = TaskSubmitter(settings)

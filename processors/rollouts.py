@@ -31,6 +31,7 @@ out claims (so a claim written before a crash is folded before any new one).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import signal
 import time
 from collections import defaultdict
@@ -122,6 +123,10 @@ class RolloutProcessor:
         self.state_offset: dict[str, int] = {}  # newest state record's offset on agl.rollout-state
         self.deadlines: dict[str, float] = {}
         self.finished: dict[str, float] = {}
+        # (finished time, rollout id), oldest first; entries whose time no longer matches
+        # ``finished`` are stale and skipped, so forgetting costs O(log n) per rollout, not a
+        # scan of every finished rollout per batch.
+        self.finish_order: list[tuple[float, str]] = []
         self.attempts: dict[str, str] = {}  # attempt id -> rollout id (claims are recognised by it)
         self.queue: ClaimQueue[_Claim] = ClaimQueue()
         self.owned: set[int] = set()
@@ -213,6 +218,8 @@ class RolloutProcessor:
         else:
             self.deadlines[rollout_id] = deadline
         if state.finished_time is not None:
+            if self.finished.get(rollout_id) != state.finished_time:
+                heapq.heappush(self.finish_order, (state.finished_time, rollout_id))
             self.finished[rollout_id] = state.finished_time
         else:
             self.finished.pop(rollout_id, None)
@@ -391,11 +398,17 @@ class RolloutProcessor:
     def _forget(self, now: float) -> list[Record]:
         """Tombstones for finished rollouts past their retention."""
         out: list[Record] = []
-        for rollout_id, finished in list(self.finished.items()):
-            if finished < now - self.retention_s:
-                partition = self.partition_of[rollout_id]
-                self._untrack(rollout_id)
-                out.append(Record(self.state_topic, rollout_id.encode(), None, partition))
+        order = self.finish_order
+        while order and order[0][0] < now - self.retention_s:
+            finished, rollout_id = heapq.heappop(order)
+            if self.finished.get(rollout_id) != finished:
+                continue  # reopened, finished again later, or untracked since
+            partition = self.partition_of[rollout_id]
+            self._untrack(rollout_id)
+            out.append(Record(self.state_topic, rollout_id.encode(), None, partition))
+        if len(order) > 2 * len(self.finished) + 1024:  # mostly stale entries: rebuild
+            self.finish_order = [(t, rid) for rid, t in self.finished.items()]
+            heapq.heapify(self.finish_order)
         return out
 
     async def _send(self, out: _Batch, tombstones: list[Record], outgoing: list[Record]) -> None:

@@ -148,7 +148,6 @@ class _Loop:
             if time.monotonic() - self._last_commit >= self.commit_interval_s:
                 await self.commit()
 
-
     async def _handle(self, batch: Batch, stop: asyncio.Event) -> bool:
         """Handle the batch, retrying with backoff while the broker fails (handlers are
         idempotent); False when stopping first (uncommitted: read again after a restart)."""

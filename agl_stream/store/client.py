@@ -91,6 +91,14 @@ class AglStore(StoreReads):
         self._watched: set[str] = set()
         self._finish_seen = asyncio.Event()
         self._claim_partition = 0
+        # Attempts this client has seen in an answer: they exist (attempts are never deleted), so
+        # spans for them need no verdict from the processor (see add_many_spans).
+        self._known_attempts: dict[tuple[str, str], None] = {}
+        # Rollouts with heartbeats sent without waiting for their fold (rollout id -> attempt
+        # id): no answer has raised the read fence past them yet. Any later answer about the
+        # rollout does (the processor folds a rollout's events in order); a read of rollout
+        # state before that asks first (_settle).
+        self._unfolded: dict[str, str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -191,9 +199,24 @@ class AglStore(StoreReads):
                 if not reply.done():
                     reply.cancel()
         for event, _ in encoded:
+            self._unfolded.pop(event.rollout_id, None)
             if isinstance(event.payload, RolloutEnqueued):
                 self._watched.add(event.rollout_id)  # the processor tells the enqueuer when it finishes
         return answers
+
+    async def _settle(self, sources: Sequence[str]) -> None:
+        """Reads of rollout state see the effect of heartbeats sent without waiting (spans'
+        arrival turns a preparing attempt running): one heartbeat per such rollout, this time
+        answered, raises the fence past them. The runner's usual path (spans, then finishing
+        the attempt) never gets here: finishing is answered and settles the rollout."""
+        if "rollout-state" in sources and self._unfolded:
+            pending = list(self._unfolded.items())
+            try:
+                await self._acknowledged([(rid, AttemptHeartbeat(attempt_id=aid)) for rid, aid in pending])
+            except RejectedError:
+                pass  # a rollout finished and forgotten by the processor: its final state is long applied
+            for rid, _ in pending:
+                self._unfolded.pop(rid, None)
 
     async def _answers(self, replies: Sequence[asyncio.Future[Reply]], timeout: float) -> list[Reply]:
         try:
@@ -209,6 +232,12 @@ class AglStore(StoreReads):
     def _note_answer(self, answer: Reply) -> None:
         if answer.state_partition >= 0:
             self._note(self.settings.topic("rollout-state"), answer.state_partition, answer.state_offset)
+        if answer.state is not None:
+            known = self._known_attempts
+            for attempt in answer.state.attempts:
+                known[(attempt.rollout_id, attempt.attempt_id)] = None
+            while len(known) > _KNOWN_ATTEMPTS_MEMORY:
+                known.pop(next(iter(known)))
 
     def _on_state(self, reply: Reply) -> None:
         """Every state the processor sent us: remember finished rollouts for wait_for_rollouts."""
@@ -448,11 +477,22 @@ class AglStore(StoreReads):
         return spans[0] if spans else None
 
     async def add_many_spans(self, spans: Sequence[Span]) -> Sequence[Span]:
-        """Write spans to agl.spans; their arrival is one heartbeat per attempt (ValueError if unknown)."""
+        """Write spans to agl.spans; their arrival is one heartbeat per attempt.
+
+        The contract wants a ValueError for spans of an unknown rollout or attempt. An attempt
+        this client has seen in an answer (it claimed or started it, or updated it) exists, so
+        its spans and heartbeats only wait for the broker, like ``export_spans``: one produce
+        round trip instead of a round trip through the processor. Spans of other attempts wait
+        for the processor's verdict on their heartbeats.
+        """
         if not spans:
             return []
-        await self._write_spans(spans)
-        await self._acknowledged(_heartbeats(spans))
+        beats = _heartbeats(spans)
+        if all((rid, beat.attempt_id) in self._known_attempts for rid, beat in beats):
+            await self.export_spans(spans)
+        else:
+            await self._write_spans(spans)
+            await self._acknowledged(beats)
         return list(spans)
 
     async def export_spans(self, spans: Sequence[Span]) -> None:
@@ -464,10 +504,13 @@ class AglStore(StoreReads):
         """
         if not spans:
             return
-        beats = [self._encode_event(rid, beat) for rid, beat in _heartbeats(spans)]
+        heartbeats = _heartbeats(spans)
+        beats = [self._encode_event(rid, beat) for rid, beat in heartbeats]
         acks = await self._send_events(beats)
         await self._write_spans(spans)
         await self._await_acks(acks)
+        for rid, beat in heartbeats:
+            self._unfolded[rid] = beat.attempt_id
 
     async def beat(
         self, attempts: Sequence[tuple[str, str]], *, worker_id: str | None = None, heartbeat_stats: Any = None
@@ -592,6 +635,9 @@ class AglStore(StoreReads):
 
 _FINISHED_MEMORY = 200_000
 """Finished rollouts a client remembers for wait_for_rollouts (older ones are asked again)."""
+
+_KNOWN_ATTEMPTS_MEMORY = 100_000
+"""Attempts a client remembers as existing (older ones are verified by the processor again)."""
 
 
 def _rotation(partitions: Sequence[int], start: int) -> list[int]:

@@ -45,8 +45,12 @@ class StoreReads:
         if self.side is not None:
             await self.side.aclose()
 
+    async def _settle(self, sources: Sequence[str]) -> None:
+        """Before a read from ``sources``: make sure the fence covers every write so far."""
+
     async def _rows(self, query: Query, *sources: str) -> list[dict[str, Any]]:
         assert self.side is not None, "the store is not started"
+        await self._settle(sources)
         fence = {self.topics[s]: dict(self.fence[self.topics[s]]) for s in sources if self.fence.get(self.topics[s])}
         result = await self.side.query(query.sql, query.parameters, fence=fence or None)
         return result.dicts()

@@ -72,6 +72,21 @@ async def test_applied_offsets_wake_waiters_only_when_their_fence_holds() -> Non
         await applied.wait({"t": {0: 5}}, timeout=0.05)
 
 
+async def test_applied_offsets_say_which_topics_readers_wait_for() -> None:
+    applied = AppliedOffsets()
+    applied.update("done", {0: 9})
+    assert not applied.wanted("t")
+    waiter = asyncio.create_task(applied.wait({"t": {0: 4}, "done": {0: 3}}, timeout=5))
+    await asyncio.sleep(0)  # let the waiter register
+    assert applied.wanted("t") and not applied.wanted("done")  # "done" already holds the fence
+    applied.update("t", {0: 5})
+    await asyncio.wait_for(waiter, 1)
+    assert not applied.wanted("t")
+    with pytest.raises(FenceTimeoutError):
+        await applied.wait({"t": {0: 7}}, timeout=0.01)
+    assert not applied.wanted("t")  # a reader that gave up is no longer waiting
+
+
 def test_query_values_become_json() -> None:
     from datetime import datetime
     from decimal import Decimal

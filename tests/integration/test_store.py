@@ -71,6 +71,21 @@ async def test_enqueue_dequeue_run_succeed(store: AglStore) -> None:
     assert [s.sequence_id for s in spans] == [1] and spans[0].attributes == {"reward": 0.5, "ok": True}
 
 
+async def test_spans_for_an_attempt_another_client_claimed_are_accepted_and_seen(stack_settings: Settings) -> None:
+    options = stack_settings.model_dump(exclude_none=True)
+    async with connect(**options) as claimer, connect(**options) as tracer:
+        rollout = await claimer.enqueue_rollout({"q": "spans"})
+        claimed = await _claim(claimer, rollout.rollout_id)
+        aid = claimed.attempt.attempt_id  # type: ignore[attr-defined]
+        # The tracer never saw this attempt: its spans wait for the processor's verdict.
+        await tracer.add_many_spans([_span(rollout.rollout_id, aid, 1), _span(rollout.rollout_id, aid, 2)])
+        # The claimer knows it: its span only waits for the broker, yet its read sees the effect.
+        await claimer.add_span(_span(rollout.rollout_id, aid, 3))
+        latest = await claimer.get_latest_attempt(rollout.rollout_id)
+        assert latest is not None and latest.status == "running" and latest.last_heartbeat_time is not None
+        assert [s.sequence_id for s in await claimer.query_spans(rollout.rollout_id, aid)] == [1, 2, 3]
+
+
 async def test_start_rollout_creates_the_first_attempt(store: AglStore) -> None:
     started = await store.start_rollout({"q": 1})
     assert started.status == "preparing" and started.attempt.sequence_id == 1
@@ -88,6 +103,8 @@ async def test_unknown_ids_raise_value_error(store: AglStore) -> None:
         await store.update_attempt(rollout.rollout_id, "at-00000bad", status="failed")
     with pytest.raises(ValueError):
         await store.get_next_span_sequence_id(rollout.rollout_id, "at-00000bad")
+    with pytest.raises(ValueError, match="attempt"):  # spans of an attempt this client never saw are checked
+        await store.add_many_spans([_span(rollout.rollout_id, "at-00000bad", 1)])
     with pytest.raises(ValueError, match="do not exist"):
         await store.enqueue_rollout({"q": 3}, resources_id="rs-000000000bad")
     assert await store.get_rollout_by_id("ro-000000000bad") is None

@@ -156,6 +156,40 @@ async def test_the_sinks_materialize_triplets_and_batches_from_the_topics(settin
     assert row["batch_id"] == "tb-x" and row["n_records"] == 4 and row["mean_final_reward"] == 1.5
 
 
+async def test_a_lingering_batch_is_flushed_as_soon_as_a_reader_waits_for_its_topic(settings: Settings) -> None:
+    await admin.apply(settings)
+    topic = settings.topic(TRIPLETS.topic)
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        sent = await TypedProducer(producer).send_many(topic, [(r.group_id, r) for r in [record(1, "g", reward=1.0)]])
+    finally:
+        await producer.stop()
+    [written] = sent
+    applied = asyncio.Event()
+    asked: list[str] = []
+
+    def wanted(name: str) -> bool:
+        asked.append(name)
+        return True  # a reader waits (the gateway's AppliedOffsets.wanted)
+
+    def on_applied(name: str, offsets: Mapping[int, int]) -> None:
+        if name == topic and offsets.get(written.partition, 0) > written.offset:
+            applied.set()
+
+    # Without a reader the batch would linger ten minutes after its first record.
+    sinks = SinkGroup(
+        settings, (TRIPLETS,), on_applied=on_applied, wanted=wanted, options={TRIPLETS.name: {"flush_ms": 600_000}}
+    )
+    task = asyncio.create_task(sinks.run())
+    try:
+        await asyncio.wait_for(applied.wait(), timeout=60)
+    finally:
+        sinks.stop()
+        await asyncio.wait_for(task, timeout=60)
+    assert topic in asked
+
+
 def test_trainer_steps_become_rows_and_a_step_sent_again_is_one_row(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
 
