@@ -36,15 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import signal
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import date, datetime
-from datetime import time as dtime
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +62,14 @@ from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
+from consumers.gateway_sql import (
+    FunctionPolicy,
+    SqlRefusedError,
+    ast_refusal,
+    jsonable,
+    load_function_policy,
+    sql_router,
+)
 from consumers.gateway_tasks import TaskSubmitter, tasks_router
 
 log = get_logger("agl.gateway")
@@ -142,26 +147,6 @@ class AppliedOffsets:
                 pass  # re-check once more, then report
 
 
-def jsonable(value: Any) -> Any:
-    """A query result value as JSON: non-finite floats become "NaN"/"Infinity"/"-Infinity",
-    dates ISO 8601 text, tuples lists, map keys strings, other types (Decimal, UUID, IPs) text."""
-    if value is None or isinstance(value, (str, bool, int)):
-        return value
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, (datetime, date, dtime)):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "replace")
-    return str(value)
-
-
 class QueryRunner:
     """A pool of read-only engine clients, each used by one query at a time in its own thread."""
 
@@ -172,6 +157,7 @@ class QueryRunner:
         self._idle: asyncio.Queue[Client] = asyncio.Queue()
         self._clients: list[Client] = []
         self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="agl-query")
+        self._policy: FunctionPolicy | None = None
 
     def open(self) -> None:
         for _ in range(self.size):
@@ -201,11 +187,17 @@ class QueryRunner:
         finally:
             self._idle.put_nowait(client)
 
-    @staticmethod
-    def _query(client: Client, sql: str, parameters: dict[str, Any]) -> bytes:
-        # The engine's parser first: only one SELECT parses as a subquery. chDB writes INTO
-        # OUTFILE even under readonly=1, and this endpoint takes SQL from its caller.
-        client.query(f"EXPLAIN AST SELECT * FROM (\n{sql}\n)", parameters=parameters or None)
+    def _query(self, client: Client, sql: str, parameters: dict[str, Any]) -> bytes:
+        # The engine's parser first: only one SELECT parses as a subquery (chDB writes INTO
+        # OUTFILE even under readonly=1), and this endpoint takes SQL from its caller, so the
+        # analytics policy applies: allowed functions, tables of the agl database only (query
+        # parameters are substituted by the parser, so an Identifier parameter is checked too).
+        ast = client.query(f"EXPLAIN AST SELECT * FROM (\n{sql}\n)", parameters=parameters or None).result_rows
+        if self._policy is None:
+            self._policy = load_function_policy(client)
+        refused = ast_refusal([str(row[0]) for row in ast], self._policy, self.settings.clickhouse_database)
+        if refused is not None:
+            raise SqlRefusedError(refused[1], kind=refused[0])
         result = client.query(sql, parameters=parameters or None)
         body = {
             "columns": list(result.column_names),
@@ -269,6 +261,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             return _error(503, "stopping", str(exc))
         try:
             result = await gateway.queries.run(request.sql, request.parameters)
+        except SqlRefusedError as exc:
+            return _error(403, exc.kind, str(exc))
         except DatabaseError as exc:
             return _error(
                 400, "query_error", str(exc), code=getattr(exc, "code", None), name=getattr(exc, "name", None)
@@ -307,7 +301,6 @@ def create_app(gateway: Gateway) -> FastAPI:
         return Response(otlp.export_response(rejected, message, encoding), media_type=media_type)
 
     app.include_router(tasks_router(gateway.tasks, lambda: gateway.stopping))
-    from consumers.gateway_sql import sql_router  # here: gateway_sql imports this module
 
     app.include_router(sql_router(gateway))
     return app

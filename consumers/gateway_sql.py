@@ -38,10 +38,13 @@ import asyncio
 import csv
 import io
 import json
+import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import date, datetime
+from datetime import time as dtime
 from typing import TYPE_CHECKING, Any, Literal
 
 from clickhouse_connect.driver.client import Client
@@ -71,6 +74,43 @@ dictionary, s3, ...) could read system tables or other databases."""
 ALWAYS_READABLE = frozenset({"system.one"})
 """What a query without FROM reads."""
 
+ALLOWED_CATEGORIES = frozenset(
+    {
+        "Aggregate Functions", "Arithmetic", "Arrays", "Bit", "Bitmap", "Comparison", "Conditional",
+        "Dates and Times", "Distance", "Encoding", "Financial", "Geo", "Geo Polygon", "Hash",
+        "IP Address", "JSON", "Logical", "Map", "Mathematical", "Null", "NumericIndexedVector", "QBit",
+        "Random Number", "Rounding", "String", "String Replacement", "String Search", "String Splitting",
+        "Time Series", "Time Window", "Tuple", "Type Conversion", "URL", "UUID",
+    }
+)  # fmt: skip
+"""Categories of the engine's function catalog (``system.functions``) that compute on their
+arguments only. Left out: "Other" (files, settings, host and server state, sleeping; the safe
+ones are listed in SAFE_OTHER_FUNCTIONS), dictionaries (which read files and other databases),
+introspection, AI and ML models, encryption, internal functions, and anything uncategorised."""
+
+SAFE_OTHER_FUNCTIONS = frozenset(
+    {
+        "bar", "byteSize", "countDigits", "defaultValueOfArgumentType", "defaultValueOfTypeName",
+        "finalizeAggregation", "formatReadableDecimalSize", "formatReadableQuantity", "formatReadableSize",
+        "formatReadableTimeDelta", "getSizeOfEnumType", "getSubcolumn", "identity", "ignore", "indexHint",
+        "initializeAggregation", "isConstant", "isDecimalOverflow", "materialize", "neighbor",
+        "parseISO8601Duration", "parseReadableSize", "parseReadableSizeOrNull", "parseReadableSizeOrZero",
+        "parseTimeDelta", "rowNumberInAllBlocks", "rowNumberInBlock", "runningAccumulate", "runningDifference",
+        "runningDifferenceStartingWithFirstValue", "throwIf", "toColumnTypeName", "toTypeName", "transform",
+        "variantElement", "variantType", "visibleWidth",
+    }
+)  # fmt: skip
+"""Functions of the "Other" category that read nothing but their arguments."""
+
+SYNTAX_FUNCTIONS = frozenset({"lambda", "exists", "untuple", "grouping"})
+"""What the parser writes as functions without a catalog entry (``x -> ...``, ``EXISTS``, ...)."""
+
+AGGREGATE_COMBINATORS = (
+    "If", "Array", "Map", "SimpleState", "MergeState", "State", "Merge", "ForEach", "Distinct",
+    "OrDefault", "OrNull", "Resample", "ArgMin", "ArgMax",
+)  # fmt: skip
+"""Suffixes that make an aggregate function out of another (``countIf``, ``sumArrayIf``, ...)."""
+
 # ClickHouse error codes -> (HTTP status, error kind).
 _STATUS_BY_CODE: dict[int, tuple[int, str]] = {
     159: (408, "timeout"),  # TIMEOUT_EXCEEDED
@@ -82,6 +122,9 @@ _STATUS_BY_CODE: dict[int, tuple[int, str]] = {
 
 _TABLE = re.compile(r"\btable_name: ([^,\s]+)")
 _TABLE_FUNCTION = re.compile(r"\btable_function_name: ([^,\s]+)")
+_AST_FUNCTION = re.compile(r"^\s*Function (\S+)")
+_AST_TABLE = re.compile(r"^\s*TableIdentifier (\S+)")
+_AST_IDENTIFIER = re.compile(r"^\s*Identifier (\S+)")
 
 
 class SqlRefusedError(QueryError):
@@ -155,6 +198,108 @@ def refusal(tables: set[str], functions: set[str], database: str) -> str | None:
     return "refused: " + " and ".join(reasons) + f"; analytics may read the tables of {database} only"
 
 
+@dataclass(frozen=True)
+class FunctionPolicy:
+    """Which functions a query may call: an allow-list built from the engine's own catalog."""
+
+    exact: frozenset[str]
+    folded: frozenset[str]  # lower-cased names of case-insensitive functions
+    aggregates: frozenset[str]  # allowed aggregate functions (exact and lower-cased)
+
+    @classmethod
+    def from_catalog(cls, rows: Iterable[Sequence[Any]]) -> FunctionPolicy:
+        """From ``system.functions`` rows ``(name, categories, alias_to, case_insensitive, is_aggregate)``.
+        An alias is allowed when what it names is."""
+        catalog = [(str(n), str(c), str(a), bool(int(i)), bool(int(g))) for n, c, a, i, g in rows]
+        allowed = {
+            name
+            for name, categories, alias_to, _, _ in catalog
+            if not alias_to
+            and (name in SAFE_OTHER_FUNCTIONS or {c.strip() for c in categories.split(",")} & ALLOWED_CATEGORIES)
+        }
+        aggregate_names = {name for name, _, _, _, is_aggregate in catalog if is_aggregate}
+        allowed |= {name for name, _, alias_to, _, _ in catalog if alias_to and alias_to in allowed}
+        folded = {name.lower() for name, _, _, insensitive, _ in catalog if insensitive and name in allowed}
+        aggregates = {name for name in allowed if name in aggregate_names}
+        return cls(frozenset(allowed), frozenset(folded), frozenset(aggregates | {a.lower() for a in aggregates}))
+
+    def allows(self, name: str) -> bool:
+        if name in self.exact or name.lower() in self.folded or name in SYNTAX_FUNCTIONS:
+            return True
+        return self._aggregate(name)
+
+    def _aggregate(self, name: str) -> bool:
+        if name in self.aggregates or name.lower() in self.aggregates:
+            return True
+        return any(
+            name.endswith(suffix) and len(name) > len(suffix) and self._aggregate(name[: -len(suffix)])
+            for suffix in AGGREGATE_COMBINATORS
+        )
+
+
+def ast_refusal(ast: Sequence[str], policy: FunctionPolicy, database: str) -> tuple[str, str] | None:
+    """Why a query is refused from its syntax tree (``EXPLAIN AST``: nothing evaluated yet), as
+    ``(kind, message)``, or None.
+
+    Every function called must be allowed (table functions: ALLOWED_TABLE_FUNCTIONS), and every
+    table named with a database must be in ``database``. This runs before the engine analyses
+    the query, because analysis already evaluates constant expressions and scalar subqueries:
+    ``file('/etc/hostname')`` is read while a query tree is built.
+    """
+    functions: set[str] = set()
+    named: set[str] = set()
+    for line in ast:
+        if match := _AST_FUNCTION.match(line):
+            functions.add(match.group(1))
+        elif match := _AST_TABLE.match(line):
+            named.add(match.group(1))
+        elif (match := _AST_IDENTIFIER.match(line)) and match.group(1).lower().startswith(_SYSTEM_PREFIXES):
+            named.add(match.group(1))  # `x IN system.tables` reads that table
+    refused = sorted(f for f in functions if not policy.allows(f) and f.lower() not in ALLOWED_TABLE_FUNCTIONS)
+    outside = sorted(t for t in named if "." in t and not t.startswith(f"{database}.") and t not in ALWAYS_READABLE)
+    reasons = []
+    if refused:
+        reasons.append(f"it calls {', '.join(refused)}, not among the functions analytics may use")
+    if outside:
+        reasons.append(f"it reads {', '.join(outside)}, outside the database {database}")
+    if not reasons:
+        return None
+    kind = "forbidden_table" if outside else "forbidden_function"
+    message = "refused: " + " and ".join(reasons) + f"; analytics may read the tables of {database} only"
+    if refused:
+        message += ' and call functions of their values (docs/sql.md, "Access")'
+    return kind, message
+
+
+def load_function_policy(client: Client) -> FunctionPolicy:
+    """The allow-list for the engine ``client`` talks to, from its function catalog."""
+    result = client.query("SELECT name, categories, alias_to, case_insensitive, is_aggregate FROM system.functions")
+    return FunctionPolicy.from_catalog(result.result_rows)
+
+
+_SYSTEM_PREFIXES = ("system.", "information_schema.")
+
+
+def jsonable(value: Any) -> Any:
+    """A query result value as JSON: non-finite floats become "NaN"/"Infinity"/"-Infinity",
+    dates ISO 8601 text, tuples lists, map keys strings, other types (Decimal, UUID, IPs) text."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, (datetime, date, dtime)):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
 def wrapped(canonical: str) -> str:
     """The canonical statement as a subquery: only one SELECT without INTO OUTFILE/FORMAT parses."""
     return f"SELECT * FROM (\n{canonical}\n)"
@@ -162,8 +307,6 @@ def wrapped(canonical: str) -> str:
 
 def render(result: SqlResult, fmt: SqlFormat) -> tuple[bytes, str]:
     """The response body and media type of ``result`` in ``fmt``."""
-    from consumers.gateway import jsonable
-
     if fmt == "json":
         body = {
             "columns": result.columns,
@@ -196,8 +339,6 @@ def _json(value: Any) -> bytes:
 
 
 def _csv_value(value: Any) -> Any:
-    from consumers.gateway import jsonable
-
     plain = jsonable(value)
     return json.dumps(plain, ensure_ascii=False) if isinstance(plain, (list, dict)) else plain
 
@@ -213,6 +354,7 @@ class SqlRunner:
         self.limits = limits or SqlLimits.of(settings)
         self.database = settings.clickhouse_database
         self._slots = asyncio.Semaphore(concurrency or settings.sql_concurrency)
+        self._policy: FunctionPolicy | None = None
 
     async def run(self, sql: str, timeout: float | None = None) -> SqlResult:
         async with self._slots:
@@ -221,7 +363,10 @@ class SqlRunner:
     def run_sync(self, sql: str, timeout: float | None = None) -> SqlResult:
         """Check, then run; QueryError (SqlRefusedError for refusals) when it does not."""
         started = time.perf_counter()
-        check = self._client({"max_execution_time": self.limits.time_limit_s})
+        # The checks are bounded too: building a query tree evaluates constant expressions.
+        check = self._client(
+            {"max_execution_time": self.limits.time_limit_s, "max_memory_usage": self.limits.max_memory_bytes}
+        )
         try:
             canonical = self._checked(check, sql)
         finally:
@@ -243,8 +388,14 @@ class SqlRunner:
     def _checked(self, client: Client, sql: str) -> str:
         try:
             canonical = str(client.query("SELECT formatQuery({q:String})", parameters={"q": sql}).result_rows[0][0])
+            ast = [str(row[0]) for row in client.query(f"EXPLAIN AST {canonical}").result_rows]
         except DatabaseError as exc:
             raise QueryError(str(exc), code=_code(exc), name=getattr(exc, "name", None)) from exc
+        if self._policy is None:
+            self._policy = load_function_policy(client)
+        refused = ast_refusal(ast, self._policy, self.database)
+        if refused is not None:
+            raise SqlRefusedError(refused[1], kind=refused[0])
         try:
             tree = client.query(f"EXPLAIN QUERY TREE {wrapped(canonical)}").result_rows
         except DatabaseError as exc:

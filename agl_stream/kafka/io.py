@@ -7,6 +7,8 @@ commit past them) and the consumer keeps going.
 
 from __future__ import annotations
 
+import hashlib
+
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -125,6 +127,32 @@ def decode_as(codec: Codec, avro_name: str | None = None) -> Callable[[bytes], d
     return prepare
 
 
+DLQ_VALUE_HEAD = 64 << 10
+"""Bytes of a rejected value a DLQ record keeps: a record too large for its topic must still fit
+in agl.dlq, so dead-lettering can never fail for the size of what it dead-letters."""
+DLQ_KEY_HEAD = 1 << 10
+DLQ_REASON_CHARS = 4000
+
+
+def dead_letter(item: Rejected, processor: str) -> DlqRecord:
+    """The DLQ record of a rejected input: where it came from, why, and a bounded head of its
+    bytes with the whole value's size and SHA-256 (enough to find and compare the original)."""
+    reason = str(item.error)
+    return DlqRecord(
+        source_topic=item.topic,
+        source_partition=item.partition,
+        source_offset=item.offset,
+        key=None if item.key is None else bytes(item.key[:DLQ_KEY_HEAD]),
+        value=bytes(item.raw[:DLQ_VALUE_HEAD]),
+        reason=reason if len(reason) <= DLQ_REASON_CHARS else reason[:DLQ_REASON_CHARS] + "...",
+        error_type=type(item.error).__name__,
+        processor=processor,
+        time=time.time(),
+        value_size=len(item.raw),
+        value_sha256=hashlib.sha256(item.raw).hexdigest(),
+    )
+
+
 class DeadLetters:
     """Writes rejected input to the DLQ topic with its origin and reason."""
 
@@ -141,17 +169,7 @@ class DeadLetters:
         """Send and wait for every DLQ record, so the caller may then commit past them."""
         futures = []
         for item in rejected:
-            record = DlqRecord(
-                source_topic=item.topic,
-                source_partition=item.partition,
-                source_offset=item.offset,
-                key=item.key,
-                value=item.raw,
-                reason=str(item.error),
-                error_type=type(item.error).__name__,
-                processor=self.processor,
-                time=time.time(),
-            )
+            record = dead_letter(item, self.processor)
             futures.append(await self.producer.send(self.topic, self.codec.encode(record), key=item.topic.encode()))
             log.warning(
                 "record sent to the DLQ",

@@ -23,3 +23,5 @@ class DlqRecord(AglModel):
     error_type: str
     processor: str
     time: float
+    value_size: int = -1
+    value_sha256: str = ""

@@ -107,6 +107,9 @@ def _normalize(fence: Fence | None) -> dict[str, dict[int, int]]:
     return {topic: {int(p): int(o) for p, o in partitions.items()} for topic, partitions in (fence or {}).items()}
 
 
+_REFUSALS = frozenset({"forbidden_function", "forbidden_table", "read_only"})
+
+
 class GatewayReadSide:
     """Reads through a gateway's ``POST /v1/query``.
 
@@ -143,6 +146,8 @@ class GatewayReadSide:
             raise FenceTimeoutError(message)
         if payload.get("error") == "query_error":
             raise QueryError(message, code=payload.get("code"), name=payload.get("name"))
+        if payload.get("error") in _REFUSALS:  # the SQL policy's verdict: the query never ran
+            raise QueryError(message, name=str(payload["error"]))
         raise ReadSideError(f"gateway {self.url} answered {response.status_code}: {message}")
 
     async def offsets(self) -> dict[str, Any]:

@@ -289,12 +289,24 @@ async def test_fenced_reads_write_refusal_timeouts_and_restart_after_kill_9(sett
                 "DROP TABLE agl.rollouts",
                 "SET readonly = 0",
                 f"SELECT 1 INTO OUTFILE '{outfile}'",
-                "SELECT * FROM file('/etc/hostname', 'LineAsString')",
             ):
                 with pytest.raises(QueryError) as refused:
                     await reads.query(sql)
                 assert refused.value.name in ("READONLY", "SYNTAX_ERROR"), sql
             assert not outfile.exists()
+            # The analytics policy holds here too: no files, no server state, no system tables,
+            # also not through a parameter (the parser substitutes it before the check).
+            for sql, parameters, kind in (
+                ("SELECT * FROM file('/etc/hostname', 'LineAsString')", {}, "forbidden_function"),
+                ("SELECT file('/proc/self/environ') AS leaked", {}, "forbidden_function"),
+                ("SELECT getSetting('readonly')", {}, "forbidden_function"),
+                ("SELECT (SELECT groupArray(name) FROM system.databases) AS dbs", {}, "forbidden_table"),
+                ("SELECT * FROM {t:Identifier}", {"t": "system.tables"}, "forbidden_table"),
+            ):
+                with pytest.raises(QueryError) as refused:
+                    await reads.query(sql, parameters)
+                assert refused.value.name == kind, sql
+                assert "AGL_" not in str(refused.value)  # the check ran before anything was evaluated
             with pytest.raises(QueryError, match="SYNTAX_ERROR"):
                 await reads.query("SELEC 1")
 

@@ -6,6 +6,8 @@ with spans as single agl.Span records and as agl.SpanBatch records (many spans, 
 
 from __future__ import annotations
 
+import hashlib
+import os
 import signal
 
 import pytest
@@ -89,6 +91,9 @@ async def test_undecodable_record_goes_to_the_dlq_and_the_sink_keeps_going(setti
         for span in good[:2]:
             await producer.send_and_wait(topic, codec.encode_dict("agl.Span", span), key=span["rollout_id"].encode())
         bad = await producer.send_and_wait(topic, b"\xc3\x01garbage!", key=good[0]["rollout_id"].encode())
+        # Too large for agl.dlq as it is: its DLQ record keeps a head, the size and a digest.
+        huge_value = b"\xc3\x01" + os.urandom(5 << 20)
+        huge = await producer.send_and_wait(topic, huge_value, key=good[0]["rollout_id"].encode())
         for span in good[2:]:
             await producer.send_and_wait(topic, codec.encode_dict("agl.Span", span), key=span["rollout_id"].encode())
     finally:
@@ -96,17 +101,20 @@ async def test_undecodable_record_goes_to_the_dlq_and_the_sink_keeps_going(setti
 
     sink = start_role(settings, "sink", "--flush-ms", "50", log_name="sink")
     try:
-        await wait_committed_at_least(settings, _group(settings), 6, timeout=60)
+        await wait_committed_at_least(settings, _group(settings), 7, timeout=60)
     finally:
         assert stop_role(sink) == 0
 
-    [dead] = await read_topic(settings, settings.topic("dlq"), 1)
-    record = codec.decode(dead.value, DlqRecord)
+    dead = await read_topic(settings, settings.topic("dlq"), 2)
+    records = {(r.source_partition, r.source_offset): r for r in (codec.decode(d.value, DlqRecord) for d in dead)}
+    record = records[(bad.partition, bad.offset)]
     assert record.source_topic == topic
-    assert (record.source_partition, record.source_offset) == (bad.partition, bad.offset)
-    assert record.value == b"\xc3\x01garbage!"
+    assert record.value == b"\xc3\x01garbage!" and record.value_size == len(record.value)
     assert record.error_type and record.reason
-    assert dead.key == topic.encode()
+    assert {d.key for d in dead} == {topic.encode()}
+    large = records[(huge.partition, huge.offset)]
+    assert large.value == huge_value[: len(large.value)] and 0 < len(large.value) <= 64 << 10
+    assert large.value_size == len(huge_value) and large.value_sha256 == hashlib.sha256(huge_value).hexdigest()
     with clickhouse(settings) as ch:
         names = {r[0] for r in ch.query(f"SELECT SpanId FROM {settings.clickhouse_database}.otel_traces").result_rows}
     assert names == {s["span_id"] for s in good}

@@ -431,6 +431,15 @@ def test_limits_are_the_engines(pipeline: Pipeline) -> None:
     many = pipeline.sql(f"SELECT number FROM numbers({MAX_RESULT_ROWS + 1})")
     assert many.status_code == 413 and many.json()["name"] == "TOO_MANY_ROWS_OR_BYTES", many.text
     assert pipeline.sql(f"SELECT number FROM numbers({MAX_RESULT_ROWS})").json()["row_count"] == MAX_RESULT_ROWS
+    # Constant expressions are evaluated while the query is checked: under the same limits.
+    constant = pipeline.sql("SELECT length(range(100000000))")
+    assert constant.status_code == 413 and constant.json()["name"] == "MEMORY_LIMIT_EXCEEDED", constant.text
+    functions = pipeline.sql(
+        "SELECT countIf(number > 0) AS c, quantileExactIf(0.5)(number, number > 0) AS q, "
+        "arrayMap(x -> x * 2, [1, 2]) AS m, row_number() OVER () AS r, toString(number) AS s "
+        "FROM numbers(3) ORDER BY r"
+    )
+    assert functions.status_code == 200 and functions.json()["row_count"] == 3, functions.text
     memory = pipeline.sql("SELECT groupArray(repeat('x', 1000)) FROM numbers(10000000)")
     assert memory.status_code == 413 and memory.json()["name"] == "MEMORY_LIMIT_EXCEEDED", memory.text
     bad = pipeline.sql("SELECT no_such_column FROM agl.rollouts")
@@ -445,13 +454,21 @@ REFUSED = {
     "SET max_execution_time = 1000": "read_only",
     "SELECT 1 SETTINGS max_execution_time = 1000": "read_only",
     "SHOW TABLES": "read_only",
-    "SELECT * FROM file('/etc/hostname', 'LineAsString')": "read_only",
+    "SELECT * FROM file('/etc/hostname', 'LineAsString')": "forbidden_function",
+    "SELECT file('/etc/hostname')": "forbidden_function",
+    "SELECT length(file('/proc/self/environ'))": "forbidden_function",
+    "SELECT hostName(), fullHostName()": "forbidden_function",
+    "SELECT getSetting('max_memory_usage')": "forbidden_function",
+    "SELECT sleep(3)": "forbidden_function",
+    "SELECT dictGet('any', 'attr', 1)": "forbidden_function",
+    "SELECT * FROM url('http://127.0.0.1:1/', 'CSV', 'a String')": "forbidden_function",
+    "SELECT (SELECT groupArray(name) FROM system.databases)": "forbidden_table",
     "SELECT * FROM system.tables": "forbidden_table",
     "SELECT count() FROM agl.rollouts WHERE rollout_id IN (SELECT name FROM system.users)": "forbidden_table",
     "WITH t AS (SELECT * FROM system.processes) SELECT count() FROM t": "forbidden_table",
     "SELECT * FROM information_schema.tables": "forbidden_table",
-    "SELECT * FROM merge('system', '^tab')": "forbidden_table",
-    "SELECT * FROM view(SELECT * FROM system.one)": "forbidden_table",
+    "SELECT * FROM merge('system', '^tab')": "forbidden_function",
+    "SELECT * FROM view(SELECT * FROM system.one)": "forbidden_function",
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from consumers.gateway_sql import SqlResult, objects_read, refusal, render, wrapped
+from consumers.gateway_sql import FunctionPolicy, SqlResult, ast_refusal, objects_read, refusal, render, wrapped
 
 TREE = [
     "QUERY id: 0",
@@ -43,3 +43,66 @@ def test_formats() -> None:
     assert media.startswith("text/csv") and body.decode().splitlines() == ["a,b", '1,"[0.5, ""NaN""]"', ",[]"]
     body, _ = render(result, "table")
     assert "NULL" in body.decode() and "2 row(s)" in body.decode()
+
+
+# (name, categories, alias_to, case_insensitive, is_aggregate): a slice of system.functions.
+CATALOG = [
+    ("file", "Other", "", 0, 0),
+    ("FQDN", "Other", "", 1, 0),
+    ("fullHostName", "", "FQDN", 0, 0),
+    ("identity", "Other", "", 0, 0),
+    ("dictGet", "Dictionary", "", 0, 0),
+    ("plus", "Arithmetic", "", 0, 0),
+    ("lower", "String", "", 1, 0),
+    ("lcase", "", "lower", 1, 0),
+    ("count", "Aggregate Functions", "", 1, 1),
+    ("quantileExact", "Aggregate Functions", "", 0, 1),
+    ("toDateTime", "Type Conversion, Dates and Times", "", 0, 0),
+]
+POLICY = FunctionPolicy.from_catalog(CATALOG)
+
+
+def test_the_function_policy_allows_computing_and_refuses_reading_the_host() -> None:
+    for name in ("plus", "lower", "LOWER", "lcase", "count", "COUNT", "toDateTime", "identity", "lambda"):
+        assert POLICY.allows(name), name
+    for name in ("file", "FQDN", "fullHostName", "fqdn", "dictGet", "Plus", "nosuchfunction", "fileIf"):
+        assert not POLICY.allows(name), name
+
+
+def test_aggregate_combinators_are_allowed_on_allowed_aggregates_only() -> None:
+    for name in ("countIf", "countDistinctIf", "quantileExactIf", "countOrNull", "countArrayIf", "COUNTIf"):
+        assert POLICY.allows(name), name
+    for name in ("If", "plusIf", "fileState", "dictGetOrNull"):
+        assert not POLICY.allows(name), name
+
+
+AST = """SelectWithUnionQuery (children 1)
+ ExpressionList (children 1)
+  SelectQuery (children 2)
+   ExpressionList (children 2)
+    Function {function} (alias x) (children 1)
+     ExpressionList (children 1)
+      Literal '/etc/hostname'
+    Identifier {identifier}
+   TablesInSelectQuery (children 1)
+    TablesInSelectQueryElement (children 1)
+     TableExpression (children 1)
+      TableIdentifier {table}"""
+
+
+def _ast(function: str = "lower", identifier: str = "rollout_id", table: str = "agl.rollouts") -> list[str]:
+    return AST.format(function=function, identifier=identifier, table=table).splitlines()
+
+
+def test_the_syntax_tree_decides_before_anything_is_evaluated() -> None:
+    assert ast_refusal(_ast(), POLICY, "agl") is None
+    assert ast_refusal(_ast(table="rollouts"), POLICY, "agl") is None  # unqualified: resolved in agl
+    assert ast_refusal(_ast(function="numbers"), POLICY, "agl") is None  # a harmless table function
+    kind, message = ast_refusal(_ast(function="file"), POLICY, "agl") or ("", "")
+    assert kind == "forbidden_function" and "file" in message and "/etc" not in message
+    kind, message = ast_refusal(_ast(table="system.users"), POLICY, "agl") or ("", "")
+    assert kind == "forbidden_table" and "system.users" in message
+    kind, _ = ast_refusal(_ast(identifier="system.tables"), POLICY, "agl") or ("", "")
+    assert kind == "forbidden_table"  # `x IN system.tables`
+    kind, message = ast_refusal(_ast(function="dictGet", table="other.t"), POLICY, "agl") or ("", "")
+    assert kind == "forbidden_table" and "dictGet" in message and "other.t" in message
