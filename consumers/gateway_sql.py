@@ -246,6 +246,8 @@ def ast_refusal(ast: Sequence[str], policy: FunctionPolicy, database: str) -> tu
     the query, because analysis already evaluates constant expressions and scalar subqueries:
     ``file('/etc/hostname')`` is read while a query tree is built.
     """
+    if not ast or not ast[0].startswith("Select"):
+        return "read_only", READ_ONLY_REFUSAL
     functions: set[str] = set()
     named: set[str] = set()
     for line in ast:
@@ -278,6 +280,9 @@ def load_function_policy(client: Client) -> FunctionPolicy:
 
 
 _SYSTEM_PREFIXES = ("system.", "information_schema.")
+READ_ONLY_REFUSAL = (
+    "refused: the SQL API is readonly and runs exactly one SELECT (or WITH ... SELECT) without INTO OUTFILE or FORMAT"
+)
 
 
 def jsonable(value: Any) -> Any:
@@ -402,8 +407,7 @@ class SqlRunner:
             code = _code(exc)
             if code == 62:  # SYNTAX_ERROR: the one statement is not a SELECT that can be a subquery
                 raise SqlRefusedError(
-                    "refused: the SQL API is readonly and runs exactly one SELECT (or WITH ... SELECT) without "
-                    f"INTO OUTFILE or FORMAT; ClickHouse does not read this statement as one: {_first_line(exc)}",
+                    f"{READ_ONLY_REFUSAL}; ClickHouse does not read this statement as one: {_first_line(exc)}",
                     kind="read_only",
                 ) from exc
             raise QueryError(str(exc), code=code, name=getattr(exc, "name", None)) from exc

@@ -69,11 +69,23 @@ PROCESSOR = "processor.rollouts"
 READY_FILE = "processor.ready"
 MAX_CLAIM_WAIT_S = 30.0
 REPLY_WAIT_S = 2.0
+MAX_EVENT_BYTES = 1_000_000  # what the store client and the ingress refuse to send
 PRUNE_EVERY_S = 3600.0
 
 
 class RejectedEvent(Exception):
     """The fold refused the event (its reason is the message)."""
+
+
+class OversizeRecordError(Exception):
+    """A record over MAX_EVENT_BYTES: nothing it would produce fits the topics it feeds."""
+
+
+def _oversize(record: ConsumerRecord[bytes, bytes], what: str) -> str:
+    return (
+        f"{what} of {len(record.value or b''):,} bytes, over the {MAX_EVENT_BYTES:,}-byte limit: keep task input "
+        "and metadata small (store large payloads elsewhere and pass a reference)"
+    )
 
 
 @dataclass
@@ -262,6 +274,11 @@ class RolloutProcessor:
         await self._send(out, tombstones, outgoing)
 
     def _fold(self, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
+        if len(record.value or b"") > MAX_EVENT_BYTES:
+            # Its state would be too large to write: refused here, where the DLQ can say why,
+            # rather than failing every produce of the batch it lands in.
+            out.rejected.append(Rejected.of(record, OversizeRecordError(_oversize(record, "a rollout event"))))
+            return
         try:
             event = self.codec.decode(record.value or b"", RolloutEvent)
         except CodecError as error:
@@ -312,6 +329,9 @@ class RolloutProcessor:
             )
 
     def _request(self, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
+        if len(record.value or b"") > MAX_EVENT_BYTES:
+            out.rejected.append(Rejected.of(record, OversizeRecordError(_oversize(record, "a store request"))))
+            return
         try:
             request = self.codec.decode(record.value or b"", StoreRequest)
         except CodecError as error:

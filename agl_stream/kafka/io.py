@@ -8,7 +8,6 @@ commit past them) and the consumer keeps going.
 from __future__ import annotations
 
 import hashlib
-
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass

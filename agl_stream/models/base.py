@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, TypeAlias
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
     SerializationInfo,
     SerializerFunctionWrapHandler,
     model_serializer,
@@ -20,6 +21,12 @@ AttemptStatus: TypeAlias = Literal["preparing", "running", "succeeded", "failed"
 WorkerStatus: TypeAlias = Literal["idle", "busy", "unknown"]
 RolloutMode: TypeAlias = Literal["train", "val", "test"]
 StatusCode: TypeAlias = Literal["UNSET", "OK", "ERROR"]
+
+MAX_EPOCH_SECONDS = 9_200_000_000.0
+"""2261-07-18: the last second ClickHouse's DateTime64(9) can hold (nanoseconds in an Int64)."""
+EpochSeconds: TypeAlias = Annotated[float, Field(ge=0.0, le=MAX_EPOCH_SECONDS, allow_inf_nan=False)]
+"""A point in time as seconds since the epoch: finite, from 1970 to 2261 (NaN, infinities and
+1e300 are refused with a clear error at the edge instead of failing in the engine)."""
 
 QUEUING_STATUSES: frozenset[str] = frozenset({"queuing", "requeuing"})
 RUNNING_STATUSES: frozenset[str] = frozenset({"preparing", "running"})

@@ -16,6 +16,7 @@ from typing_extensions import Self
 from agl_stream.models.base import (
     AglModel,
     AttemptStatus,
+    EpochSeconds,
     JsonObject,
     JsonValue,
     RolloutMode,
@@ -127,9 +128,9 @@ class AttemptUpdated(_PartialUpdate):
     attempt_id: str
     status: AttemptStatus | None = None
     worker_id: str | None = None
-    last_heartbeat_time: float | None = None
+    last_heartbeat_time: EpochSeconds | None = None
     metadata: JsonObject | None = None
-    end_time: float | None = None
+    end_time: EpochSeconds | None = None
 
     @classmethod
     def of(cls, attempt_id: str, **changes: Any) -> AttemptUpdated:
@@ -172,7 +173,7 @@ class WatchdogFired(UnionMember):
 
     attempt_id: str
     status: AttemptStatus
-    observed_heartbeat_time: float | None = None
+    observed_heartbeat_time: EpochSeconds | None = None
 
 
 RolloutEventPayload: TypeAlias = Annotated[
@@ -206,7 +207,7 @@ class RolloutEvent(AglModel):
 
     event_id: str
     rollout_id: str
-    time: float
+    time: EpochSeconds
     writer: str
     payload: RolloutEventPayload
 
@@ -224,10 +225,10 @@ class RolloutState(AglModel):
     attempts: list[Attempt] = Field(default_factory=list)
     version: int
     cause_event_id: str
-    cause_time: float
+    cause_time: EpochSeconds
     next_sequence_ids: dict[str, int] = Field(default_factory=dict)
     reserved_sequence_id: int | None = None
-    finished_time: float | None = None
+    finished_time: EpochSeconds | None = None
     input_offset: int = -1
     span_counts: dict[str, int] = Field(default_factory=dict)
     watchers: list[str] = Field(default_factory=list)

@@ -6,7 +6,7 @@ from typing import Annotated, ClassVar, Literal, TypeAlias
 
 from pydantic import Field
 
-from agl_stream.models.base import AglModel, JsonObject, UnionMember
+from agl_stream.models.base import AglModel, EpochSeconds, JsonObject, UnionMember
 
 
 class _Endpoint(UnionMember):
@@ -78,8 +78,8 @@ class ResourcesUpdate(AglModel):
     avro_name: ClassVar[str] = "agl.ResourcesUpdate"
 
     resources_id: str
-    create_time: float
-    update_time: float
+    create_time: EpochSeconds
+    update_time: EpochSeconds
     version: int
     resources: dict[str, Resource] = Field(default_factory=dict)
 

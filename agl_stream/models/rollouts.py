@@ -9,6 +9,7 @@ from pydantic import Field
 from agl_stream.models.base import (
     AglModel,
     AttemptStatus,
+    EpochSeconds,
     JsonObject,
     JsonValue,
     RolloutMode,
@@ -35,8 +36,8 @@ class Rollout(AglModel):
 
     rollout_id: str
     input: JsonValue
-    start_time: float
-    end_time: float | None = None
+    start_time: EpochSeconds
+    end_time: EpochSeconds | None = None
     mode: RolloutMode | None = None
     resources_id: str | None = None
     status: RolloutStatus = "queuing"
@@ -52,11 +53,11 @@ class Attempt(AglModel):
     rollout_id: str
     attempt_id: str
     sequence_id: int = Field(ge=1)
-    start_time: float
-    end_time: float | None = None
+    start_time: EpochSeconds
+    end_time: EpochSeconds | None = None
     status: AttemptStatus = "preparing"
     worker_id: str | None = None
-    last_heartbeat_time: float | None = None
+    last_heartbeat_time: EpochSeconds | None = None
     metadata: JsonObject | None = None
 
 
@@ -68,9 +69,9 @@ class Worker(AglModel):
     worker_id: str
     status: WorkerStatus = "unknown"
     heartbeat_stats: JsonObject | None = None
-    last_heartbeat_time: float | None = None
-    last_dequeue_time: float | None = None
-    last_busy_time: float | None = None
-    last_idle_time: float | None = None
+    last_heartbeat_time: EpochSeconds | None = None
+    last_dequeue_time: EpochSeconds | None = None
+    last_busy_time: EpochSeconds | None = None
+    last_idle_time: EpochSeconds | None = None
     current_rollout_id: str | None = None
     current_attempt_id: str | None = None

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, TypeAlias
 from annotated_types import Ge, Le
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, StringConstraints
 
-from agl_stream.models.base import AglModel, StatusCode
+from agl_stream.models.base import AglModel, EpochSeconds, StatusCode
 
 Int64: TypeAlias = Annotated[StrictInt, Ge(-(2**63)), Le(2**63 - 1)]
 AttributeScalar: TypeAlias = StrictBool | Int64 | StrictFloat | StrictStr | None
@@ -47,7 +47,7 @@ class SpanEvent(AglModel):
 
     name: str
     attributes: Attributes = Field(default_factory=dict)
-    timestamp: float | None = None
+    timestamp: EpochSeconds | None = None
 
 
 class SpanLink(AglModel):
@@ -85,8 +85,8 @@ class Span(AglModel):
     attributes: Attributes = Field(default_factory=dict)
     events: list[SpanEvent] = Field(default_factory=list)
     links: list[SpanLink] = Field(default_factory=list)
-    start_time: float | None = None
-    end_time: float | None = None
+    start_time: EpochSeconds | None = None
+    end_time: EpochSeconds | None = None
     context: SpanContext | None = None
     parent: SpanContext | None = None
     resource: OtelResource = Field(default_factory=OtelResource)

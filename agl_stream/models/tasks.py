@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from agl_stream.models.base import AglModel, JsonObject, JsonValue, RolloutMode
+from agl_stream.models.base import AglModel, EpochSeconds, JsonObject, JsonValue, RolloutMode
 from agl_stream.models.rollouts import Rollout, RolloutConfig
 
 
@@ -16,7 +16,7 @@ class TaskItem(AglModel):
     task_id: str
     rollout: Rollout
     attempt_sequence_id: int
-    enqueue_time: float
+    enqueue_time: EpochSeconds
 
 
 class TaskRequest(AglModel):
@@ -33,4 +33,4 @@ class TaskRequest(AglModel):
     resources_id: str | None = None
     config: RolloutConfig | None = None
     metadata: JsonObject | None = None
-    request_time: float | None = None
+    request_time: EpochSeconds | None = None

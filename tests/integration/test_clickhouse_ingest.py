@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from agl_stream.clickhouse.avro_ingest import columns_of, container, container_header
+from agl_stream.clickhouse.avro_ingest import columns_of, container, container_header, zigzag
 from agl_stream.clickhouse.client import get_client
-from agl_stream.codec import Codec
+from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.io import Fetched
 from agl_stream.models import Attempt, Rollout, RolloutState, Span
@@ -160,6 +160,25 @@ def test_a_span_batch_becomes_one_row_per_span_at_its_offset(tmp_path: Path) -> 
         assert sink.applied_offsets() == {0: 12}
     assert [(seq, offset) for seq, offset, _ in rows] == [(1, 10), (2, 10), (3, 10), (4, 11)]
     assert [Span.model_validate_json(js) for *_, js in rows] == [Span.model_validate(s) for s in (*spans, single)]
+
+
+def test_bytes_after_a_valid_body_forge_no_rows_and_lose_none(tmp_path: Path) -> None:
+    """A record whose value is a valid span followed by more bytes (here: the body of another
+    span with an offset of its own) is one row at its own offset; its neighbours all land."""
+    settings = Settings(data_dir=tmp_path)
+    codec = Codec.default()
+    spans = [span_dict(sequence_id=seq, span_id=f"{seq:016x}") for seq in (1, 2, 3)]
+    forged = span_dict(sequence_id=99, span_id=f"{99:016x}")
+    raws = [codec.encode_dict("agl.Span", s) for s in spans]
+    tail = zigzag(0) + zigzag(10**12) + codec.encode_dict("agl.Span", forged)[HEADER_SIZE:]
+    raws[1] += tail
+    with clickhouse(settings) as ch:
+        sink = TableSink(settings, ch, SPANS)
+        sink.prepare_tables()
+        sink._insert(_fetched(sink, raws, first_offset=20), {})
+        rows = ch.query("SELECT SequenceId, KafkaOffset FROM agl.otel_traces ORDER BY SequenceId").result_rows
+        assert sink.applied_offsets() == {0: 23}
+    assert [tuple(r) for r in rows] == [(1, 20), (2, 21), (3, 22)]
 
 
 def test_one_insert_is_one_part_however_the_engine_would_squash_it(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ async def test_undecodable_record_goes_to_the_dlq_and_the_sink_keeps_going(setti
     await admin.apply(settings)
     codec = Codec.default()
     topic = settings.topic("spans")
-    producer = make_producer(settings)
+    producer = make_producer(settings, max_request_size=8 << 20)
     await producer.start()
     try:
         good = [synthetic_span(i) for i in range(5)]

@@ -229,6 +229,43 @@ async def test_garbage_on_the_rollouts_topic_is_dead_lettered_and_the_processor_
     assert ours and ours[0].value == b"not avro at all" and ours[0].error_type == "NotSingleObjectEncodedError"
 
 
+async def test_an_oversize_event_is_dead_lettered_with_its_size_and_the_processor_goes_on(
+    store: AglStore, stack_settings: Settings
+) -> None:
+    """Written past the client's own check (by any producer): a 2 MB enqueue whose state could
+    never be written; compressed, it fits the topic. It costs one DLQ record, not a crashed or
+    stuck processor."""
+    from agl_stream.kafka.io import make_producer
+    from agl_stream.models import Rollout, RolloutEnqueued, RolloutEvent
+    from tests.integration.helpers import dlq_records
+
+    rollout_id = "ro-0000000000ff"
+    event = RolloutEvent(
+        event_id="ev-oversize",
+        rollout_id=rollout_id,
+        time=1.0,
+        writer="test",
+        payload=RolloutEnqueued(
+            rollout=Rollout(rollout_id=rollout_id, input={"blob": "x" * 2_000_000}, start_time=1.0)
+        ),
+    )
+    value = Codec.default().encode(event)
+    producer = make_producer(stack_settings, compression_type="gzip")
+    await producer.start()
+    try:
+        sent = await producer.send_and_wait(stack_settings.topic("rollouts"), value, key=rollout_id.encode())
+    finally:
+        await producer.stop()
+    [dead] = await dlq_records(
+        stack_settings, 1, lambda r: (r.source_partition, r.source_offset) == (sent.partition, sent.offset)
+    )
+    assert dead.error_type == "OversizeRecordError" and "over the 1,000,000-byte limit" in dead.reason
+    assert dead.value_size == len(value) and len(dead.value) < len(value)
+    after = await store.enqueue_rollout({"after": "oversize"})
+    assert (await store.get_rollout_by_id(after.rollout_id)) is not None
+    assert await store.get_rollout_by_id(rollout_id) is None
+
+
 async def test_query_rollouts_filters_sorts_and_pages(store: AglStore) -> None:
     tag = uuid.uuid4().hex[:6]
     made = [await store.enqueue_rollout({"tag": tag, "i": i}) for i in range(5)]

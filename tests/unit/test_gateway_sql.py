@@ -106,3 +106,8 @@ def test_the_syntax_tree_decides_before_anything_is_evaluated() -> None:
     assert kind == "forbidden_table"  # `x IN system.tables`
     kind, message = ast_refusal(_ast(function="dictGet", table="other.t"), POLICY, "agl") or ("", "")
     assert kind == "forbidden_table" and "dictGet" in message and "other.t" in message
+
+
+def test_a_statement_that_is_not_a_select_is_refused_as_read_only_before_its_functions() -> None:
+    create = ["CreateQuery agl mine (children 3)", " Storage definition (children 1)", "  Function Memory"]
+    assert (ast_refusal(create, POLICY, "agl") or ("", ""))[0] == "read_only"

@@ -29,6 +29,7 @@ from agl_stream.models import (
     AttemptUpdated,
     ProxyLLM,
     ResourcesUpdate,
+    Rollout,
     RolloutCancelled,
     RolloutEvent,
     RolloutUpdated,
@@ -138,7 +139,15 @@ def _for_annotation(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[A
                 hi = min(hi, int(item.le))  # type: ignore[call-overload]
         return st.integers(lo, hi)
     if annotation is float:
-        return st.floats(allow_nan=False)
+        lo_f: float | None = None
+        hi_f: float | None = None
+        for item in _flat(metadata):
+            if isinstance(item, annotated_types.Ge):
+                lo_f = float(item.ge)  # type: ignore[arg-type]
+            if isinstance(item, annotated_types.Le):
+                hi_f = float(item.le)  # type: ignore[arg-type]
+        bounded = lo_f is not None or hi_f is not None
+        return st.floats(min_value=lo_f, max_value=hi_f, allow_nan=False, allow_infinity=not bounded)
     if annotation is str:
         for item in metadata:
             if isinstance(item, StringConstraints) and item.pattern:
@@ -147,6 +156,11 @@ def _for_annotation(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[A
     if annotation is bytes:
         return st.binary(max_size=32)
     raise NotImplementedError(f"no strategy for {annotation!r}")
+
+
+def _flat(metadata: list[Any]) -> list[Any]:
+    """Constraints, with those inside a ``Field(...)`` of an ``Annotated`` type taken out."""
+    return [m for item in metadata for m in (item.metadata if isinstance(item, FieldInfo) else [item])]
 
 
 def _strip(annotation: Any) -> Any:
@@ -333,3 +347,15 @@ def test_strategies_build_valid_models(model: type[AglModel], data: st.DataObjec
     instance = data.draw(model_strategy(model))
     assert type(instance) is model
     assert model.model_validate(instance.model_dump(context={"avro": True})) == instance
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1e300, -1.0])
+def test_times_must_be_finite_and_within_what_the_engine_holds(bad: float) -> None:
+    base = {"rollout_id": "ro-1", "attempt_id": "at-1", "sequence_id": 1, "trace_id": "0" * 32, "span_id": "0" * 16}
+    span = Span.model_validate({**base, "name": "ok", "start_time": 1.0, "end_time": 9_000_000_000.0})
+    assert span.start_time == 1.0
+    for field in ("start_time", "end_time"):
+        with pytest.raises(ValidationError, match=field):
+            Span.model_validate({**base, "name": "bad", field: bad})
+    with pytest.raises(ValidationError, match="time"):
+        Rollout(rollout_id="ro-1", input=None, start_time=bad)
