@@ -6,16 +6,22 @@
 
 Formats: ``json`` ``{"columns", "rows", "row_count", "elapsed_ms"}``, ``jsonl`` one object per row,
 ``csv`` with a header line, ``table`` aligned text. Errors are JSON ``{"error", "message", ...}``:
-400 ``query_error`` (ClickHouse could not run it), 403 ``read_only`` (a write, DDL, SET, a table
-function that touches files or the network, or not a single SELECT), 403 ``forbidden_table`` (a
-table outside the agl database, e.g. ``system.*``), 408 ``timeout`` (over the time limit), 413
-``too_large`` (over the memory or result limits), 503 while the gateway stops.
+400 ``query_error`` (ClickHouse could not run it), 403 ``read_only`` (a write, DDL, SET, or not a
+single SELECT), 403 ``forbidden_function`` (a function or table function off the allow-list),
+403 ``forbidden_table`` (a table outside the agl database, e.g. ``system.*``), 408 ``timeout``
+(over the time limit), 413 ``too_large`` (over the memory or result limits), 503 while the
+gateway stops.
 
 Every check is ClickHouse's own, none reads the SQL text here:
 
 1. ``formatQuery({q:String})`` (the SQL is a bound parameter): the engine parses it as exactly one
    statement and gives back its canonical text (balanced quotes, no comments).
-2. ``EXPLAIN QUERY TREE SELECT * FROM (<canonical>)``: the engine accepts it only if the statement
+2. ``EXPLAIN AST <canonical>`` (a parse: nothing is evaluated yet): a statement that is not a
+   SELECT is refused as read_only; every function must be on the allow-list built from the
+   engine's catalog (``FunctionPolicy``: no files, network, host or server state, settings,
+   dictionaries, sleeping) and every table named with a database must be in agl.
+3. ``EXPLAIN QUERY TREE SELECT * FROM (<canonical>)``, under the memory and time limits (the
+   analyzer evaluates constant expressions): the engine accepts it only if the statement
    is one SELECT usable as a subquery (so no INSERT/DDL/SHOW, and no ``INTO OUTFILE`` or
    ``FORMAT``: chDB writes ``INTO OUTFILE`` files even with ``readonly=1``), and its analyzer
    resolves every table, view, CTE and subquery to ``table_name: db.table`` /
@@ -25,7 +31,7 @@ Every check is ClickHouse's own, none reads the SQL text here:
    configure (no CREATE USER, ``select_from_system_db_requires_grant`` is a server setting it
    does not load). On a ClickHouse server, use a user granted only ``SELECT ON agl.*`` as well
    (docs/sql.md, "Access").
-3. The canonical statement runs on a client of its own with ``readonly=1`` (``readonly=2`` on a
+4. The canonical statement runs on a client of its own with ``readonly=1`` (``readonly=2`` on a
    server) and the limits ``max_execution_time`` (the request's timeout, capped by
    ``sql_time_limit_s``), ``max_memory_usage``, ``max_result_rows``/``max_result_bytes``
    (``result_overflow_mode=throw``). The checks run on a second readonly client without result

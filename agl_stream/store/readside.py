@@ -24,7 +24,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +33,9 @@ import httpx
 
 from agl_stream.config import Settings
 from agl_stream.errors import FenceTimeoutError, GatewayUnavailableError, QueryError, ReadSideError
+from agl_stream.logs import get_logger
+
+log = get_logger(__name__)
 
 Fence = Mapping[str, Mapping[int, int]]
 """``{topic: {partition: offset of the written record}}``."""
@@ -108,6 +111,8 @@ def _normalize(fence: Fence | None) -> dict[str, dict[int, int]]:
 
 
 _REFUSALS = frozenset({"forbidden_function", "forbidden_table", "read_only"})
+_RETRY_FIRST_S = 0.1
+_RETRY_MAX_S = 2.0
 
 
 class GatewayReadSide:
@@ -117,11 +122,20 @@ class GatewayReadSide:
     (the gateway enforces its own query time limit).
     """
 
-    def __init__(self, url: str, *, query_margin: float = 60.0, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        query_margin: float = 60.0,
+        client: httpx.AsyncClient | None = None,
+        locate: Callable[[], str | None] | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.query_margin = query_margin
         self._client = client or httpx.AsyncClient()
         self._owns_client = client is None
+        # Where the gateway is now (a restarted local gateway may listen on another port).
+        self._locate = locate
 
     async def query(
         self,
@@ -161,12 +175,29 @@ class GatewayReadSide:
         return result
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float) -> httpx.Response:
-        try:
-            return await self._client.post(f"{self.url}{path}", json=body, timeout=timeout)
-        except httpx.TransportError as exc:
-            raise GatewayUnavailableError(
-                f"gateway {self.url} does not answer ({type(exc).__name__}: {exc}); is `agl-stream up` running?"
-            ) from exc
+        """POST a read; a gateway that does not answer or is shutting down is asked again with
+        backoff (reads are idempotent) until ``timeout`` has passed, so a gateway's restart
+        costs a caller a pause, not an exception."""
+        deadline = time.monotonic() + timeout
+        delay = _RETRY_FIRST_S
+        while True:
+            try:
+                response = await self._client.post(f"{self.url}{path}", json=body, timeout=timeout)
+            except httpx.TransportError as exc:
+                failure = f"does not answer ({type(exc).__name__}: {exc})"
+            else:
+                if response.status_code != 503:
+                    return response
+                failure = "is shutting down (503)"
+            if time.monotonic() + delay > deadline:
+                raise GatewayUnavailableError(
+                    f"gateway {self.url} {failure}, still after {timeout:.0f}s; is `agl-stream up` running?"
+                )
+            log.info("gateway unavailable, asking again", url=self.url, failure=failure, retry_in_s=delay)
+            await asyncio.sleep(delay)  # backoff between tries, not synchronisation
+            delay = min(delay * 2, _RETRY_MAX_S)
+            if self._locate is not None:
+                self.url = (self._locate() or self.url).rstrip("/")
 
     async def aclose(self) -> None:
         if self._owns_client:
@@ -302,7 +333,12 @@ def read_side_for(settings: Settings) -> ReadSide:
         return ClickHouseReadSide(settings)
     recorded = read_gateway_file(settings.run_dir)
     if recorded is not None:
-        return GatewayReadSide(recorded.url)
+
+        def locate() -> str | None:
+            again = read_gateway_file(settings.run_dir)
+            return again.url if again is not None else None
+
+        return GatewayReadSide(recorded.url, locate=locate)
     raise GatewayUnavailableError(
         f"no running gateway is recorded in {settings.run_dir / GATEWAY_FILE}: start the local stack "
         "with `agl-stream up` (or `agl-stream gateway`), or set AGL_GATEWAY_URL or AGL_CLICKHOUSE_URL"
