@@ -97,6 +97,11 @@ class Settings(BaseSettings):
     # -- gateway (read side) -----------------------------------------------------------------
     gateway_host: str = Field("127.0.0.1", description="Address the gateway (sink + query API) binds to.")
     gateway_port: int = Field(8642, ge=0, le=65535, description="Port of the gateway's HTTP API (0: pick a free one).")
+    allowed_hosts: str = Field(
+        "",
+        description="Host names the HTTP listeners answer to besides loopback and their bind address, "
+        'comma-separated ("*": any).',
+    )
     gateway_url: str | None = Field(
         None, description="URL of a running gateway for clients; unset: the one `agl-stream up` recorded."
     )
@@ -214,6 +219,11 @@ class Settings(BaseSettings):
                 self.kafka_ssl_password.get_secret_value() if self.kafka_ssl_password else None,
             )
         return context
+
+    @property
+    def extra_hosts(self) -> list[str]:
+        """``allowed_hosts`` as a list."""
+        return [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
 
     def kafka_client_options(self) -> dict[str, Any]:
         """Connection and security options shared by every aiokafka client."""

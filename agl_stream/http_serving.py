@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agl_stream.errors import AglError
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
 class QuietServer(uvicorn.Server):
@@ -43,3 +50,63 @@ def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> list[str]:
+    """The names a listener bound to ``bind_host`` answers to (the Host header, without port).
+
+    Loopback names always; the bound address itself; what the operator adds
+    (``AGL_ALLOWED_HOSTS``, "*" for any). A wildcard bind (0.0.0.0, ::) adds nothing by itself:
+    the names clients use for the machine must be listed.
+    """
+    names = [*LOOPBACK_NAMES]
+    if bind_host not in ("0.0.0.0", "::", "") and bind_host not in names:
+        names.append(bind_host)
+    names += [h.strip() for h in extra if h.strip() and h.strip() not in names]
+    return names
+
+
+def guard(app: Any, hosts: list[str]) -> None:
+    """What every listener refuses before any route runs: a Host header naming another host
+    (DNS rebinding: a web page's name resolved to 127.0.0.1) and a request a web page of another
+    origin sent (browsers name the page's origin on every cross-origin POST); no CORS headers
+    are ever added, so a page cannot read an answer either."""
+    app.add_middleware(SameOriginOnly, hosts=hosts)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=[_host_pattern(h) for h in hosts])
+
+
+def _host_pattern(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class SameOriginOnly:
+    """Refuses a request whose ``Origin`` header names a host this listener does not answer to
+    (403 ``cross_origin``); requests without one (any non-browser client) pass."""
+
+    def __init__(self, app: ASGIApp, hosts: list[str]) -> None:
+        self.app = app
+        self.any = "*" in hosts
+        self.hosts = {h.strip("[]").lower() for h in hosts}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.any:
+            origin = next((v for k, v in scope["headers"] if k == b"origin"), None)
+            if origin is not None and not self._same(origin.decode("latin-1")):
+                response = JSONResponse(
+                    {
+                        "error": "cross_origin",
+                        "message": "requests from web pages of other origins are refused; call this API from "
+                        "a program (see AGL_ALLOWED_HOSTS to name the hosts it answers to)",
+                    },
+                    status_code=403,
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _same(self, origin: str) -> bool:
+        try:
+            host = urlsplit(origin).hostname
+        except ValueError:
+            return False
+        return host is not None and host.lower() in self.hosts

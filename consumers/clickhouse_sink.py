@@ -19,6 +19,13 @@ Applying a batch twice must never show twice. Two resume policies (SinkSpec.resu
   the batch; the tables are ReplacingMergeTrees read with FINAL, so the copies never show.
 Either way Kafka offsets are committed only after the INSERT and the sink_offsets record.
 
+Each sink is a handler on the processor skeleton (``agl_stream.kafka.processor``) that holds
+records: a fetch joins the batch being filled, the batch is inserted when it is full, its
+linger has passed or a reader waits (``wanted``), and ``committable`` keeps the commit below
+the batch's first record until then. Concurrency model: per sink, the skeleton's one loop task
+calls every method (rebalances under the loop's lock); the INSERT runs in a worker thread on
+the sink's own engine client.
+
 Bad input never stops a sink: records with an unknown fingerprint, another record type or an
 undecodable body go to agl.dlq. Records written with an older schema version are decoded,
 resolved to the current schema and re-encoded. A block ClickHouse rejects is checked record by
@@ -46,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 
@@ -57,7 +64,8 @@ from agl_stream.clickhouse.migrations import migrate
 from agl_stream.codec import HEADER_SIZE, MAGIC, Codec, dump_json
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError, MalformedRecordError, RecordTypeError
-from agl_stream.kafka.io import BatchConsumer, DeadLetters, Fetched, Rejected, make_consumer, make_producer
+from agl_stream.kafka.io import DeadLetters, Fetched, Rejected, make_producer, prepare_records
+from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import get_logger
 from agl_stream.models import MODELS, ResourcesUpdate
 from agl_stream.resources import resource_path
@@ -309,12 +317,12 @@ class SinkStats:
 
 
 class EnvelopeBody:
-    """``prepare`` for the BatchConsumer: the Avro body of a record in the current schema.
+    """``prepare`` for ``prepare_records``: the Avro body of a record in the current schema.
 
     A record in the current schema costs a slice; a record of an ``also`` type in its current
     schema is turned into a body of ``record`` by its ``to_body`` (bytes only); an older known
     version of either is resolved and re-encoded first; a tombstone is None where tombstones
-    are skipped; anything else raises CodecError (-> DLQ). BatchConsumer hands over
+    are skipped; anything else raises CodecError (-> DLQ). ``prepare_records`` hands over
     ``value or b""``, so an empty value counts as a tombstone too.
     """
 
@@ -355,25 +363,6 @@ class EnvelopeBody:
             raise RecordTypeError(f"expected a {self.expected} record, got {name}")
 
 
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Finish the batch being written before partitions move; start new ones past what is applied."""
-
-    def __init__(self, sink: TableSink) -> None:
-        self.sink = sink
-
-    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        # An INSERT in flight commits before we let go; records fetched but not yet written are
-        # dropped by the batch loop (the generation changes) and read again by their next owner.
-        async with self.sink.writing:
-            self.sink.generation += 1
-        log.info("partitions revoked", sink=self.sink.spec.name, partitions=len(revoked))
-
-    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        self.sink.generation += 1
-        await self.sink.seek_past_applied(assigned)
-        log.info("partitions assigned", sink=self.sink.spec.name, partitions=sorted(tp.partition for tp in assigned))
-
-
 class TableSink:
     def __init__(
         self,
@@ -406,10 +395,14 @@ class TableSink:
         self.stats = SinkStats()
         self._stopping = asyncio.Event()
         self.consumer: AIOKafkaConsumer | None = None
-        # Rebalance safety: `writing` is held from INSERT to commit; `generation` changes on every
-        # revoke/assign, so a batch that straddles one is dropped instead of written twice.
-        self.writing = asyncio.Lock()
-        self.generation = 0
+        self.dead_letters: DeadLetters | None = None
+        # The batch being filled: records fetched since the last INSERT, and per partition its
+        # first offset (how far the skeleton may commit) and the offset after its last record.
+        self.buffer: list[Fetched[memoryview | None]] = []
+        self.buffer_bytes = 0
+        self.buffer_from: dict[TopicPartition, int] = {}
+        self.buffer_next: dict[TopicPartition, int] = {}
+        self.deadline: float | None = None  # set by a batch's first record: it lingers until then
         # Per partition, the offset up to which rows are known to be in the table. Records
         # below it are never inserted again, however the consumer's position came back to
         # them (a rebalance resets positions to the committed offsets, which can lag).
@@ -457,21 +450,14 @@ class TableSink:
         if self.on_applied is not None and positions:
             self.on_applied(self.topic, positions)
 
-    # -- the loop -------------------------------------------------------------------------
+    # -- running on the skeleton: assigned, revoked, handle, tick, committable --------------
 
     async def run(self) -> SinkStats:
         await asyncio.to_thread(self.prepare_tables)
         producer = make_producer(self.settings)
-        self.consumer = make_consumer(
-            self.settings, group_id=self.spec.group_id(self.settings), max_poll_records=self.batch_size
-        )
-        self.consumer.subscribe([self.topic], listener=_Rebalance(self))
         await producer.start()
         try:
-            await self.consumer.start()
-            batches = BatchConsumer(
-                self.consumer, DeadLetters(self.settings, producer, processor=f"sink.{self.spec.name}"), self.bodies
-            )
+            self.dead_letters = DeadLetters(self.settings, producer, processor=f"sink.{self.spec.name}")
             log.info(
                 "sink started",
                 topic=self.topic,
@@ -479,11 +465,18 @@ class TableSink:
                 group=self.spec.group_id(self.settings),
             )
             try:
-                while not self._stopping.is_set():
-                    await self._one_batch(batches)
+                await run_processor(
+                    self.settings,
+                    self,
+                    name=f"sink.{self.spec.name}",
+                    group_id=self.spec.group_id(self.settings),
+                    topics=[self.topic],
+                    stop=self._stopping,
+                    max_records=self.batch_size,
+                    on_start=self._started,
+                )
             finally:
-                await self.consumer.stop()
-                self.stats.dead_lettered = batches.dead_letters.count
+                self.stats.dead_lettered = self.dead_letters.count
         finally:
             await producer.stop()
         log.info(
@@ -496,65 +489,94 @@ class TableSink:
         )
         return self.stats
 
-    async def _one_batch(self, batches: BatchConsumer[memoryview | None]) -> None:
-        fetched_all: list[Fetched[memoryview | None]] = []
-        next_offsets: dict[TopicPartition, int] = {}
-        generation = self.generation
-        deadline: float | None = None  # set by the first record: a batch lingers flush_ms at most
-        size = 0  # bytes of the records so far: span batches make records of up to ~1 MB
-        while len(fetched_all) < self.batch_size and size < self.spec.batch_bytes and not self._stopping.is_set():
-            if deadline is None:
-                timeout_ms = _IDLE_POLL_MS
-            else:
-                timeout_ms = int((deadline - time.monotonic()) * 1000)
-                if timeout_ms <= 0 or (self.wanted is not None and self.wanted(self.topic)):
-                    break
-                if self.wanted is not None:
-                    timeout_ms = min(timeout_ms, _DEMAND_POLL_MS)
-            fetched, offsets = await batches.next_batch(
-                max_records=self.batch_size - len(fetched_all), timeout_ms=max(timeout_ms, 1)
-            )
-            fetched_all.extend(fetched)
-            size += sum(len(r.raw) for r in fetched)
-            next_offsets.update(offsets)
-            if not next_offsets:
-                return  # idle for a whole poll; the caller checks for stop and calls again
-            if deadline is None:
-                linger_ms = self.flush_ms
-                if time.monotonic() - self._last_batch_end < BUSY_WINDOW_S:
-                    linger_ms = max(linger_ms, self.spec.busy_flush_ms)
-                deadline = time.monotonic() + linger_ms / 1000
-                if self.stats.first_record_at is None:
-                    self.stats.first_record_at = time.monotonic()
-        if not next_offsets:
-            return
-        records = [r for r in fetched_all if r.value is not None]
-        self.stats.tombstones += len(fetched_all) - len(records)
+    def _started(self, consumer: AIOKafkaConsumer) -> None:
+        self.consumer = consumer
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        await self.seek_past_applied(sorted(partitions, key=lambda tp: tp.partition))
+        log.info("partitions assigned", sink=self.spec.name, partitions=sorted(tp.partition for tp in partitions))
+
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        # The skeleton committed up to the batch being filled: its records are read again by
+        # their next owner, so they leave the batch here.
+        self.buffer = [r for r in self.buffer if TopicPartition(r.topic, r.partition) not in partitions]
+        self.buffer_bytes = sum(len(r.raw) for r in self.buffer)
+        for tp in partitions:
+            self.buffer_from.pop(tp, None)
+            self.buffer_next.pop(tp, None)
+        if not self.buffer_next:
+            self.deadline = None
+        log.info("partitions revoked", sink=self.spec.name, partitions=len(partitions))
+
+    def committable(self, tp: TopicPartition, handled: int) -> int:
+        return self.buffer_from.get(tp, handled)
+
+    def poll_timeout(self) -> float:
+        if self.deadline is None:
+            return _IDLE_POLL_MS / 1000
+        left = self.deadline - time.monotonic()
+        if self.wanted is not None:
+            left = min(left, _DEMAND_POLL_MS / 1000)
+        return max(0.001, left)
+
+    async def handle(self, batch: Batch) -> None:
+        assert self.dead_letters is not None
+        prepared, rejected = prepare_records(batch, self.bodies)
+        if rejected:  # durable in the DLQ before their offsets can be committed
+            await self.dead_letters.send_many(rejected)
+        for tp, records in batch.items():
+            self.buffer_from.setdefault(tp, records[0].offset)
+            self.buffer_next[tp] = records[-1].offset + 1
+        self.buffer.extend(prepared)
+        self.buffer_bytes += sum(len(r.raw) for r in prepared)
+        if self.deadline is None:
+            linger_ms = self.flush_ms
+            if time.monotonic() - self._last_batch_end < BUSY_WINDOW_S:
+                linger_ms = max(linger_ms, self.spec.busy_flush_ms)
+            self.deadline = time.monotonic() + linger_ms / 1000
+            if self.stats.first_record_at is None:
+                self.stats.first_record_at = time.monotonic()
+        if self._due():
+            await self._flush()
+
+    async def tick(self) -> None:
+        if self.buffer_next and self._due():
+            await self._flush()
+
+    def _due(self) -> bool:
+        return (
+            len(self.buffer) >= self.batch_size
+            or self.buffer_bytes >= self.spec.batch_bytes
+            or self._stopping.is_set()
+            or (self.deadline is not None and time.monotonic() >= self.deadline)
+            or (self.wanted is not None and self.wanted(self.topic))
+        )
+
+    async def _flush(self) -> None:
+        """One INSERT of the batch (and its sink_offsets row), then the batch is applied."""
+        assert self.dead_letters is not None
+        fetched, next_offsets = self.buffer, self.buffer_next
+        self.buffer, self.buffer_bytes, self.buffer_from, self.buffer_next = [], 0, {}, {}
+        self.deadline = None
+        records = [r for r in fetched if r.value is not None]
+        self.stats.tombstones += len(fetched) - len(records)
         applied = self.applied_next
         records = [r for r in records if r.offset >= applied.get(r.partition, 0)]
         if self.spec.latest_per_key:
             kept = newest_per_key(records)
             self.stats.superseded += len(records) - len(kept)
             records = kept
-        async with self.writing:
-            if generation != self.generation:
-                # Partitions moved while this batch was filling: positions were reset by the
-                # assignment, so drop the batch and read again from what is applied.
-                assert self.consumer is not None
-                await self.seek_past_applied(list(self.consumer.assignment()))
-                return
-            if records:
-                written = cast(list[Fetched[memoryview]], records)
-                self.stats.records += await self._insert_with_retry(written, next_offsets, batches.dead_letters)
-            else:
-                await asyncio.to_thread(self._record_offsets, next_offsets)
-            # Visible in ClickHouse from here on; the commit below only moves the restart point.
-            for tp, offset in next_offsets.items():
-                self.applied_next[tp.partition] = max(self.applied_next.get(tp.partition, 0), offset)
-            self._notify({tp.partition: offset for tp, offset in next_offsets.items()})
-            await batches.commit(next_offsets)
-            self.stats.batches += 1
-            self._last_batch_end = time.monotonic()
+        if records:
+            written = cast(list[Fetched[memoryview]], records)
+            self.stats.records += await self._insert_with_retry(written, next_offsets, self.dead_letters)
+        else:
+            await asyncio.to_thread(self._record_offsets, next_offsets)
+        # Visible in ClickHouse from here on; the skeleton's commit only moves the restart point.
+        for tp, offset in next_offsets.items():
+            self.applied_next[tp.partition] = max(self.applied_next.get(tp.partition, 0), offset)
+        self._notify({tp.partition: offset for tp, offset in next_offsets.items()})
+        self.stats.batches += 1
+        self._last_batch_end = time.monotonic()
 
     async def _insert_with_retry(
         self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int], dead_letters: DeadLetters

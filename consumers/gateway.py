@@ -57,7 +57,7 @@ from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 from agl_stream.config import Settings
 from agl_stream.errors import ConfigError, FenceTimeoutError
-from agl_stream.http_serving import QuietServer, listen
+from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen
 from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
@@ -224,6 +224,8 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
 
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="agl-stream gateway", docs_url=None, redoc_url=None)
+    settings = gateway.settings
+    guard(app, allowed_hosts(settings.gateway_host, settings.extra_hosts))
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

@@ -108,8 +108,9 @@ SAFE_OTHER_FUNCTIONS = frozenset(
 )  # fmt: skip
 """Functions of the "Other" category that read nothing but their arguments."""
 
-SYNTAX_FUNCTIONS = frozenset({"lambda", "exists", "untuple", "grouping"})
-"""What the parser writes as functions without a catalog entry (``x -> ...``, ``EXISTS``, ...)."""
+SYNTAX_FUNCTIONS = frozenset({"lambda", "exists", "untuple", "grouping", "_CAST", "caseWithExpression"})
+"""What the parser writes as functions without a catalog entry (``x -> ...``, ``EXISTS``) or as
+internal ones (``x::T`` is ``_CAST``, ``CASE x WHEN ...`` is ``caseWithExpression``)."""
 
 AGGREGATE_COMBINATORS = (
     "If", "Array", "Map", "SimpleState", "MergeState", "State", "Merge", "ForEach", "Distinct",

@@ -59,7 +59,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from agl_stream.config import Settings
-from agl_stream.http_serving import QuietServer, listen
+from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.policy import Generation, StepToken, build_model, build_tokenizer, generate, load_checkpoint
@@ -823,6 +823,8 @@ async def _stream(
 
 def create_app(server: InferenceServer) -> FastAPI:
     app = FastAPI(title="agl-stream inference", docs_url=None, redoc_url=None)
+    extra = server.settings.extra_hosts if server.settings is not None else []
+    guard(app, allowed_hosts(server.options.host, extra))
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:

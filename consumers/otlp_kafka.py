@@ -10,14 +10,17 @@ Spans belong to the attempt named by ``agentlightning.rollout_id``/``attempt_id`
 span attributes), exactly as for the gateway's ``POST /v1/traces``; decoding is
 agl_stream/otlp.py and numbering and writing agl_stream/trace_ingest.py, shared with it.
 
-A plain aiokafka group member (group ``agl-otlp-kafka`` by default; the topic is the
-collector's, so it is not prefixed). Per poll batch: decode every message off the event loop,
-reserve sequence ids once per attempt for the whole batch, write the accepted spans with one
+A handler on the processor skeleton (``agl_stream.kafka.processor``; group ``agl-otlp-kafka``
+by default; the topic is the collector's, so it is not prefixed). Per poll batch: decode every
+message off the event loop, reserve sequence ids once per attempt for the whole batch, write the accepted spans with one
 ``add_many_spans``, send one agl.dlq record per message that had anything refused (the original
 bytes, the reason with counts: malformed protobuf, too large, no rollout/attempt attributes,
 an attempt the store refused; the message's other spans are stored), and commit the batch's
 offsets only after the spans and the DLQ records are acknowledged. A store or broker failure
-rewinds to the uncommitted offsets and retries with backoff; nothing about the input stops it.
+makes the skeleton handle the batch again with backoff; nothing about the input stops it.
+
+Concurrency model: the skeleton's one loop task calls every method here, rebalances under the
+loop's lock; nothing here is shared.
 
 Duplicates. Sequence ids are reserved, so a message processed twice would be stored twice
 under new ids. Messages that may have been processed before (on assignment, every offset from
@@ -39,15 +42,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
-from aiokafka.structs import OffsetAndMetadata
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 
 from agl_stream import otlp
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
-from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer, make_producer
+from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import get_logger
 from agl_stream.store.client import AglStore
 from agl_stream.trace_ingest import SpansRejectedError, TraceIngest, number_spans, write_spans
@@ -57,8 +60,7 @@ log = get_logger("agl.otlp_kafka")
 PROCESSOR = "consumer.otlp-kafka"
 KafkaEncoding = Literal["otlp_proto", "otlp_json"]
 _ENCODINGS: dict[str, otlp.Encoding] = {"otlp_proto": "protobuf", "otlp_json": "json"}
-_POLL_MS = 500  # idle poll, which also bounds how late a stop is noticed
-_RETRY_MAX_S = 30.0
+_POLL_S = 0.5  # idle poll, which also bounds how late a stop is noticed
 # What a batch may fail with that is not about its input: the batch is retried.
 _TRANSIENT = (AglError, KafkaError, OSError, asyncio.TimeoutError)
 
@@ -115,18 +117,9 @@ class SpanKey:
 # -- the imperative shell ----------------------------------------------------------------------
 
 
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, owner: OtlpKafkaConsumer) -> None:
-        self.owner = owner
-
-    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        await self.owner.revoke(revoked)
-
-    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        await self.owner.assign(assigned)
-
-
 class OtlpKafkaConsumer:
+    """The skeleton's handler (``assigned``, ``revoked``, ``handle``)."""
+
     def __init__(
         self,
         settings: Settings,
@@ -142,17 +135,12 @@ class OtlpKafkaConsumer:
         self.encoding = encoding
         self.max_records = max_records
         self.ingest = TraceIngest(settings)
-        # `lock` is held from processing a fetch to committing it; `generation` changes on every
-        # revoke/assign, so records fetched before a rebalance are dropped and re-read.
-        self.lock = asyncio.Lock()
-        self.generation = 0
-        self.positions: dict[int, int] = {}  # partition -> next offset to process
         self.recheck_end: dict[int, int] = {}  # partition -> offsets below it may be stored already
         self._dedup_fence: dict[str, dict[int, int]] | None = None
         self.counts: Counter[str] = Counter()
         self._consumer: AIOKafkaConsumer | None = None
+        self._dead_letters: DeadLetters | None = None
         self._stopping = asyncio.Event()
-        self._failure: BaseException | None = None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -160,76 +148,69 @@ class OtlpKafkaConsumer:
     async def run(self) -> None:
         settings = self.settings
         producer = make_producer(settings, linger_ms=0)
-        consumer = self._consumer = make_consumer(
-            settings,
-            group_id=self.group,
-            max_poll_records=self.max_records,
-            # A consumer killed with -9 holds its partitions until its session expires.
-            session_timeout_ms=6_000,
-            heartbeat_interval_ms=1_500,
-        )
         self.ingest.start()
         await producer.start()
         try:
-            dead_letters = DeadLetters(settings, producer, processor=PROCESSOR)
-            consumer.subscribe([self.topic], listener=_Rebalance(self))
-            await consumer.start()
+            self._dead_letters = DeadLetters(settings, producer, processor=PROCESSOR)
             log.info("otlp-kafka started", topic=self.topic, group=self.group, encoding=self.encoding)
-            try:
-                delay = 0.5
-                while not self._stopping.is_set():
-                    if await self._one_round(consumer, dead_letters):
-                        delay = 0.5
-                        continue
-                    try:  # backoff before retrying the batch, cut short by a stop
-                        await asyncio.wait_for(self._stopping.wait(), delay)
-                    except asyncio.TimeoutError:
-                        pass
-                    delay = min(delay * 2, _RETRY_MAX_S)
-            finally:
-                await consumer.stop()
+            await run_processor(
+                settings,
+                self,
+                name=PROCESSOR,
+                group_id=self.group,
+                topics=[self.topic],
+                stop=self._stopping,
+                max_records=self.max_records,
+                on_start=self._started,
+                retry_on=_TRANSIENT,
+            )
         finally:
             await self.ingest.close()
             await producer.stop()
-        if self._failure is not None:
-            raise self._failure
         log.info("otlp-kafka stopped", **dict(self.counts))
 
-    async def _one_round(self, consumer: AIOKafkaConsumer, dead_letters: DeadLetters) -> bool:
-        """Fetch, process and commit one batch; False when it failed and is to be retried."""
-        generation = self.generation
-        fetched = await consumer.getmany(timeout_ms=_POLL_MS, max_records=self.max_records)
-        async with self.lock:
-            if generation != self.generation:
-                self._rewind(consumer)  # positions were reset to the committed offsets: re-read
-                return True
-            messages = [
-                message
-                for tp, batch in fetched.items()
-                if tp.partition in self.positions
-                for message in batch
-                if message.offset >= self.positions[tp.partition]
-            ]
-            if not messages:
-                return True
-            try:
-                await self._process(messages, dead_letters)
-            except _TRANSIENT as error:
-                # Some spans or DLQ records may be out already: check the batch again when re-read.
-                for message in messages:
-                    end = self.recheck_end.get(message.partition, 0)
-                    self.recheck_end[message.partition] = max(end, message.offset + 1)
-                self._dedup_fence = None
-                self._rewind(consumer)
-                self.counts["retries"] += 1
-                log.warning("an OTLP batch failed; retrying it", error=f"{type(error).__name__}: {error}"[:500])
-                return False
-            await self._commit(consumer, messages)
-            return True
+    def _started(self, consumer: AIOKafkaConsumer) -> None:
+        self._consumer = consumer
 
-    def _rewind(self, consumer: AIOKafkaConsumer) -> None:
-        for partition, offset in self.positions.items():
-            consumer.seek(TopicPartition(self.topic, partition), offset)
+    # -- the skeleton's calls -------------------------------------------------------------
+
+    def poll_timeout(self) -> float:
+        return _POLL_S
+
+    async def tick(self) -> None:
+        """No timers."""
+
+    async def handle(self, batch: Batch) -> None:
+        assert self._dead_letters is not None
+        messages = [message for records in batch.values() for message in records]
+        try:
+            await self._process(messages, self._dead_letters)
+        except _TRANSIENT as error:
+            # Some spans or DLQ records may be out already: check the batch again when re-read.
+            for message in messages:
+                end = self.recheck_end.get(message.partition, 0)
+                self.recheck_end[message.partition] = max(end, message.offset + 1)
+            self._dedup_fence = None
+            self.counts["retries"] += 1
+            log.warning("an OTLP batch failed; retrying it", error=f"{type(error).__name__}: {error}"[:500])
+            raise
+
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        for tp in partitions:
+            self.recheck_end.pop(tp.partition, None)
+        log.info("partitions revoked", partitions=sorted(tp.partition for tp in partitions))
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        self._dedup_fence = None
+        assigned = sorted(partitions, key=lambda tp: tp.partition)
+        ends = await consumer.end_offsets(assigned) if assigned else {}
+        for tp in assigned:
+            # Whatever is already in the partition may have been stored by an earlier owner that
+            # died before committing it.
+            self.recheck_end[tp.partition] = ends[tp]
+        log.info("partitions assigned", recheck_below={tp.partition: ends[tp] for tp in assigned})
 
     async def _process(self, messages: Sequence[Message], dead_letters: DeadLetters) -> None:
         # Off the event loop: a batch of large requests would hold up heartbeats and fetches.
@@ -306,62 +287,6 @@ class OtlpKafkaConsumer:
             timeout=60.0,
         )
         return {SpanKey(*(str(v) for v in row)) for row in result.rows} & keys
-
-    async def _commit(self, consumer: AIOKafkaConsumer, messages: Sequence[Message]) -> None:
-        ends: dict[int, int] = {}
-        for message in messages:
-            ends[message.partition] = max(ends.get(message.partition, 0), message.offset + 1)
-        for partition, end in ends.items():
-            self.positions[partition] = end
-        offsets = {TopicPartition(self.topic, p): OffsetAndMetadata(o, "") for p, o in ends.items()}
-        try:
-            await consumer.commit(offsets)
-        except CommitFailedError as error:
-            # A rebalance is under way: the next owner re-reads from the last commit and finds
-            # these spans stored (its recheck range covers them).
-            log.warning("commit failed during a rebalance", error=str(error)[:200])
-
-    # -- rebalances -----------------------------------------------------------------------
-
-    async def revoke(self, revoked: list[TopicPartition]) -> None:
-        async with self.lock:
-            self.generation += 1
-            for tp in revoked:
-                self.positions.pop(tp.partition, None)
-                self.recheck_end.pop(tp.partition, None)
-        log.info("partitions revoked", partitions=sorted(tp.partition for tp in revoked))
-
-    async def assign(self, assigned: list[TopicPartition]) -> None:
-        try:
-            await self._assign(assigned)
-        except Exception as error:
-            # aiokafka only logs what a listener raises; a partition without its position would
-            # sit unread until the next rebalance. Stop instead: a restart recovers it.
-            log.exception("setting up assigned partitions failed; stopping")
-            self._failure = error
-            self.stop()
-
-    async def _assign(self, assigned: list[TopicPartition]) -> None:
-        consumer = self._consumer
-        assert consumer is not None
-        async with self.lock:
-            self.generation += 1
-            self._dedup_fence = None
-            ends = await consumer.end_offsets(assigned) if assigned else {}
-            for tp in assigned:
-                committed = await consumer.committed(tp)
-                if committed is None:
-                    committed = (await consumer.beginning_offsets([tp]))[tp]
-                consumer.seek(tp, committed)
-                self.positions[tp.partition] = committed
-                # Whatever is already in the partition may have been stored by an earlier owner
-                # that died before committing it.
-                self.recheck_end[tp.partition] = ends[tp]
-        log.info(
-            "partitions assigned",
-            partitions={tp.partition: self.positions[tp.partition] for tp in assigned},
-            recheck_below={tp.partition: self.recheck_end[tp.partition] for tp in assigned},
-        )
 
 
 async def run_otlp_kafka(settings: Settings, **options: Any) -> None:

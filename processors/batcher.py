@@ -1,12 +1,14 @@
 """The batcher: agl.triplets (one TripletRecord per finished attempt) -> agl.triplet-batches.
 
 The batching rules are the pure :class:`agl_stream.batching.Batcher`, one per source
-partition; this process reads, writes and commits. It is a plain aiokafka consumer-group
-member rather than a faust agent: exactly-once here rests on committing each partition only up
-to its lowest *pending* record (a record waiting in an open group or a lingering batch), and
-faust commits the highest contiguous acknowledged offset itself (its out-of-order ack handling
-can step over the first unacknowledged offset); a faust table would need a changelog topic of
-its own. The consumer loop follows the ClickHouse sink's (consumers/clickhouse_sink.py).
+partition; this process reads and writes, on the processor skeleton
+(``agl_stream.kafka.processor``) as a handler that holds records: exactly-once here rests on
+committing each partition only up to its lowest *pending* record (a record waiting in an open
+group or a lingering batch), which ``committable`` tells the skeleton. (faust commits the
+highest contiguous acknowledged offset itself and can step over the first unacknowledged one.)
+
+Concurrency model: the skeleton's one loop task calls every method here, rebalances under the
+loop's lock; the journal consumer is used only from ``assigned``.
 
 Exactly-once without transactions:
 
@@ -30,20 +32,18 @@ committed), never stopping the batcher.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
-from collections.abc import Mapping
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
-from aiokafka.structs import OffsetAndMetadata
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from agl_stream.batching import Batcher, BatchPolicy, JournalEntry, Recovery
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import CodecError, TopicError
-from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer, make_producer
+from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
+from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import get_logger
 from agl_stream.models import TripletBatch, TripletRecord
 from agl_stream.topics import load_topic_specs
@@ -64,20 +64,9 @@ def group_id(settings: Settings, source: str | None = None) -> str:
     return base if source is None or source == settings.topic("triplets") else f"{base}.{source}"
 
 
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Commit and forget partitions that leave; recover the ones that arrive before reading them."""
-
-    def __init__(self, processor: BatcherProcessor) -> None:
-        self.processor = processor
-
-    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        await self.processor.revoke(revoked)
-
-    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        await self.processor.assign(assigned)
-
-
 class BatcherProcessor:
+    """The skeleton's handler (``assigned``, ``revoked``, ``handle``, ``tick``, ``committable``)."""
+
     def __init__(
         self,
         settings: Settings,
@@ -93,19 +82,13 @@ class BatcherProcessor:
         self.source = input_topic or settings.topic("triplets")
         self.output = output_topic or settings.topic("triplet-batches")
         self.batchers: dict[int, Batcher] = {}
-        self.committed: dict[int, int] = {}
-        # `lock` is held from processing a fetch to committing it; `generation` changes on every
-        # revoke/assign, so records fetched before a rebalance are dropped (their partitions
-        # were reset to the committed offsets) instead of being applied to the new state.
-        self.lock = asyncio.Lock()
-        self.generation = 0
         self.batches_sent = 0
         self.misrouted = 0
         self._stopping = asyncio.Event()
-        self._failure: BaseException | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._journal: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
+        self._dead_letters: DeadLetters | None = None
         self._output_partitions = 0
         self._max_batch_bytes = next(
             (s.max_message_bytes for s in load_topic_specs() if s.name == "triplet-batches" and s.max_message_bytes),
@@ -115,21 +98,13 @@ class BatcherProcessor:
     def stop(self) -> None:
         self._stopping.set()
 
-    # -- the loop -------------------------------------------------------------------------
+    # -- running --------------------------------------------------------------------------
 
     async def run(self) -> None:
         settings = self.settings
         # Batches are large: the request limit is the topic's, not the default 4 MiB.
         producer = self._producer = make_producer(
             settings, max_request_size=self._max_batch_bytes + (64 << 10), linger_ms=0
-        )
-        consumer = self._consumer = make_consumer(
-            settings,
-            group_id=group_id(settings, self.source),
-            max_poll_records=500,
-            # A batcher killed with -9 holds its partitions until its session expires.
-            session_timeout_ms=6000,
-            heartbeat_interval_ms=1500,
         )
         journal = self._journal = AIOKafkaConsumer(
             **settings.kafka_client_options(),
@@ -149,63 +124,94 @@ class BatcherProcessor:
             journal_partitions = [TopicPartition(self.output, p) for p in sorted(partitions)]
             journal.assign(journal_partitions)
             journal.pause(*journal_partitions)
-            dead_letters = DeadLetters(settings, producer, processor=PROCESSOR, codec=self.codec)
-            consumer.subscribe([self.source], listener=_Rebalance(self))
-            await consumer.start()
+            self._dead_letters = DeadLetters(settings, producer, processor=PROCESSOR, codec=self.codec)
             log.info("batcher started", source=self.source, output=self.output, group=group_id(settings, self.source))
             try:
-                while not self._stopping.is_set():
-                    await self._one_round(consumer, dead_letters)
-                async with self.lock:
-                    await self._commit()
+                await run_processor(
+                    settings,
+                    self,
+                    name=PROCESSOR,
+                    group_id=group_id(settings, self.source),
+                    topics=[self.source],
+                    stop=self._stopping,
+                    ready_file=READY_FILE,
+                    max_records=500,
+                    on_start=self._started,
+                )
             finally:
-                await consumer.stop()
                 await journal.stop()
         finally:
             await producer.stop()
-        if self._failure is not None:
-            raise self._failure
         log.info("batcher stopped", batches=self.batches_sent)
 
-    def _poll_timeout_ms(self) -> int:
-        deadlines = [d for d in (b.next_deadline() for b in self.batchers.values()) if d is not None]
-        wait = _MAX_POLL_S if not deadlines else min(_MAX_POLL_S, max(0.01, min(deadlines) - time.time()))
-        return max(1, int(wait * 1000))
+    def _started(self, consumer: AIOKafkaConsumer) -> None:
+        self._consumer = consumer
 
-    async def _one_round(self, consumer: AIOKafkaConsumer, dead_letters: DeadLetters) -> None:
-        generation = self.generation
-        fetched = await consumer.getmany(timeout_ms=self._poll_timeout_ms())
-        async with self.lock:
-            if generation != self.generation:
-                # Partitions moved while fetching: these records may predate the new state, and
-                # the fetch may have moved positions past records the new state still needs.
-                for partition, state in self.batchers.items():
-                    consumer.seek(TopicPartition(self.source, partition), state.next_offset)
-                return
-            now = time.time()
-            rejected: list[Rejected] = []
-            out: list[TripletBatch] = []
-            for tp, messages in fetched.items():
-                batcher = self.batchers.get(tp.partition)
-                if batcher is None:
+    # -- the skeleton's calls -------------------------------------------------------------
+
+    def poll_timeout(self) -> float:
+        deadlines = [d for d in (b.next_deadline() for b in self.batchers.values()) if d is not None]
+        return _MAX_POLL_S if not deadlines else min(_MAX_POLL_S, max(0.01, min(deadlines) - time.time()))
+
+    def committable(self, tp: TopicPartition, handled: int) -> int:
+        batcher = self.batchers.get(tp.partition)
+        return batcher.commit_offset() if batcher is not None else handled
+
+    async def handle(self, batch: Batch) -> None:
+        assert self._dead_letters is not None
+        now = time.time()
+        rejected: list[Rejected] = []
+        out: list[TripletBatch] = []
+        for tp, messages in batch.items():
+            batcher = self.batchers.get(tp.partition)
+            if batcher is None:
+                continue
+            for message in messages:
+                if message.offset < batcher.next_offset:
+                    continue  # delivered again (a retried batch): done
+                try:
+                    record = self.codec.decode(message.value or b"", TripletRecord)
+                except CodecError as error:
+                    rejected.append(Rejected.of(message, error))
+                    batcher.skip(message.offset)
                     continue
-                for message in messages:
-                    if message.offset < batcher.next_offset:
-                        continue  # delivered again (a seek to where it already was): done
-                    try:
-                        record = self.codec.decode(message.value or b"", TripletRecord)
-                    except CodecError as error:
-                        rejected.append(Rejected.of(message, error))
-                        batcher.skip(message.offset)
-                        continue
-                    self._check_key(message.key, record, tp.partition)
-                    out.extend(batcher.add(record, message.offset, now))
-            for state in self.batchers.values():
-                out.extend(state.tick(now))
-            if rejected:
-                await dead_letters.send_many(rejected)
-            await self._send(out)
-            await self._commit()
+                self._check_key(message.key, record, tp.partition)
+                out.extend(batcher.add(record, message.offset, now))
+        if rejected:
+            await self._dead_letters.send_many(rejected)
+        await self._send(out)
+
+    async def tick(self) -> None:
+        now = time.time()
+        out: list[TripletBatch] = []
+        for state in self.batchers.values():
+            out.extend(state.tick(now))
+        await self._send(out)
+
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        for tp in partitions:
+            self.batchers.pop(tp.partition, None)  # committed up to its lowest pending just before
+        log.info("partitions revoked", partitions=sorted(tp.partition for tp in partitions))
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        assert self._consumer is not None
+        for tp in sorted(partitions, key=lambda t: t.partition):
+            committed = await self._consumer.committed(tp)
+            if committed is None:
+                committed = (await self._consumer.beginning_offsets([tp]))[tp]
+            self._consumer.seek(tp, committed)
+            recovery = await self.recover(tp.partition, committed)
+            self.batchers[tp.partition] = Batcher(
+                self.policy, partition=tp.partition, start_offset=committed, recovery=recovery
+            )
+            log.info(
+                "partition recovered",
+                partition=tp.partition,
+                committed=committed,
+                already_batched=len(recovery.decided),
+                sequence=recovery.sequence,
+                newest_policy_version=recovery.newest_version,
+            )
 
     def _check_key(self, key: bytes | None, record: TripletRecord, partition: int) -> None:
         if self.policy.grouping and key != record.group_id.encode():
@@ -262,73 +268,6 @@ class BatcherProcessor:
                 tokens=batch.n_tokens,
                 dropped=batch.dropped_stale + batch.dropped_incomplete + batch.dropped_duplicate,
             )
-
-    async def _commit(self, partitions: Mapping[int, Batcher] | None = None) -> None:
-        """Commit each partition up to its lowest pending offset (only what moved)."""
-        assert self._consumer is not None
-        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
-        for partition, batcher in (partitions if partitions is not None else self.batchers).items():
-            offset = batcher.commit_offset()
-            if offset > self.committed.get(partition, -1):
-                offsets[TopicPartition(self.source, partition)] = OffsetAndMetadata(offset, "")
-        if not offsets:
-            return
-        try:
-            await self._consumer.commit(offsets)
-        except CommitFailedError as exc:
-            # A rebalance is under way: the next owner starts from the last commit and its
-            # recovery skips what the batches already hold, so nothing is lost or repeated.
-            log.warning("commit failed during a rebalance", error=str(exc)[:200])
-            return
-        for tp, meta in offsets.items():
-            self.committed[tp.partition] = meta.offset
-
-    # -- rebalances -----------------------------------------------------------------------
-
-    async def revoke(self, revoked: list[TopicPartition]) -> None:
-        async with self.lock:
-            self.generation += 1
-            leaving = {tp.partition: self.batchers[tp.partition] for tp in revoked if tp.partition in self.batchers}
-            await self._commit(leaving)
-            for partition in leaving:
-                del self.batchers[partition]
-                self.committed.pop(partition, None)
-        log.info("partitions revoked", partitions=sorted(tp.partition for tp in revoked))
-
-    async def assign(self, assigned: list[TopicPartition]) -> None:
-        try:
-            await self._assign(assigned)
-        except Exception as exc:
-            # aiokafka only logs what a listener raises; a partition without its state would sit
-            # unprocessed until the next rebalance. Stop instead: a restart recovers it.
-            log.exception("recovering assigned partitions failed; stopping")
-            self._failure = exc
-            self.stop()
-
-    async def _assign(self, assigned: list[TopicPartition]) -> None:
-        assert self._consumer is not None
-        async with self.lock:
-            self.generation += 1
-            for tp in assigned:
-                committed = await self._consumer.committed(tp)
-                if committed is None:
-                    committed = (await self._consumer.beginning_offsets([tp]))[tp]
-                self._consumer.seek(tp, committed)
-                recovery = await self.recover(tp.partition, committed)
-                self.batchers[tp.partition] = Batcher(
-                    self.policy, partition=tp.partition, start_offset=committed, recovery=recovery
-                )
-                self.committed[tp.partition] = committed
-                log.info(
-                    "partition recovered",
-                    partition=tp.partition,
-                    committed=committed,
-                    already_batched=len(recovery.decided),
-                    sequence=recovery.sequence,
-                    newest_policy_version=recovery.newest_version,
-                )
-        self.settings.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.settings.run_dir / READY_FILE).write_text(str(os.getpid()))
 
     async def recover(self, partition: int, committed: int) -> Recovery:
         """Read the output partition backwards until the batches can no longer hold offsets at or

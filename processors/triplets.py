@@ -12,9 +12,13 @@ Nothing is lost when the process dies: each input partition is committed only up
 lowest *pending* offset (a span or state whose attempt has not been emitted yet), after the
 records of the emitted attempts were acknowledged. A restart or a new owner reads every
 pending record again; an attempt emitted just before a crash may be emitted again, with the
-same rollout and attempt ids (the batcher drops the repeat). This is a plain aiokafka member,
-not a faust agent, for that reason: faust commits past the first unacknowledged offset of a
-partition when later ones are acknowledged (the batcher's notes say more).
+same rollout and attempt ids (the batcher drops the repeat). It runs on the processor skeleton
+(``agl_stream.kafka.processor``) as a handler that holds records: ``committable`` gives the
+skeleton each partition's lowest pending offset. (faust was not used for this reason: it
+commits past the first unacknowledged offset of a partition when later ones are acknowledged.)
+
+Concurrency model: the skeleton's one loop task calls every method here (rebalances under the
+loop's lock); nothing here is shared.
 
 A record of agl.spans is one span or an agl.SpanBatch (a writer's flush of one attempt's
 spans, :mod:`agl_stream.span_records`); a batch stays pending until every attempt it holds
@@ -28,22 +32,20 @@ uncommitted range stay bounded.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
 
-from aiokafka import ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
-from aiokafka.structs import OffsetAndMetadata
+from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 
 from agl_stream.adapter import AdapterConfig
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import CodecError
-from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer, make_producer
+from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
+from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import get_logger
 from agl_stream.models import RolloutState, TripletRecord
 from agl_stream.span_records import spans_of
@@ -61,29 +63,15 @@ log = get_logger("agl.triplets")
 
 PROCESSOR = "processor.triplets"
 READY_FILE = "triplets.ready"
-_POLL_MS = 200
+_POLL_S = 0.2
 _COMMIT_EVERY_S = 0.5
 
 Token = tuple[TopicPartition, int]
 
 
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, builder: TripletBuilder) -> None:
-        self.builder = builder
-
-    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        await self.builder.commit(force=True)
-        # Eager rebalancing: every partition is re-assigned and read again from its commit
-        # point, so what this member holds in memory is dropped, not handed over.
-        self.builder.reset()
-
-    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        self.builder.settings.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.builder.settings.run_dir / READY_FILE).write_text(str(os.getpid()))
-        log.info("triplet builder assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
-
-
 class TripletBuilder:
+    """The skeleton's handler (``assigned``, ``revoked``, ``handle``, ``tick``, ``committable``)."""
+
     def __init__(
         self,
         settings: Settings,
@@ -103,69 +91,73 @@ class TripletBuilder:
         # Per partition, offset -> how many attempts still hold that record (a span batch of
         # several attempts is done when the last of them is emitted; everything else holds 1).
         self.pending: dict[TopicPartition, dict[int, int]] = defaultdict(dict)
+        # Folded into the collector but not yet sent (a failed send is retried, not refolded).
+        self.folded: dict[TopicPartition, int] = {}
+        self.ready: list[ReadyAttempt[Token]] = []
+        self.rejected: list[tuple[Token, Rejected]] = []
         self.emitted = 0
-        self._last_commit = 0.0
-        self._committed: dict[TopicPartition, int] = {}
-        self.consumer: Any = None
+        self._last_tick = 0.0
+        self.producer: AIOKafkaProducer | None = None
+        self.dead_letters: DeadLetters | None = None
+        self.resources: ResourcesCache | None = None
 
     def _new_collector(self) -> TraceCollector[Token]:
         return TraceCollector(settle_s=self.settle_s, max_wait_s=self.max_wait_s, max_spans=self.max_spans)
 
-    def reset(self) -> None:
+    # -- the skeleton's calls ---------------------------------------------------------------
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        log.info("triplet builder assigned", partitions=sorted(f"{tp.topic}:{tp.partition}" for tp in partitions))
+
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        # Eager rebalancing: every partition is re-assigned and read again from its commit
+        # point, so what this member holds in memory is dropped, not handed over.
         self.collector = self._new_collector()
         self.pending.clear()
-        self._committed.clear()
+        self.folded.clear()
+        self.ready.clear()
+        self.rejected.clear()
 
-    # -- the loop -------------------------------------------------------------------------
+    def poll_timeout(self) -> float:
+        return _POLL_S
 
-    async def run(self, stop: asyncio.Event) -> None:
-        producer = make_producer(self.settings)
-        consumer = make_consumer(
-            self.settings, group_id=f"{self.settings.topic_prefix}.{PROCESSOR}", max_poll_records=5000
-        )
-        self.consumer = consumer
-        resources = ResourcesCache(self.settings, self.codec)
-        await producer.start()
+    def committable(self, tp: TopicPartition, handled: int) -> int:
+        held = self.pending.get(tp)
+        return min(held) if held else handled
+
+    async def handle(self, batch: Batch) -> None:
+        now = time.monotonic()
+        done: list[Token] = []
+        for tp, messages in batch.items():
+            start = self.folded.get(tp, -1)
+            for message in messages:
+                if message.offset < start:
+                    continue  # folded before a failed send: the retry only sends
+                token = (tp, message.offset)
+                got, at_once = self._take(tp, message, token, now)
+                self.ready += got
+                done += at_once
+                self.folded[tp] = message.offset + 1
+        self._done(done)
+        await self._flush()
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_tick < min(1.0, max(0.1, self.settle_s / 5)):
+            return
+        self._last_tick = now
+        settled, evicted = self.collector.tick(now)
+        self.ready += settled
+        self._done(self._evicted(evicted))
         try:
-            await resources.start()
-            dead_letters = DeadLetters(self.settings, producer, PROCESSOR, self.codec)
-            consumer.subscribe([self.spans_topic, self.states_topic], listener=_Rebalance(self))
-            await consumer.start()
-            last_tick = 0.0
-            while not stop.is_set():
-                fetched = await consumer.getmany(timeout_ms=_POLL_MS, max_records=5000)
-                now = time.monotonic()
-                ready: list[ReadyAttempt[Token]] = []
-                rejected: list[tuple[Token, Rejected]] = []
-                done: list[Token] = []
-                for tp, messages in fetched.items():
-                    for message in messages:
-                        token = (tp, message.offset)
-                        got, at_once = self._take(tp, message, token, now, rejected)
-                        ready += got
-                        done += at_once
-                if rejected:  # durable in the DLQ before their offsets can be committed
-                    await dead_letters.send_many([r for _, r in rejected])
-                    done += [token for token, _ in rejected]
-                if now - last_tick >= min(1.0, max(0.1, self.settle_s / 5)):
-                    last_tick = now
-                    settled, evicted = self.collector.tick(now)
-                    ready += settled
-                    done += self._evicted(evicted)
-                await self._emit(producer, resources, ready)
-                for attempt in ready:
-                    done += attempt.tokens
-                self._done(done)
-                await self.commit()
-            await self.commit(force=True)
-        finally:
-            await consumer.stop()
-            await resources.stop()
-            await producer.stop()
-        log.info("triplet builder stopped", emitted=self.emitted, **vars(self.collector.stats))
+            await self._flush()
+        except (KafkaError, TimeoutError) as error:  # kept: the next batch or tick sends them
+            log.warning("sending settled attempts failed, will retry", error=str(error)[:300])
+
+    # -- folding and sending ----------------------------------------------------------------
 
     def _take(
-        self, tp: TopicPartition, message: Any, token: Token, now: float, rejected: list[tuple[Token, Rejected]]
+        self, tp: TopicPartition, message: ConsumerRecord[bytes, bytes], token: Token, now: float
     ) -> tuple[list[ReadyAttempt[Token]], list[Token]]:
         self.pending[tp][message.offset] = 1
         if message.value is None:  # a tombstone on the state topic: a forgotten rollout
@@ -176,7 +168,7 @@ class TripletBuilder:
             else:
                 return self.collector.add_state(self.codec.decode(message.value, RolloutState), token, now)
         except CodecError as error:
-            rejected.append((token, Rejected.of(message, error)))
+            self.rejected.append((token, Rejected.of(message, error)))
             return [], []
         if not groups:  # an empty batch
             return [], [token]
@@ -188,6 +180,19 @@ class TripletBuilder:
             ready += got
             done += at_once
         return ready, done
+
+    async def _flush(self) -> None:
+        """DLQ records, then the records of ready attempts, each acknowledged before the inputs
+        they came from stop being pending."""
+        assert self.dead_letters is not None
+        if self.rejected:
+            await self.dead_letters.send_many([r for _, r in self.rejected])
+            self._done(token for token, _ in self.rejected)
+            self.rejected = []
+        if self.ready:
+            await self._emit(self.ready)
+            self._done(token for attempt in self.ready for token in attempt.tokens)
+            self.ready = []
 
     def _evicted(self, evicted: Iterable[EvictedAttempt[Token]]) -> list[Token]:
         tokens: list[Token] = []
@@ -202,21 +207,23 @@ class TripletBuilder:
             tokens += attempt.tokens
         return tokens
 
-    async def _emit(self, producer: Any, resources: ResourcesCache, ready: list[ReadyAttempt[Token]]) -> None:
+    async def _emit(self, ready: list[ReadyAttempt[Token]]) -> None:
+        assert self.producer is not None
         sends = []
         for attempt in ready:
-            record = await self._record(resources, attempt)
+            record = await self._record(attempt)
             sends.append(
-                await producer.send(
+                await self.producer.send(
                     self.settings.topic("triplets"), self.codec.encode(record), key=record.group_id.encode()
                 )
             )
         await asyncio.gather(*sends)  # acknowledged before the inputs count as done
         self.emitted += len(ready)
 
-    async def _record(self, resources: ResourcesCache, ready: ReadyAttempt[Token]) -> TripletRecord:
+    async def _record(self, ready: ReadyAttempt[Token]) -> TripletRecord:
+        assert self.resources is not None
         resources_id = resources_id_of(ready.finished)
-        snapshot = await resources.get(resources_id) if resources_id else None
+        snapshot = await self.resources.get(resources_id) if resources_id else None
         record, result = triplet_record(ready.finished, ready.spans, self.adapter, snapshot)
         if result.issues or not ready.complete:
             log.info(
@@ -239,25 +246,29 @@ class TripletBuilder:
             else:
                 held.pop(offset, None)
 
-    async def commit(self, *, force: bool = False) -> None:
-        """Commit each partition up to its lowest pending offset (or all it read)."""
-        consumer = self.consumer
-        if consumer is None or (not force and time.monotonic() - self._last_commit < _COMMIT_EVERY_S):
-            return
-        self._last_commit = time.monotonic()
-        offsets: dict[TopicPartition, OffsetAndMetadata] = {}
-        for tp in consumer.assignment():
-            held = self.pending.get(tp)
-            position = min(held) if held else await consumer.position(tp)
-            if self._committed.get(tp) != position:
-                offsets[tp] = OffsetAndMetadata(position, "")
-        if not offsets:
-            return
+    # -- running ----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.producer = make_producer(self.settings)
+        self.resources = ResourcesCache(self.settings, self.codec)
+        await self.producer.start()
         try:
-            await consumer.commit(offsets)
-            self._committed.update({tp: o.offset for tp, o in offsets.items()})
-        except (CommitFailedError, KafkaError) as error:  # a rebalance: the next owner re-reads
-            log.warning("commit failed; pending records will be read again", error=str(error))
+            await self.resources.start()
+            self.dead_letters = DeadLetters(self.settings, self.producer, PROCESSOR, self.codec)
+            await run_processor(
+                self.settings,
+                self,
+                name=PROCESSOR,
+                topics=[self.spans_topic, self.states_topic],
+                stop=stop,
+                ready_file=READY_FILE,
+                max_records=5000,
+                commit_interval_s=_COMMIT_EVERY_S,
+            )
+        finally:
+            await self.resources.stop()
+            await self.producer.stop()
+        log.info("triplet builder stopped", emitted=self.emitted, **vars(self.collector.stats))
 
 
 def main(

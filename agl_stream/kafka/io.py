@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
-from aiokafka.structs import OffsetAndMetadata, RecordMetadata
+from aiokafka.structs import RecordMetadata
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
@@ -183,49 +183,22 @@ class DeadLetters:
         self.count += len(rejected)
 
 
-class BatchConsumer(Generic[T]):
-    """Fetches batches, prepares each record, dead-letters what fails, commits explicitly.
-
-    ``prepare`` turns a record's bytes into what the caller works with and raises
-    :class:`CodecError` for input that must go to the DLQ.
-    """
-
-    def __init__(self, consumer: AIOKafkaConsumer, dead_letters: DeadLetters, prepare: Callable[[bytes], T]) -> None:
-        self.consumer = consumer
-        self.dead_letters = dead_letters
-        self.prepare = prepare
-
-    async def next_batch(
-        self, *, max_records: int, timeout_ms: int
-    ) -> tuple[list[Fetched[T]], dict[TopicPartition, int]]:
-        """Prepared records, and per partition the next offset to commit once they are applied.
-
-        The offsets cover dead-lettered records too: they are durable in the DLQ already.
-        """
-        fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
-        prepared: list[Fetched[T]] = []
-        rejected: list[Rejected] = []
-        next_offsets: dict[TopicPartition, int] = {}
-        prepare = self.prepare
-        for tp, messages in fetched.items():
-            for message in messages:
-                raw = message.value or b""
-                try:
-                    value = prepare(raw)
-                except CodecError as error:
-                    rejected.append(Rejected.of(message, error))
-                    continue
-                prepared.append(
-                    Fetched(
-                        message.topic, message.partition, message.offset, message.key, value, raw, message.timestamp
-                    )
-                )
-            if messages:
-                next_offsets[tp] = messages[-1].offset + 1
-        if rejected:
-            await self.dead_letters.send_many(rejected)
-        return prepared, next_offsets
-
-    async def commit(self, next_offsets: Mapping[TopicPartition, int]) -> None:
-        if next_offsets:
-            await self.consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in next_offsets.items()})
+def prepare_records(
+    batch: Mapping[TopicPartition, Sequence[ConsumerRecord[bytes, bytes]]], prepare: Callable[[bytes], T]
+) -> tuple[list[Fetched[T]], list[Rejected]]:
+    """Each record of a fetch through ``prepare``; those it refuses with :class:`CodecError` are
+    returned as rejected (for the DLQ), the others with what ``prepare`` made of them."""
+    prepared: list[Fetched[T]] = []
+    rejected: list[Rejected] = []
+    for messages in batch.values():
+        for message in messages:
+            raw = message.value or b""
+            try:
+                value = prepare(raw)
+            except CodecError as error:
+                rejected.append(Rejected.of(message, error))
+                continue
+            prepared.append(
+                Fetched(message.topic, message.partition, message.offset, message.key, value, raw, message.timestamp)
+            )
+    return prepared, rejected

@@ -7,7 +7,10 @@ the handler.
 
 The loop, per fetch: records of partitions still assigned go to ``handler.handle`` as one batch;
 the handler sends its effects and waits for their acknowledgements before it returns (the
-:class:`Outbox` helps); then the batch's offsets become committable. A broker error retries the
+:class:`Outbox` helps); then the batch's offsets become committable. A handler that holds
+records across batches (spans until their attempt finishes, triplets until a batch is full)
+also has ``committable(tp, handled)``: the offset up to which a partition may be committed,
+its lowest pending offset (the lowest-pending-offset commit). A broker error retries the
 batch with backoff (0.5 s doubling to 30 s). Commits are coalesced
 (every ``commit_interval_s``, on revocation and at stop): a crash re-delivers at most that much,
 and handlers are idempotent (at-least-once). ``handler.tick`` runs after every fetch, also an
@@ -34,7 +37,7 @@ from agl_stream.config import Settings
 from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer
 from agl_stream.logs import get_logger
 
-__all__ = ["Batch", "Handler", "Outbox", "Record", "run_processor"]
+__all__ = ["Batch", "Handler", "HoldsRecords", "Outbox", "Record", "run_processor"]
 
 log = get_logger("agl.kafka.processor")
 
@@ -58,6 +61,14 @@ class Handler(Protocol):
 
     def poll_timeout(self) -> float:
         """Seconds the next fetch may wait for records."""
+
+
+class HoldsRecords(Protocol):
+    """A handler that keeps records pending across batches (optional, beside :class:`Handler`)."""
+
+    def committable(self, tp: TopicPartition, handled: int) -> int:
+        """How far ``tp`` may be committed, given that records before ``handled`` were handled:
+        ``handled``, or the lowest offset still pending."""
 
 
 @dataclass(frozen=True)
@@ -97,48 +108,85 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
         async with self.loop.lock:
+            self.loop.generation += 1
             await self.loop.commit()
             self.loop.handler.revoked(set(revoked))
-            for tp in revoked:
-                self.loop.positions.pop(tp, None)
+            self.loop.forget(revoked)
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         async with self.loop.lock:
-            await self.loop.handler.assigned(set(assigned))
+            self.loop.generation += 1
+            try:
+                await self.loop.handler.assigned(set(assigned))
+            except Exception as error:
+                # aiokafka only logs what a listener raises, and a partition the handler could
+                # not set up would sit unprocessed: the loop stops with this error instead.
+                log.exception("setting up assigned partitions failed; stopping")
+                self.loop.failure = error
         self.loop.assigned_once.set()
 
 
 class _Loop:
     def __init__(
-        self, consumer: AIOKafkaConsumer, handler: Handler, *, max_records: int, commit_interval_s: float
+        self,
+        consumer: AIOKafkaConsumer,
+        handler: Handler,
+        *,
+        max_records: int,
+        commit_interval_s: float,
+        retry_on: tuple[type[BaseException], ...] = (KafkaError, TimeoutError),
     ) -> None:
         self.consumer = consumer
+        self.retry_on = retry_on
+        self.generation = 0  # moved by every rebalance callback
+        self.failure: BaseException | None = None
         self.handler = handler
         self.max_records = max_records
         self.commit_interval_s = commit_interval_s
         self.lock = asyncio.Lock()
         self.assigned_once = asyncio.Event()
-        self.positions: dict[TopicPartition, int] = {}  # handled, not committed yet
+        self.positions: dict[TopicPartition, int] = {}  # next offset after the handled records
+        self.committed: dict[TopicPartition, int] = {}
+        self._holds = getattr(handler, "committable", None)
         self._last_commit = time.monotonic()
 
+    def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        for tp in partitions:
+            self.positions.pop(tp, None)
+            self.committed.pop(tp, None)
+
     async def commit(self) -> None:
+        self._last_commit = time.monotonic()
         if not self.positions:
             return
         owned = self.consumer.assignment()
-        offsets = {tp: OffsetAndMetadata(o, "") for tp, o in self.positions.items() if tp in owned}
-        self.positions = {}
-        self._last_commit = time.monotonic()
+        offsets = {}
+        for tp, handled in self.positions.items():
+            if tp not in owned:
+                continue
+            target = handled if self._holds is None else self._holds(tp, handled)
+            if target > self.committed.get(tp, -1):  # forward only
+                offsets[tp] = OffsetAndMetadata(target, "")
         if not offsets:
             return
         try:
             await self.consumer.commit(offsets)
+            self.committed.update({tp: o.offset for tp, o in offsets.items()})
         except (CommitFailedError, KafkaError) as error:  # a rebalance: the next owner re-reads (idempotent)
             log.warning("commit failed; handled records will be read again", error=str(error))
 
     async def step(self, stop: asyncio.Event) -> None:
+        if self.failure is not None:
+            raise self.failure
         timeout_ms = max(1, int(self.handler.poll_timeout() * 1000))
+        generation = self.generation
         fetched: Batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
         async with self.lock:
+            if generation != self.generation:
+                # Partitions moved between the fetch and now: these records may predate what the
+                # handler rebuilt, so they are dropped and read again from the committed offsets.
+                await self._rewind()
+                return
             owned = self.consumer.assignment()
             batch = {tp: records for tp, records in fetched.items() if records and tp in owned}
             if batch and await self._handle(batch, stop):
@@ -148,6 +196,13 @@ class _Loop:
             if time.monotonic() - self._last_commit >= self.commit_interval_s:
                 await self.commit()
 
+    async def _rewind(self) -> None:
+        for tp in self.consumer.assignment():
+            committed = await self.consumer.committed(tp)
+            if committed is None:
+                committed = (await self.consumer.beginning_offsets([tp]))[tp]
+            self.consumer.seek(tp, committed)
+
     async def _handle(self, batch: Batch, stop: asyncio.Event) -> bool:
         """Handle the batch, retrying with backoff while the broker fails (handlers are
         idempotent); False when stopping first (uncommitted: read again after a restart)."""
@@ -156,7 +211,7 @@ class _Loop:
             try:
                 await self.handler.handle(batch)
                 return True
-            except (KafkaError, TimeoutError) as error:
+            except self.retry_on as error:
                 if stop.is_set():
                     return False
                 log.warning("batch failed, retrying", error=f"{type(error).__name__}: {error}"[:300])
@@ -176,17 +231,22 @@ async def run_processor(
     max_records: int = 5000,
     commit_interval_s: float = 0.2,
     on_start: Callable[[AIOKafkaConsumer], None] | None = None,
+    retry_on: tuple[type[BaseException], ...] = (KafkaError, TimeoutError),
+    group_id: str | None = None,
     **consumer_options: Any,
 ) -> None:
-    """Run ``handler`` as member of group ``<prefix>.<name>`` on ``topics`` until ``stop`` is set.
+    """Run ``handler`` as member of group ``group_id`` (default ``<prefix>.<name>``) on ``topics``
+    until ``stop`` is set.
 
     Partitions are assigned by range, so equal partition numbers of co-partitioned topics go to
     the same member. ``ready_file`` (under the run dir) is written once the first assignment was
     handled: what ``agl-stream up`` waits for. ``on_start`` gets the consumer (for positions).
+    ``retry_on``: the errors of ``handle`` after which the batch is handled again, with backoff
+    (others end the loop); a handler's ``assigned`` that fails ends it too.
     """
     consumer = make_consumer(
         settings,
-        group_id=f"{settings.topic_prefix}.{name}",
+        group_id=group_id or f"{settings.topic_prefix}.{name}",
         max_poll_records=max_records,
         partition_assignment_strategy=(RangePartitionAssignor,),
         # A member killed with -9 holds its partitions until its session times out.
@@ -194,7 +254,7 @@ async def run_processor(
         heartbeat_interval_ms=1500,
         **consumer_options,
     )
-    loop = _Loop(consumer, handler, max_records=max_records, commit_interval_s=commit_interval_s)
+    loop = _Loop(consumer, handler, max_records=max_records, commit_interval_s=commit_interval_s, retry_on=retry_on)
     consumer.subscribe(list(topics), listener=_Rebalance(loop))
     if on_start is not None:
         on_start(consumer)
@@ -207,6 +267,8 @@ async def run_processor(
             await loop.step(stop)
         async with loop.lock:
             await loop.commit()
+        if loop.failure is not None:
+            raise loop.failure
     finally:
         if ready_task is not None:
             ready_task.cancel()

@@ -7,7 +7,7 @@ import pytest
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
-from agl_stream.kafka.io import BatchConsumer, DeadLetters, TypedProducer, decode_as, make_consumer, make_producer
+from agl_stream.kafka.io import DeadLetters, TypedProducer, decode_as, make_consumer, make_producer, prepare_records
 from agl_stream.models import DlqRecord, Worker
 from tests.integration.helpers import read_topic
 
@@ -36,16 +36,16 @@ async def test_typed_records_round_trip_and_other_record_types_are_dead_lettered
             time=0.0,
         )
         wrong = await typed.send(topic, stray, key="w-0")
-        batches = BatchConsumer(
-            consumer, DeadLetters(settings, producer, "io-test"), decode_as(Codec.default(), "agl.Worker")
-        )
+        dead_letters = DeadLetters(settings, producer, "io-test")
+        prepare = decode_as(Codec.default(), "agl.Worker")
         got: list[dict[str, object]] = []
-        committed: dict[object, int] = {}
-        while len(got) < len(workers) or sum(committed.values()) < len(sent) + 1:
-            fetched, offsets = await batches.next_batch(max_records=100, timeout_ms=1000)
-            got += [f.value for f in fetched]
-            committed.update(offsets)
-            await batches.commit(offsets)
+        seen = 0
+        while seen < len(sent) + 1:
+            fetched = await consumer.getmany(timeout_ms=1000, max_records=100)
+            prepared, rejected = prepare_records(fetched, prepare)
+            await dead_letters.send_many(rejected)
+            got += [f.value for f in prepared]
+            seen += len(prepared) + len(rejected)
     finally:
         await consumer.stop()
         await producer.stop()

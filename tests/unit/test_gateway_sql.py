@@ -111,3 +111,8 @@ def test_the_syntax_tree_decides_before_anything_is_evaluated() -> None:
 def test_a_statement_that_is_not_a_select_is_refused_as_read_only_before_its_functions() -> None:
     create = ["CreateQuery agl mine (children 3)", " Storage definition (children 1)", "  Function Memory"]
     assert (ast_refusal(create, POLICY, "agl") or ("", ""))[0] == "read_only"
+
+
+def test_what_the_parser_writes_for_casts_and_case_is_allowed() -> None:
+    for name in ("_CAST", "caseWithExpression", "lambda", "exists"):
+        assert POLICY.allows(name), name
