@@ -97,6 +97,10 @@ class Settings(BaseSettings):
     # -- gateway (read side) -----------------------------------------------------------------
     gateway_host: str = Field("127.0.0.1", description="Address the gateway (sink + query API) binds to.")
     gateway_port: int = Field(8642, ge=0, le=65535, description="Port of the gateway's HTTP API (0: pick a free one).")
+    api_token: SecretStr | None = Field(
+        None, description="Token of the HTTP listeners. Unset: the one `up` writes to the data dir."
+    )
+    require_token: bool = Field(False, description="Listeners on loopback require the token too.")
     allowed_hosts: str = Field(
         "",
         description="Host names the HTTP listeners answer to besides loopback and their bind address, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import socket
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -66,11 +67,14 @@ def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> list[str]:
     return names
 
 
-def guard(app: Any, hosts: list[str]) -> None:
+def guard(app: Any, hosts: list[str], token: str | None = None) -> None:
     """What every listener refuses before any route runs: a Host header naming another host
     (DNS rebinding: a web page's name resolved to 127.0.0.1) and a request a web page of another
     origin sent (browsers name the page's origin on every cross-origin POST); no CORS headers
-    are ever added, so a page cannot read an answer either."""
+    are ever added, so a page cannot read an answer either. With ``token``, every request but
+    a health check must carry ``Authorization: Bearer <token>``."""
+    if token is not None:
+        app.add_middleware(BearerToken, token=token)
     app.add_middleware(SameOriginOnly, hosts=hosts)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=[_host_pattern(h) for h in hosts])
 
@@ -110,3 +114,31 @@ class SameOriginOnly:
         except ValueError:
             return False
         return host is not None and host.lower() in self.hosts
+
+
+HEALTH_PATHS = frozenset({"/health", "/v1/health"})
+
+
+class BearerToken:
+    """Refuses a request without the listener's token (401 ``unauthorized``), health checks aside."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in HEALTH_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(
+                    {
+                        "error": "unauthorized",
+                        "message": "this listener requires its API token: send `Authorization: Bearer <token>` "
+                        "(the token is AGL_API_TOKEN, or the file api-token in the stack's run dir)",
+                    },
+                    status_code=401,
+                    headers={"www-authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

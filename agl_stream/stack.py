@@ -1,6 +1,10 @@
 """The local stack: broker (unless AGL_KAFKA_BOOTSTRAP), topics, the rollout processor and the
 gateway (sinks + query API), started as processes of their own and recorded in
 ``<data dir>/run/stack.json`` so ``status``, ``down`` and ``agl_stream.connect()`` find them.
+
+The roles run under a supervisor (``agl_stream.supervisor``, a process of its own) that starts
+a role again when it exits; ``stack.json`` holds the pids they started with, the supervisor's
+``supervisor.json`` the ones running now.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
+from agl_stream.auth import ensure_token
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
 from agl_stream.kafka import admin, broker
 from agl_stream.logs import get_logger
 from agl_stream.processes import role_alive, start_role
+from agl_stream.supervisor import STATUS_FILE, read_status
 
 log = get_logger("agl.stack")
 
@@ -62,16 +68,15 @@ def read_stack(settings: Settings) -> StackInfo | None:
 
 
 def local_stack_settings(settings: Settings) -> Settings:
-    """Fill in what `agl-stream up` recorded (bootstrap, gateway) where the settings leave it open."""
+    """Fill in what `agl-stream up` recorded (the bootstrap) where the settings leave it open.
+
+    The gateway's URL is not pinned: clients find the gateway through ``<run dir>/gateway.json``
+    on every retry, so a gateway the supervisor started again on another port is found.
+    """
     stack = read_stack(settings)
-    if stack is None:
+    if stack is None or settings.kafka_bootstrap is not None:
         return settings
-    update: dict[str, Any] = {}
-    if settings.kafka_bootstrap is None:
-        update["kafka_bootstrap"] = stack.bootstrap
-    if settings.gateway_url is None and settings.clickhouse_url is None and stack.gateway_url:
-        update["gateway_url"] = stack.gateway_url
-    return settings.model_copy(update=update) if update else settings
+    return settings.model_copy(update={"kafka_bootstrap": stack.bootstrap})
 
 
 def _wait_for(
@@ -88,6 +93,35 @@ def _wait_for(
         if time.monotonic() > deadline:
             raise StackError(f"{what} was not ready after {timeout:.0f}s; see {log_path}")
         time.sleep(0.05)  # polling a readiness file/endpoint of a child process
+
+
+def _running(stack: StackInfo) -> bool:
+    supervisor = stack.pids.get("supervisor")
+    if supervisor is not None:  # it keeps its roles running (their pids change when it restarts one)
+        return role_alive(supervisor)
+    return bool(stack.pids) and all(role_alive(pid) for pid in stack.pids.values())
+
+
+def _all_started(settings: Settings, roles: tuple[str, ...]) -> dict[str, int] | None:
+    running = read_status(settings.run_dir)
+    pids = {role: running[role].pid for role in roles if role in running}
+    return {r: p for r, p in pids.items() if p is not None} if len(pids) == len(roles) else None
+
+
+def _ready_or_failed(settings: Settings, role: str, ready: Any) -> Any:
+    """``ready`` once the role is ready; a StackError as soon as it exited before that (the
+    supervisor would start it again, but a role that fails while starting needs a person)."""
+    if ready:
+        return ready
+    state = read_status(settings.run_dir).get(role)
+    if state is not None and state.last_exit_code is not None:
+        log_path = settings.run_dir / f"{role}.log"
+        tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+        raise StackError(
+            f"the {role} role exited with code {state.last_exit_code} while starting; its log ({log_path}) "
+            f"ends with:\n{tail}"
+        )
+    return None
 
 
 def _gateway_ready(settings: Settings) -> str | None:
@@ -109,9 +143,10 @@ def up(settings: Settings, *, timeout: float = 120.0, training: bool = False) ->
     """
     roles = ROLES + (TRAINING_ROLES if training else ())
     existing = read_stack(settings)
-    if existing is not None and all(role_alive(pid) for pid in existing.pids.values()):
+    if existing is not None and _running(existing):
         return existing
     settings.run_dir.mkdir(parents=True, exist_ok=True)
+    ensure_token(settings)  # before the roles start: they read it from the run dir
     started_broker = False
     if settings.uses_local_broker:
         info = broker.start(settings)
@@ -121,30 +156,42 @@ def up(settings: Settings, *, timeout: float = 120.0, training: bool = False) ->
     asyncio.run(admin.apply(running))
     for stale in ("gateway.json", *READY_FILES.values()):
         (settings.run_dir / stale).unlink(missing_ok=True)
-    processes = {
-        role: start_role(running, role, log_path=settings.run_dir / f"{role}.log", detach=True) for role in roles
-    }
+    (settings.run_dir / STATUS_FILE).unlink(missing_ok=True)
+    supervisor = start_role(running, "supervise", *roles, log_path=settings.run_dir / "supervisor.log")
     stack = StackInfo(
         bootstrap=bootstrap,
         topic_prefix=settings.topic_prefix,
-        pids={r: p.pid for r, p in processes.items()},
+        pids={"supervisor": supervisor.pid},
         started_broker=started_broker,
         started_at=time.time(),
     )
     _stack_file(settings).write_text(stack.model_dump_json(indent=2))
     try:
+        started = _wait_for(
+            lambda: _all_started(settings, roles),
+            timeout,
+            "the supervisor",
+            supervisor,
+            settings.run_dir / "supervisor.log",
+        )
+        stack.pids.update(started)
+        _stack_file(settings).write_text(stack.model_dump_json(indent=2))
         stack.gateway_url = _wait_for(
-            lambda: _gateway_ready(settings),
+            lambda: _ready_or_failed(settings, "gateway", _gateway_ready(settings)),
             timeout,
             "the gateway",
-            processes["gateway"],
+            supervisor,
             settings.run_dir / "gateway.log",
         )
         for role in roles:
             if role in READY_FILES:
                 ready_file = settings.run_dir / READY_FILES[role]
                 _wait_for(
-                    ready_file.exists, timeout, f"the {role} role", processes[role], settings.run_dir / f"{role}.log"
+                    lambda role=role, ready_file=ready_file: _ready_or_failed(settings, role, ready_file.exists()),
+                    timeout,
+                    f"the {role} role",
+                    supervisor,
+                    settings.run_dir / f"{role}.log",
                 )
     except BaseException:
         down(settings)
@@ -154,16 +201,22 @@ def up(settings: Settings, *, timeout: float = 120.0, training: bool = False) ->
 
 
 def down(settings: Settings, *, timeout: float = 30.0) -> list[str]:
-    """Stop the roles `up` started (gracefully, SIGKILL after ``timeout``) and its broker."""
+    """Stop the roles `up` started (gracefully, SIGKILL after ``timeout``) and its broker.
+
+    The supervisor first (it stops the roles it runs), then any role still alive.
+    """
     stack = read_stack(settings)
     stopped: list[str] = []
     if stack is None:
         return stopped
-    for role in reversed(list(stack.pids)):
-        pid = stack.pids.get(role)
+    running = {role: state.pid for role, state in read_status(settings.run_dir).items() if state.pid is not None}
+    pids = {**stack.pids, **running}
+    order = ["supervisor", *reversed([r for r in pids if r != "supervisor"])]
+    for role in order:
+        pid = pids.get(role)
         if pid is not None and role_alive(pid):
             os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + timeout + (30.0 if role == "supervisor" else 0.0)
             while role_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)  # waiting for a non-child process to exit: no waitpid possible
             if role_alive(pid):
@@ -181,8 +234,17 @@ def status(settings: Settings) -> dict[str, str]:
     if stack is None:
         return {}
     parts = {"kafka": f"{stack.bootstrap}" + (" (local broker)" if stack.started_broker else "")}
+    supervised = read_status(settings.run_dir)
     for role, pid in stack.pids.items():
-        parts[role] = f"running (pid {pid})" if role_alive(pid) else f"not running (pid {pid} gone)"
+        state = supervised.get(role)
+        if state is not None:
+            restarts = f", {state.restarts} restart(s), last exit code {state.last_exit_code}" if state.restarts else ""
+            now = state.pid
+            parts[role] = (
+                f"running (pid {now}{restarts})" if now is not None and role_alive(now) else f"not running{restarts}"
+            )
+        else:
+            parts[role] = f"running (pid {pid})" if role_alive(pid) else f"not running (pid {pid} gone)"
     if stack.gateway_url:
         parts["gateway"] += f" at {stack.gateway_url}" if _gateway_ready(settings) else " but not answering"
     return parts

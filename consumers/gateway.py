@@ -53,6 +53,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from agl_stream import otlp
+from agl_stream.auth import listener_token
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 from agl_stream.config import Settings
@@ -225,7 +226,11 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="agl-stream gateway", docs_url=None, redoc_url=None)
     settings = gateway.settings
-    guard(app, allowed_hosts(settings.gateway_host, settings.extra_hosts))
+    guard(
+        app,
+        allowed_hosts(settings.gateway_host, settings.extra_hosts),
+        listener_token(settings, settings.gateway_host),
+    )
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:

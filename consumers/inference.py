@@ -58,6 +58,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from agl_stream.auth import listener_token
 from agl_stream.config import Settings
 from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen
 from agl_stream.logs import get_logger
@@ -824,7 +825,7 @@ async def _stream(
 def create_app(server: InferenceServer) -> FastAPI:
     app = FastAPI(title="agl-stream inference", docs_url=None, redoc_url=None)
     extra = server.settings.extra_hosts if server.settings is not None else []
-    guard(app, allowed_hosts(server.options.host, extra))
+    guard(app, allowed_hosts(server.options.host, extra), listener_token(server.settings, server.options.host))
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:

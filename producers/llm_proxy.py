@@ -55,6 +55,7 @@ from aiokafka.errors import MessageSizeTooLargeError
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agl_stream.auth import listener_token
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
 from agl_stream.http_serving import QuietServer, allowed_hosts, bind, guard, listen
@@ -717,7 +718,11 @@ async def _json_body(request: Request) -> Any:
 
 def create_app(proxy: LLMProxy) -> FastAPI:
     app = FastAPI(title="agl-stream LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
-    guard(app, allowed_hosts(proxy.options.host, proxy.settings.extra_hosts))
+    guard(
+        app,
+        allowed_hosts(proxy.options.host, proxy.settings.extra_hosts),
+        listener_token(proxy.settings, proxy.options.host),
+    )
 
     def models() -> dict[str, Any]:
         data = [{"id": m, "object": "model", "created": proxy.started, "owned_by": "agl-stream"} for m in proxy.models]

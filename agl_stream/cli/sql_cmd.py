@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from agl_stream.auth import auth_headers
 from agl_stream.cli import settings_of
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, GatewayUnavailableError, QueryError
@@ -30,7 +31,7 @@ async def _run(settings: Settings, sql: str, timeout: float) -> QueryResult:
     side = read_side_for(settings)
     try:
         if isinstance(side, GatewayReadSide):
-            return await _via_gateway(side.url, sql, timeout)
+            return await _via_gateway(side.url, sql, timeout, auth_headers(settings))
         if isinstance(side, ClickHouseReadSide):
             return await asyncio.to_thread(_on_server, settings, sql, timeout)
         return await side.query(sql, timeout=timeout)
@@ -38,9 +39,9 @@ async def _run(settings: Settings, sql: str, timeout: float) -> QueryResult:
         await side.aclose()
 
 
-async def _via_gateway(url: str, sql: str, timeout: float) -> QueryResult:
+async def _via_gateway(url: str, sql: str, timeout: float, headers: dict[str, str]) -> QueryResult:
     """The gateway's ``/v1/sql``: the same checks and limits as every analytics client."""
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(headers=headers) as client:
         try:
             response = await client.post(
                 f"{url}/v1/sql", json={"query": sql, "format": "json", "timeout": timeout}, timeout=timeout + 30

@@ -65,6 +65,19 @@ def status(ctx: typer.Context) -> None:
         raise typer.Exit(1)
 
 
+def supervise(
+    ctx: typer.Context,
+    roles: Annotated[list[str], typer.Argument(help="Roles to run, e.g. processor gateway ingress.")],
+) -> None:
+    """Run roles and start each again when it exits, with backoff (what `up` runs; until SIGTERM).
+
+    What runs is written to <data dir>/run/supervisor.json; `agl-stream status` shows it.
+    """
+    from agl_stream import supervisor
+
+    supervisor.main(settings_of(ctx), roles)
+
+
 def down(ctx: typer.Context) -> None:
     """Stop what `agl-stream up` started."""
     stopped = stack.down(settings_of(ctx))

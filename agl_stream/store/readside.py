@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from agl_stream.auth import auth_headers
 from agl_stream.config import Settings
 from agl_stream.errors import FenceTimeoutError, GatewayUnavailableError, QueryError, ReadSideError
 from agl_stream.logs import get_logger
@@ -129,10 +130,11 @@ class GatewayReadSide:
         query_margin: float = 60.0,
         client: httpx.AsyncClient | None = None,
         locate: Callable[[], str | None] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.query_margin = query_margin
-        self._client = client or httpx.AsyncClient()
+        self._client = client or httpx.AsyncClient(headers=dict(headers or {}))
         self._owns_client = client is None
         # Where the gateway is now (a restarted local gateway may listen on another port).
         self._locate = locate
@@ -328,7 +330,7 @@ def _alive(pid: int) -> bool:
 def read_side_for(settings: Settings) -> ReadSide:
     """AGL_GATEWAY_URL, else AGL_CLICKHOUSE_URL, else the gateway recorded in run_dir."""
     if settings.gateway_url:
-        return GatewayReadSide(settings.gateway_url)
+        return GatewayReadSide(settings.gateway_url, headers=auth_headers(settings))
     if settings.clickhouse_url:
         return ClickHouseReadSide(settings)
     recorded = read_gateway_file(settings.run_dir)
@@ -338,7 +340,7 @@ def read_side_for(settings: Settings) -> ReadSide:
             again = read_gateway_file(settings.run_dir)
             return again.url if again is not None else None
 
-        return GatewayReadSide(recorded.url, locate=locate)
+        return GatewayReadSide(recorded.url, locate=locate, headers=auth_headers(settings))
     raise GatewayUnavailableError(
         f"no running gateway is recorded in {settings.run_dir / GATEWAY_FILE}: start the local stack "
         "with `agl-stream up` (or `agl-stream gateway`), or set AGL_GATEWAY_URL or AGL_CLICKHOUSE_URL"

@@ -351,3 +351,33 @@ async def test_fenced_reads_write_refusal_timeouts_and_restart_after_kill_9(sett
             assert [(w.worker_id, w.status) for w in workers] == [("w-1", "idle"), ("w-2", "idle")]
         assert stop_role(process) == 0  # SIGTERM: sinks commit, uvicorn stops, exit 0
     assert not (settings.run_dir / GATEWAY_FILE).exists()  # a clean exit removes its record
+
+
+async def test_a_gateway_that_requires_its_token_refuses_requests_without_it(settings: Settings) -> None:
+    import stat
+
+    import httpx
+
+    from agl_stream.auth import TOKEN_FILE, ensure_token
+    from agl_stream.kafka import admin
+    from agl_stream.store.readside import read_side_for
+
+    await admin.apply(settings)
+    guarded = _gateway_settings(settings).model_copy(update={"require_token": True})
+    token = ensure_token(guarded)
+    assert stat.S_IMODE((guarded.run_dir / TOKEN_FILE).stat().st_mode) == 0o600
+    with gateway_process(guarded, log_name="gateway-token") as (_, url):
+        async with httpx.AsyncClient() as client:
+            anonymous = await client.post(f"{url}/v1/query", json={"sql": "SELECT 1"})
+            wrong = await client.post(
+                f"{url}/v1/query", json={"sql": "SELECT 1"}, headers={"authorization": "Bearer nope"}
+            )
+            health = await client.get(f"{url}/v1/health")
+        assert anonymous.status_code == 401 and anonymous.json()["error"] == "unauthorized"
+        assert wrong.status_code == 401 and token not in wrong.text
+        assert health.status_code == 200  # health checks need no token
+        side = read_side_for(guarded)  # what the store client uses: it sends the token it knows
+        try:
+            assert (await side.query("SELECT 1 AS one")).rows == [[1]]
+        finally:
+            await side.aclose()

@@ -36,6 +36,7 @@ from agl_stream.kafka import admin
 from agl_stream.kafka.offsets import committed_offsets
 from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, RolloutState, Worker
 from agl_stream.models.rollouts import Rollout
+from agl_stream.supervisor import RoleStatus, read_status
 from tests.integration.helpers import dlq_records, read_to_end, start_role, stop_role
 
 pytestmark = pytest.mark.asyncio
@@ -403,7 +404,6 @@ async def test_a_repeat_after_the_processor_forgot_its_rollout_is_still_refused(
     """The rollout processor forgets finished rollouts; ClickHouse does not, and the ingress asks it."""
     short = settings.model_copy(update={"finished_retention_s": 0.1, "gateway_port": 0})
     await asyncio.to_thread(stack.up, short)
-    ingress: subprocess.Popen[bytes] | None = None
     try:
         running = stack.local_stack_settings(short)
         writer = AvroTaskWriter()
@@ -422,11 +422,15 @@ async def test_a_repeat_after_the_processor_forgot_its_rollout_is_still_refused(
                 except ValueError:
                     break
                 assert time.monotonic() < deadline, "the processor never forgot the finished rollout"
-            # A new ingress process: nothing of the first copy in its memory.
+            # A new ingress process: nothing of the first copy in its memory. The stack's
+            # supervisor starts it again.
             recorded = stack.read_stack(short)
             assert recorded is not None
             os.kill(recorded.pids["ingress"], signal.SIGKILL)
-            ingress = start_role(running, "ingress", log_name="ingress-again")
+            restart_deadline = time.monotonic() + 60
+            while (read_status(short.run_dir).get("ingress") or RoleStatus()).restarts < 1:
+                assert time.monotonic() < restart_deadline, "the supervisor did not start the ingress again"
+                await asyncio.sleep(0.05)  # polling the supervisor's status file
             await _produce(running, [(key, writer.encode(_datum(request_id)))])
             [record] = await _dlq(running, {key}, count=1)
             assert record.error_type == "DuplicateRequestError" and rollout_id in record.reason
@@ -436,8 +440,6 @@ async def test_a_repeat_after_the_processor_forgot_its_rollout_is_still_refused(
         enqueued = [e for e in events if isinstance(e.payload, RolloutEnqueued)]
         assert len(enqueued) == 1  # the repeat never reached agl.rollouts
     finally:
-        if ingress is not None:
-            stop_role(ingress)
         await asyncio.to_thread(stack.down, short)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +19,8 @@ import pytest
 
 from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
-from agl_stream.processes import start_role, stop_role
 from agl_stream.store.replies import RejectedError
+from agl_stream.supervisor import read_status
 
 pytestmark = pytest.mark.integration
 
@@ -67,22 +66,22 @@ async def test_processor_killed_mid_flight_loses_and_duplicates_nothing(own_stac
     finished: set[str] = set()
     claims: dict[str, int] = {}
 
-    restarted: list[subprocess.Popen[bytes]] = []
-
     async def crash_and_restart() -> None:
         deadline = time.monotonic() + 60
         while len(finished) < ROLLOUTS // 4:  # kill once a quarter is through
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)  # watching the workers' progress counter
-        os.kill(run.pids["processor"], signal.SIGKILL)
         (own_stack.run_dir / "processor.ready").unlink(missing_ok=True)
-        restarted.append(start_role(own_stack, "processor", log_path=own_stack.run_dir / "processor2.log"))
+        os.kill(run.pids["processor"], signal.SIGKILL)
+        # Nobody starts it again here: the stack's supervisor does.
+        while True:
+            state = read_status(own_stack.run_dir).get("processor")
+            if state is not None and state.restarts == 1 and state.pid not in (None, run.pids["processor"]):
+                break
+            assert time.monotonic() < deadline + 60, "the supervisor did not start the processor again"
+            await asyncio.sleep(0.05)  # polling the supervisor's status file
 
-    try:
-        await _run_and_check(options, wanted, finished, claims, crash_and_restart)
-    finally:
-        for process in restarted:  # stack.down() only knows the processor it started
-            stop_role(process)
+    await _run_and_check(options, wanted, finished, claims, crash_and_restart)
 
 
 async def _run_and_check(
