@@ -17,6 +17,7 @@ from agl_stream.errors import ConfigError
 
 TOKEN_FILE = "api-token"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+"""Names of the loopback interface: a listener bound to one of them is reachable from this machine only."""
 
 
 def ensure_token(settings: Settings) -> str:

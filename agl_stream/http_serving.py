@@ -14,9 +14,8 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from agl_stream.auth import LOOPBACK
 from agl_stream.errors import AglError
-
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
 class QuietServer(uvicorn.Server):
@@ -60,7 +59,7 @@ def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> list[str]:
     (``AGL_ALLOWED_HOSTS``, "*" for any). A wildcard bind (0.0.0.0, ::) adds nothing by itself:
     the names clients use for the machine must be listed.
     """
-    names = [*LOOPBACK_NAMES]
+    names = [*LOOPBACK]
     if bind_host not in ("0.0.0.0", "::", "") and bind_host not in names:
         names.append(bind_host)
     names += [h.strip() for h in extra if h.strip() and h.strip() not in names]

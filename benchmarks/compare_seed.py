@@ -87,6 +87,7 @@ from _measure import (  # type: ignore[import-not-found]
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from store import step_spans  # type: ignore[import-not-found]
 
 HERE = Path(__file__).resolve().parent
 SEED_VENV = Path.home() / ".cache" / "agl-stream" / "seed-venv"
@@ -531,21 +532,7 @@ def agl_side(options: dict[str, Any]) -> Any:
         return [{"input": task} for task in inputs]
 
     def make_spans(rollout_id: str, attempt_id: str, texts: list[str]) -> list[Span]:
-        now = time.time()
-        return [
-            Span(
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                sequence_id=i + 1,
-                trace_id=uuid.uuid4().hex,
-                span_id=uuid.uuid4().hex[:16],
-                name="agent.step",
-                attributes={"step": i, "payload": text},
-                start_time=now,
-                end_time=now,
-            )
-            for i, text in enumerate(texts)
-        ]
+        return step_spans(rollout_id, attempt_id, [{"step": i, "payload": text} for i, text in enumerate(texts)])
 
     async def close_store(store: AglStore) -> None:
         await store.close()

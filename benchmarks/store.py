@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _spans(rollout_id: str, attempt_id: str, count: int) -> list[Span]:
+def step_spans(rollout_id: str, attempt_id: str, attributes: Sequence[dict[str, Any]]) -> list[Span]:
+    """One ``agent.step`` span per item of ``attributes``, numbered from 1 (the benchmarks' spans)."""
+    now = time.time()
     return [
         Span(
             rollout_id=rollout_id,
@@ -52,12 +55,16 @@ def _spans(rollout_id: str, attempt_id: str, count: int) -> list[Span]:
             trace_id=uuid.uuid4().hex,
             span_id=uuid.uuid4().hex[:16],
             name="agent.step",
-            attributes={"step": i, "reward": 0.0},
-            start_time=time.time(),
-            end_time=time.time(),
+            attributes=attrs,
+            start_time=now,
+            end_time=now,
         )
-        for i in range(count)
+        for i, attrs in enumerate(attributes)
     ]
+
+
+def _spans(rollout_id: str, attempt_id: str, count: int) -> list[Span]:
+    return step_spans(rollout_id, attempt_id, [{"step": i, "reward": 0.0} for i in range(count)])
 
 
 async def run(

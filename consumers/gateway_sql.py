@@ -193,15 +193,26 @@ def objects_read(query_tree: Sequence[str]) -> tuple[set[str], set[str]]:
 
 def refusal(tables: set[str], functions: set[str], database: str) -> str | None:
     """Why a query reading ``tables`` and ``functions`` is refused, or None when it may run."""
-    outside = sorted(t for t in tables if not t.startswith(f"{database}.") and t not in ALWAYS_READABLE)
+    outside = _outside(tables, database)
     unsafe = sorted(functions - ALLOWED_TABLE_FUNCTIONS)
     reasons = []
     if outside:
-        reasons.append(f"it reads {', '.join(outside)}, outside the database {database}")
+        reasons.append(_reads_outside(outside, database))
     if unsafe:
         reasons.append(f"it uses the table function(s) {', '.join(unsafe)}")
-    if not reasons:
-        return None
+    return _refused(reasons, database) if reasons else None
+
+
+def _outside(tables: Iterable[str], database: str) -> list[str]:
+    """The tables named with a database other than ``database`` (what SELECT 1 reads aside)."""
+    return sorted(t for t in tables if not t.startswith(f"{database}.") and t not in ALWAYS_READABLE)
+
+
+def _reads_outside(outside: list[str], database: str) -> str:
+    return f"it reads {', '.join(outside)}, outside the database {database}"
+
+
+def _refused(reasons: list[str], database: str) -> str:
     return "refused: " + " and ".join(reasons) + f"; analytics may read the tables of {database} only"
 
 
@@ -265,16 +276,16 @@ def ast_refusal(ast: Sequence[str], policy: FunctionPolicy, database: str) -> tu
         elif (match := _AST_IDENTIFIER.match(line)) and match.group(1).lower().startswith(_SYSTEM_PREFIXES):
             named.add(match.group(1))  # `x IN system.tables` reads that table
     refused = sorted(f for f in functions if not policy.allows(f) and f.lower() not in ALLOWED_TABLE_FUNCTIONS)
-    outside = sorted(t for t in named if "." in t and not t.startswith(f"{database}.") and t not in ALWAYS_READABLE)
+    outside = _outside((t for t in named if "." in t), database)  # unqualified names resolve in database
     reasons = []
     if refused:
         reasons.append(f"it calls {', '.join(refused)}, not among the functions analytics may use")
     if outside:
-        reasons.append(f"it reads {', '.join(outside)}, outside the database {database}")
+        reasons.append(_reads_outside(outside, database))
     if not reasons:
         return None
     kind = "forbidden_table" if outside else "forbidden_function"
-    message = "refused: " + " and ".join(reasons) + f"; analytics may read the tables of {database} only"
+    message = _refused(reasons, database)
     if refused:
         message += ' and call functions of their values (docs/sql.md, "Access")'
     return kind, message

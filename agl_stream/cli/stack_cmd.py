@@ -75,6 +75,10 @@ def supervise(
     """
     from agl_stream import supervisor
 
+    known = (*stack.ROLES, *stack.TRAINING_ROLES)
+    unknown = [role for role in roles if role not in known]
+    if unknown:
+        raise typer.BadParameter(f"unknown role(s) {', '.join(unknown)}; supervise runs {', '.join(known)}")
     supervisor.main(settings_of(ctx), roles)
 
 

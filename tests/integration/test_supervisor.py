@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from uuid import uuid4
@@ -51,3 +53,16 @@ async def test_a_killed_gateway_runs_again_and_reads_wait_for_it(kafka_bootstrap
     while any(role_alive(pid) for pid in pids):
         assert time.monotonic() < deadline, f"still running after down: {[p for p in pids if role_alive(p)]}"
         await asyncio.sleep(0.05)  # waiting for processes that are not our children to exit
+
+
+def test_supervise_refuses_a_role_it_does_not_know(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")} | {"COLUMNS": "200"}
+    result = subprocess.run(
+        [sys.executable, "-m", "agl_stream", "--data-dir", str(tmp_path), "supervise", "processor", "procesor"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "unknown role(s) procesor" in result.stderr, result.stderr
+    assert not (tmp_path / "run" / "supervisor.json").exists()  # nothing was started

@@ -54,6 +54,16 @@ def _fetched(items: Sequence[AglModel], partition: int = 2) -> list[Fetched[memo
     return out
 
 
+async def _run_until(sinks: SinkGroup, event: asyncio.Event, *, timeout: float) -> None:
+    """Run the sinks until ``event`` is set (failing after ``timeout``), then stop them."""
+    task = asyncio.create_task(sinks.run())
+    try:
+        await asyncio.wait_for(event.wait(), timeout=timeout)
+    finally:
+        sinks.stop()
+        await asyncio.wait_for(task, timeout=60)
+
+
 def _rows(ch: Any, sql: str) -> list[dict[str, Any]]:
     result = ch.query(sql)
     return [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
@@ -137,13 +147,7 @@ async def test_the_sinks_materialize_triplets_and_batches_from_the_topics(settin
         if all(applied[t].get(p, 0) >= o for t, ends in targets.items() for p, o in ends.items()):
             done.set()
 
-    sinks = SinkGroup(settings, (TRIPLETS, TRIPLET_BATCHES), on_applied=on_applied)
-    task = asyncio.create_task(sinks.run())
-    try:
-        await asyncio.wait_for(done.wait(), timeout=120)
-    finally:
-        sinks.stop()
-        await asyncio.wait_for(task, timeout=60)
+    await _run_until(SinkGroup(settings, (TRIPLETS, TRIPLET_BATCHES), on_applied=on_applied), done, timeout=120)
 
     with clickhouse(settings) as ch:
         db = settings.clickhouse_database
@@ -181,12 +185,7 @@ async def test_a_lingering_batch_is_flushed_as_soon_as_a_reader_waits_for_its_to
     sinks = SinkGroup(
         settings, (TRIPLETS,), on_applied=on_applied, wanted=wanted, options={TRIPLETS.name: {"flush_ms": 600_000}}
     )
-    task = asyncio.create_task(sinks.run())
-    try:
-        await asyncio.wait_for(applied.wait(), timeout=60)
-    finally:
-        sinks.stop()
-        await asyncio.wait_for(task, timeout=60)
+    await _run_until(sinks, applied, timeout=60)
     assert topic in asked
 
 
