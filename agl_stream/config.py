@@ -12,11 +12,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SecretsSettingsSource, SettingsConfigDict
 
 from agl_stream.errors import ConfigError
 
 KAFKA_VERSION = "4.1.1"
+
+SECRETS_DIR_ENV = "AGL_SECRETS_DIR"
+"""A directory of 0600 files, one per secret setting (``agl_clickhouse_password``...): how the
+roles a parent starts receive secrets, since a process's environment is readable in
+``/proc/<pid>/environ`` and copied into every grandchild."""
 
 
 def _default_data_dir() -> Path:
@@ -33,6 +38,20 @@ class Settings(BaseSettings):
     """Every setting of agl-stream. Each field ``x`` is read from ``AGL_X``."""
 
     model_config = SettingsConfigDict(env_prefix="AGL_", extra="forbid", frozen=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        secrets_dir = os.environ.get(SECRETS_DIR_ENV)
+        if secrets_dir:  # flags and the environment still win over the files
+            file_secret_settings = SecretsSettingsSource(settings_cls, secrets_dir=secrets_dir)
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
 
     # -- local state -------------------------------------------------------------------------
     data_dir: Path = Field(
@@ -196,16 +215,30 @@ class Settings(BaseSettings):
         return self.clickhouse_url is None
 
     def as_env(self) -> dict[str, str]:
-        """These settings as AGL_* variables, so a child process sees the same configuration."""
+        """These settings as AGL_* variables, so a child process sees the same configuration.
+
+        Secrets are left out: :meth:`secrets` are handed over as files (``SECRETS_DIR_ENV``).
+        """
         env = {}
         for name in type(self).model_fields:
             value = getattr(self, name)
-            if value is None:
+            if value is None or isinstance(value, SecretStr):
                 continue
-            if isinstance(value, SecretStr):
-                value = value.get_secret_value()
             env[f"AGL_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
         return env
+
+    def secrets(self) -> dict[str, str]:
+        """The secret settings that are set, by the file name a secrets directory gives each."""
+        return {
+            f"agl_{name}": value.get_secret_value()
+            for name in type(self).model_fields
+            if isinstance(value := getattr(self, name), SecretStr)
+        }
+
+    @property
+    def secrets_dir(self) -> Path:
+        """Where the roles started from this data dir read their secrets (0700, files 0600)."""
+        return self.run_dir / "secrets"
 
     def topic(self, name: str) -> str:
         """Full topic name: ``topic("rollouts")`` -> ``agl.rollouts``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -224,6 +225,7 @@ def down(settings: Settings, *, timeout: float = 30.0) -> list[str]:
             stopped.append(role)
     if stack.started_broker and broker.stop(settings):
         stopped.append("broker")
+    shutil.rmtree(settings.secrets_dir, ignore_errors=True)  # the roles that read them are gone
     _stack_file(settings).unlink(missing_ok=True)
     return stopped
 

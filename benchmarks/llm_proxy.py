@@ -38,6 +38,7 @@ from _measure import cpu_seconds  # type: ignore[import-not-found]
 from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.processes import role_environment
 
 MODEL = "bench-policy"
 MESSAGES = [
@@ -237,7 +238,7 @@ def main() -> None:
             me = [sys.executable, os.path.abspath(__file__)]
             children.append(subprocess.Popen([*me, "--role", "backend", "--port", str(backend_port)]))
             proxy_args = ["--role", "proxy", "--port", str(proxy_port), "--backend", backend_url]
-            env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")} | settings.as_env()
+            env = role_environment(settings)
             children.append(subprocess.Popen([*me, *proxy_args], env=env))
             results = asyncio.run(
                 measure(

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker
 from agl_stream.kafka.io import make_consumer, make_producer
+from agl_stream.processes import role_environment
 from agl_stream.span_records import SPAN, span_dict_records, span_dicts_of
 from consumers.clickhouse_sink import SPANS, TableSink
 from producers.synthetic_spans import synthetic_span
@@ -216,8 +216,7 @@ async def stage_pipelined(
         if not span_json:
             without_span_json(client, settings.clickhouse_database)
         client.close()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
-    env.update(settings.as_env())
+    env = role_environment(settings)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # noqa: ASYNC240 - once per stage
     share = count // producers
     if per_record > 1:  # whole flushes per producer, so the records are what record_count says

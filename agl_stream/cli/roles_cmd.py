@@ -21,6 +21,7 @@ from agl_stream.cli.adapter_options import (
     adapter_config,
 )
 from agl_stream.config import Settings
+from agl_stream.processes import role_environment
 
 
 def sink(
@@ -107,8 +108,7 @@ def runner(
 
 def _supervise_runners(settings: Settings, workers: int, child_args: list[str]) -> None:
     """Start ``workers`` single-process runners with the same options; forward SIGTERM/SIGINT to them."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
-    env.update(settings.as_env())
+    env = role_environment(settings, "runner")
     children = [
         subprocess.Popen([sys.executable, "-m", "agl_stream", "runner", *child_args, "--workers", "1"], env=env)
         for _ in range(workers)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from agl_stream.kafka import admin
 from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import DlqRecord, Triplet, TripletBatch, TripletRecord
-from agl_stream.processes import stop_role
+from agl_stream.processes import role_environment, stop_role
 from processors.batcher import group_id
 from tests.integration.helpers import read_to_end, read_topic
 
@@ -42,8 +41,7 @@ def start_batcher(settings: Settings, *options: str, log_name: str) -> subproces
         "app.command('batcher')(batcher)\n"
         "main()\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
-    env.update(settings.as_env())
+    env = role_environment(settings)
     log_path = Path(settings.data_dir) / f"{log_name}.log"
     with open(log_path, "ab") as log:
         return subprocess.Popen(

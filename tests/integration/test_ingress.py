@@ -36,6 +36,7 @@ from agl_stream.kafka import admin
 from agl_stream.kafka.offsets import committed_offsets
 from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, RolloutState, Worker
 from agl_stream.models.rollouts import Rollout
+from agl_stream.processes import role_environment
 from agl_stream.supervisor import RoleStatus, read_status
 from tests.integration.helpers import dlq_records, read_to_end, start_role, stop_role
 
@@ -299,7 +300,7 @@ async def test_enqueue_file_twice_makes_no_duplicates(
     lines.insert(9, json.dumps({"input": 1, "config": {"max_attempts": 0}}))
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("\n".join(lines) + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")} | stack_settings.as_env()
+    env = role_environment(stack_settings)
 
     def run(ids_file: Path) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "agl_stream", "enqueue", "--file", str(tasks), "--id-salt", salt]

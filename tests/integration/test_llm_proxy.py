@@ -12,7 +12,6 @@ import asyncio
 import functools
 import itertools
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.models import ProxyLLM, Span
+from agl_stream.processes import role_environment
 from agl_stream.semconv import POLICY_VERSION, POLICY_VERSION_HEADER
 from producers.llm_proxy import LLMProxy, ProxyOptions, model_list_of, serving
 from tests.integration.helpers import read_to_end
@@ -470,7 +470,7 @@ def start_proxy_process(
         f"options = ProxyOptions(port={port}, workers={workers})\n"
         f"main(load_settings(), model_list_of(['policy={backend_url}']), options)\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")} | settings.as_env()
+    env = role_environment(settings)
     with log_path.open("wb") as log_file:
         return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log_file, stderr=subprocess.STDOUT)
 

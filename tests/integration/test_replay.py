@@ -4,7 +4,6 @@ a new reward, malformed input, and the batcher consuming the replay topic."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from agl_stream.config import Settings
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import Span, TripletBatch, TripletRecord
+from agl_stream.processes import role_environment
 from agl_stream.replay.core import ReplaySettings, Selection, batches_topic_of
 from producers.replay import replay
 from producers.replay_history import attempt_history, rollout_id_of, write_history
@@ -147,7 +147,7 @@ async def test_a_new_reward_replaces_the_final_reward_and_failures_are_reported(
 
 async def test_sql_selection_through_the_cli_and_the_batcher_consumes_the_replay(history: Settings) -> None:
     wanted = [rollout_id_of(i) for i in range(0, ROLLOUTS, GROUPS)]  # one group's 4 rollouts
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")} | history.as_env()
+    env = role_environment(history)
     db = history.clickhouse_database
     # otel_traces: the replay fences the spans topic before it queries, so the rows are there.
     query = f"SELECT DISTINCT RolloutId FROM {db}.otel_traces WHERE RolloutId IN ('" + "','".join(wanted) + "')"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,13 +10,13 @@ import pytest
 
 from agl_stream import connect
 from agl_stream.config import Settings
+from agl_stream.processes import role_environment
 
 pytestmark = pytest.mark.integration
 
 
 def _sql(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
-    env.update(settings.as_env())
+    env = role_environment(settings)
     return subprocess.run(
         [sys.executable, "-m", "agl_stream", "sql", *args], env=env, capture_output=True, text=True, timeout=120
     )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
 from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig
+from agl_stream.processes import role_environment
 from tests.integration.helpers import start_role, stop_role
 
 pytestmark = pytest.mark.integration
@@ -488,8 +488,7 @@ def test_writes_and_system_tables_are_refused(pipeline: Pipeline, tmp_path: Path
 
 
 def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
-    env.update(settings.as_env())
+    env = role_environment(settings)
     return subprocess.run(
         [sys.executable, "-m", "agl_stream", "sql", *args], env=env, capture_output=True, text=True, timeout=120
     )

@@ -19,6 +19,7 @@ from agl_stream.kafka import admin
 from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.models import DlqRecord, ResourcesUpdate, TrainerStep, Triplet, TripletBatch, TripletRecord
 from agl_stream.policy import load_checkpoint
+from agl_stream.processes import role_environment
 from tests.integration.helpers import read_to_end, read_topic, start_role, stop_role
 
 pytestmark = pytest.mark.integration
@@ -137,7 +138,7 @@ async def test_the_verl_backend_trains_from_the_topic_on_two_ranks(settings: Set
 
 
 def _torchrun_trainer(settings: Settings, root: Path, log_path: Path, *args: str) -> int:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")} | settings.as_env()
+    env = role_environment(settings)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += ["-m", "agl_stream", "trainer", "--backend", "verl", "--checkpoints", str(root), *args]
     with open(log_path, "wb") as log:
