@@ -179,10 +179,19 @@ ROLLOUT_STATE = SinkSpec(
 )
 
 
+REDACTED = "[redacted]"
+"""What the ``resources`` table holds in place of an API key: every SQL caller can read the table.
+The store reads resources with their keys from the agl.resources topic."""
+
+
 def resources_row(update: ResourcesUpdate) -> dict[str, Any]:
     """A resources row; ``resources`` is the JSON object ResourcesUpdate.resources validates."""
+    contents = update.model_dump(mode="json")["resources"]
+    for resource in contents.values():
+        if isinstance(resource, dict) and resource.get("api_key") is not None:
+            resource["api_key"] = REDACTED
     try:
-        resources = dump_json(update.model_dump(mode="json")["resources"])
+        resources = dump_json(contents)
     except ValueError as exc:  # NaN/Infinity in a JSON payload: not representable as JSON
         raise MalformedRecordError(f"resources {update.resources_id} cannot be written as JSON: {exc}") from exc
     return {

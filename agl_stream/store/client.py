@@ -51,6 +51,7 @@ from agl_stream.models.replies import Reply
 from agl_stream.span_records import span_records
 from agl_stream.store.queue import claim_attempt_id
 from agl_stream.store.reads import StoreReads
+from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities
 
@@ -99,6 +100,10 @@ class AglStore(StoreReads):
         # rollout does (the processor folds a rollout's events in order); a read of rollout
         # state before that asks first (_settle).
         self._unfolded: dict[str, str] = {}
+        # Resources by id come from agl.resources itself, started on first use: the ClickHouse
+        # copy has its API keys redacted (anyone with SQL access reads that table).
+        self._resources: ResourcesCache | None = None
+        self._resources_started = asyncio.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -113,6 +118,8 @@ class AglStore(StoreReads):
         return self
 
     async def close(self) -> None:
+        if self._resources is not None:
+            await self._resources.stop()
         await self._replies.stop()
         await self._close_reads()
         await self._producer.stop()
@@ -597,6 +604,26 @@ class AglStore(StoreReads):
         return result
 
     # -- resources and workers -------------------------------------------------------------
+
+    async def _resources_topic(self) -> ResourcesCache:
+        async with self._resources_started:
+            if self._resources is None:
+                cache = ResourcesCache(self.settings, self.codec)
+                await cache.start()
+                self._resources = cache
+        return self._resources
+
+    async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
+        """The snapshot with this id, API keys included (read from agl.resources, not ClickHouse)."""
+        cache = await self._resources_topic()
+        await cache.catch_up()  # an update of the same id written before this call
+        return await cache.get(resources_id)
+
+    async def get_latest_resources(self) -> ResourcesUpdate | None:
+        """The latest snapshot, API keys included (read from agl.resources, not ClickHouse)."""
+        cache = await self._resources_topic()
+        await cache.catch_up()
+        return cache.latest
 
     async def _publish_resources(self, update: ResourcesUpdate) -> ResourcesUpdate:
         await self._write("resources", [(update.resources_id, update)])

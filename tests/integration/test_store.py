@@ -157,6 +157,25 @@ async def test_resources_latest_and_update(store: AglStore) -> None:
         await store.update_resources("rs-000000000bad", {})
 
 
+async def test_api_keys_reach_the_store_but_never_the_sql_tables(store: AglStore) -> None:
+    key = f"sk-{uuid.uuid4().hex}"
+    llm = LLM(resource_type="llm", endpoint="http://127.0.0.1:1/v1", model="m", api_key=key, sampling_parameters={})
+    added = await store.add_resources(
+        {"policy": llm, "template": {"resource_type": "prompt_template", "template": "hi", "engine": "f-string"}}
+    )
+    for fetched in (await store.get_resources_by_id(added.resources_id), await store.get_latest_resources()):
+        assert fetched is not None and fetched.resources["policy"].api_key == key  # type: ignore[union-attr]
+    [listed] = await store.query_resources(resources_id=added.resources_id)
+    assert listed.resources["policy"].api_key == "[redacted]"  # type: ignore[union-attr]
+    rows = await store.side.query(  # type: ignore[union-attr]
+        f"SELECT count() AS n FROM {store.settings.clickhouse_database}.resources "
+        "WHERE position(toString(resources), {key:String}) > 0",
+        {"key": key},
+        fence={store.topics["resources"]: dict(store.fence[store.topics["resources"]])},
+    )
+    assert rows.dicts() == [{"n": 0}]
+
+
 async def test_concurrent_claimers_claim_each_rollout_once(stack_settings: Settings) -> None:
     options = stack_settings.model_dump(exclude_none=True)
     async with connect(**options) as producer:
