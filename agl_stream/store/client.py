@@ -51,8 +51,8 @@ from agl_stream.models.replies import Reply
 from agl_stream.span_records import span_records
 from agl_stream.store.queue import claim_attempt_id
 from agl_stream.store.reads import StoreReads
-from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
+from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities
 
 # A rollout event must fit in one Kafka message of agl.rollouts (broker default ~1 MB).
