@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import hmac
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+import pydantic_core
 import uvicorn
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agl_stream.auth import LOOPBACK
 from agl_stream.errors import AglError
@@ -66,12 +68,25 @@ def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> list[str]:
     return names
 
 
-def guard(app: Any, hosts: list[str], token: str | None = None) -> None:
+MAX_BODY_BYTES = 32 << 20
+"""The largest request body a listener reads, unless it says otherwise."""
+
+
+def guard(
+    app: Any,
+    hosts: list[str],
+    token: str | None = None,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    media_types: Mapping[str, frozenset[str]] | None = None,
+) -> None:
     """What every listener refuses before any route runs: a Host header naming another host
     (DNS rebinding: a web page's name resolved to 127.0.0.1) and a request a web page of another
     origin sent (browsers name the page's origin on every cross-origin POST); no CORS headers
     are ever added, so a page cannot read an answer either. With ``token``, every request but
-    a health check must carry ``Authorization: Bearer <token>``."""
+    a health check must carry ``Authorization: Bearer <token>``. Bodies are JSON only (what
+    ``media_types`` allows besides, per path) and at most ``max_body_bytes``: see BodyPolicy."""
+    app.add_middleware(BodyPolicy, max_bytes=max_body_bytes, media_types=media_types or {})
     if token is not None:
         app.add_middleware(BearerToken, token=token)
     app.add_middleware(SameOriginOnly, hosts=hosts)
@@ -141,3 +156,109 @@ class BearerToken:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+JSON_TYPES = frozenset({"application/json"})
+
+
+class BodyTooLargeError(AglError):
+    """A request body over the limit of its listener or route (HTTP 413)."""
+
+
+class MalformedBodyError(AglError):
+    """A request body that is not the JSON its route takes (HTTP 400)."""
+
+
+def _refusal(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": kind, "message": message}, status_code=status)
+
+
+class BodyPolicy:
+    """Refuses a body that is not JSON (415 ``unsupported_media_type``; ``media_types`` adds
+    types per path, such as OTLP's protobuf) and a body over ``max_bytes`` (413 ``too_large``).
+
+    Only JSON: a web page can send ``text/plain`` or a form to any address without asking first,
+    JSON it cannot. The size is counted as the body streams in, so a chunked body without a
+    Content-Length is refused at the limit instead of being buffered whole.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, media_types: Mapping[str, frozenset[str]]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.media_types = media_types
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        has_body = declared not in (None, b"0") or b"transfer-encoding" in headers
+        media_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        allowed = JSON_TYPES | self.media_types.get(scope["path"], frozenset())
+        if has_body and media_type not in allowed:
+            response = _refusal(
+                415,
+                "unsupported_media_type",
+                f"the body must be {' or '.join(sorted(allowed))} (send `content-type: application/json`), "
+                f"not {media_type or 'untyped'}",
+            )
+            await response(scope, receive, send)
+            return
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLargeError(f"the body is over {self.max_bytes:,} bytes")
+            return message
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except BodyTooLargeError:
+            if started:
+                raise
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body is over {self.max_bytes:,} bytes: send less per request"
+        response = _refusal(413, "too_large", message)
+        await response(scope, receive, send)
+
+
+async def read_body(request: Request, limit: int, advice: str = "send less per request") -> bytes:
+    """The raw body, refused (BodyTooLargeError) as soon as it is over ``limit``, before it is all
+    in memory; ``advice`` ends the error message."""
+    too_large = BodyTooLargeError(f"the request body is over {limit:,} bytes: {advice}")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes) -> Any:
+    """A JSON body as Python values; MalformedBodyError for bad JSON, bad UTF-8 or nesting too deep
+    (the parser stops at a fixed depth, so no body can exhaust the stack)."""
+    try:
+        return pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as error:
+        raise MalformedBodyError(f"the body is not JSON: {error}") from None

@@ -50,7 +50,7 @@ from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from agl_stream import otlp
 from agl_stream.auth import listener_token
@@ -58,19 +58,22 @@ from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 from agl_stream.config import Settings
 from agl_stream.errors import ConfigError, FenceTimeoutError
-from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen
+from agl_stream.http_serving import BodyTooLargeError, QuietServer, allowed_hosts, guard, listen, read_body
 from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
 from consumers.gateway_sql import (
     FunctionPolicy,
+    SqlLimits,
     SqlRefusedError,
     ast_refusal,
     jsonable,
     load_function_policy,
     sql_router,
+    within,
 )
+from consumers.gateway_tasks import MAX_BODY_BYTES as TASKS_MAX_BODY_BYTES
 from consumers.gateway_tasks import TaskSubmitter, tasks_router
 
 log = get_logger("agl.gateway")
@@ -167,12 +170,19 @@ class QueryRunner:
             self._idle.put_nowait(client)
 
     def _read_only_client(self) -> Client:
+        # The analytics limits, but no row cap: a store read is complete or an error. Its result
+        # bytes are capped at 4x the analytics cap (a listing of a very large store is paged).
+        limits = {
+            **SqlLimits.of(self.settings).checking(self.time_limit_s),
+            "max_result_bytes": 4 * self.settings.sql_max_result_bytes,
+            "result_overflow_mode": "throw",
+        }
         if self.settings.uses_embedded_clickhouse:
             # Not chDB's mode=ro: that opens the whole engine read-only, and the sinks share it.
-            client = get_client(self.settings, max_execution_time=self.time_limit_s)
+            client = get_client(self.settings, **limits)
             client.set_client_setting("readonly", "1")
         else:
-            client = get_client(self.settings, readonly=True, max_execution_time=self.time_limit_s)
+            client = get_client(self.settings, readonly=True, **limits)
         readonly = int(str(client.command("SELECT getSetting('readonly')")))
         if readonly == 0:
             client.close()
@@ -184,9 +194,12 @@ class QueryRunner:
         client = await self._idle.get()
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._query, client, sql, dict(parameters))
-        finally:
+            work = loop.run_in_executor(self._executor, self._query, client, sql, dict(parameters))
+        except BaseException:
             self._idle.put_nowait(client)
+            raise
+        work.add_done_callback(lambda _: self._idle.put_nowait(client))  # an abandoned query holds it
+        return await within(work, self.time_limit_s)
 
     def _query(self, client: Client, sql: str, parameters: dict[str, Any]) -> bytes:
         # The engine's parser first: only one SELECT parses as a subquery (chDB writes INTO
@@ -212,6 +225,10 @@ class QueryRunner:
             client.close()
 
 
+MAX_QUERY_BODY_BYTES = 8 << 20
+"""The store's parameterised queries: id lists of tens of thousands fit; a larger body is 413."""
+
+
 class QueryRequest(BaseModel):
     sql: str
     parameters: dict[str, Any] = Field(default_factory=dict)
@@ -230,6 +247,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         app,
         allowed_hosts(settings.gateway_host, settings.extra_hosts),
         listener_token(settings, settings.gateway_host),
+        max_body_bytes=max(otlp.MAX_BODY_BYTES, TASKS_MAX_BODY_BYTES),
+        media_types={"/v1/traces": frozenset({otlp.PROTOBUF})},
     )
 
     @app.get("/v1/health")
@@ -251,7 +270,13 @@ def create_app(gateway: Gateway) -> FastAPI:
         return {"sinks": sinks}
 
     @app.post("/v1/query")
-    async def query(request: QueryRequest) -> Response:
+    async def query(http: Request) -> Response:
+        try:
+            request = QueryRequest.model_validate_json(await read_body(http, MAX_QUERY_BODY_BYTES))
+        except BodyTooLargeError as exc:
+            return _error(413, "too_large", str(exc))
+        except ValidationError as exc:
+            return _error(400, "bad_request", "; ".join(f"{e['loc']}: {e['msg']}" for e in exc.errors()))
         unknown = sorted(set(request.fence) - gateway.topics)
         if unknown:
             return _error(
@@ -287,12 +312,16 @@ def create_app(gateway: Gateway) -> FastAPI:
         if gateway.stopping:
             return _otlp_error(encoding, 503, otlp.GRPC_UNAVAILABLE, "stopping", "the gateway is shutting down")
         try:
-            body = await _read_body(request, otlp.MAX_BODY_BYTES)
+            body = await read_body(
+                request,
+                otlp.MAX_BODY_BYTES,
+                "export fewer spans per request (the SDK batch processor's max_export_batch_size)",
+            )
             # Off the event loop: decoding a large batch would hold up the sinks sharing it.
             decoded = await asyncio.to_thread(_decode_otlp, body, request.headers.get("content-encoding"), encoding)
         except otlp.UnsupportedOtlpContentError as exc:
             return _otlp_error(encoding, 415, otlp.GRPC_INVALID_ARGUMENT, "unsupported_media_type", str(exc))
-        except otlp.OtlpTooLargeError as exc:
+        except (otlp.OtlpTooLargeError, BodyTooLargeError) as exc:
             return _otlp_error(encoding, 413, otlp.GRPC_RESOURCE_EXHAUSTED, "too_large", str(exc))
         except otlp.MalformedOtlpError as exc:
             return _otlp_error(encoding, 400, otlp.GRPC_INVALID_ARGUMENT, "malformed_otlp", str(exc))
@@ -315,25 +344,6 @@ def create_app(gateway: Gateway) -> FastAPI:
 
 def _decode_otlp(body: bytes, content_encoding: str | None, encoding: otlp.Encoding) -> otlp.DecodedTraces:
     return otlp.decode_body(otlp.decompress(body, content_encoding), encoding)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused as soon as it is over ``limit`` (before it is all in memory)."""
-    declared = request.headers.get("content-length")
-    too_large = otlp.OtlpTooLargeError(
-        f"the request body is over {limit:,} bytes: export fewer spans per request "
-        "(the SDK batch processor's max_export_batch_size)"
-    )
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _otlp_error(

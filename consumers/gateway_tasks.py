@@ -18,7 +18,6 @@ gateway's producer is not up or the broker does not answer.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +31,7 @@ from agl_stream.background import BackgroundClient
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
+from agl_stream.http_serving import BodyTooLargeError, MalformedBodyError, parse_json, read_body
 from agl_stream.ingress import IngressLimits, TaskRequestError, request_from_json, rollout_id_for
 from agl_stream.kafka.io import make_producer
 from agl_stream.logs import get_logger
@@ -39,7 +39,7 @@ from agl_stream.models import TaskRequest
 
 log = get_logger("agl.gateway.tasks")
 
-MAX_BODY_BYTES = 32 << 20
+MAX_BODY_BYTES = 32 << 20  # the gateway listener's limit too (http_serving.MAX_BODY_BYTES)
 MAX_ITEMS = 10_000
 
 
@@ -134,16 +134,12 @@ def tasks_router(submitter: TaskSubmitter, stopping: Callable[[], bool]) -> APIR
     async def post_tasks(request: Request) -> JSONResponse:
         if stopping():
             return _error(503, "stopping", "the gateway is shutting down")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return _error(413, "too_large", f"the body is over {MAX_BODY_BYTES:,} bytes: send fewer tasks per request")
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return _error(413, "too_large", f"the body is over {MAX_BODY_BYTES:,} bytes: send fewer tasks per request")
         try:
-            parsed = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, "malformed_json", f"the body is not JSON: {exc}")
+            parsed = parse_json(await read_body(request, MAX_BODY_BYTES, "send fewer tasks per request"))
+        except BodyTooLargeError as exc:
+            return _error(413, "too_large", str(exc))
+        except MalformedBodyError as exc:
+            return _error(400, "malformed_json", str(exc))
         if isinstance(parsed, list) and not parsed:
             return _error(422, "invalid_task_requests", "the list of tasks is empty", items=[])
         if isinstance(parsed, list) and len(parsed) > MAX_ITEMS:

@@ -60,7 +60,7 @@ from transformers.utils import logging as hf_logging
 
 from agl_stream.auth import listener_token
 from agl_stream.config import Settings
-from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen
+from agl_stream.http_serving import MalformedBodyError, QuietServer, allowed_hosts, guard, listen, parse_json
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.policy import Generation, StepToken, build_model, build_tokenizer, generate, load_checkpoint
@@ -297,9 +297,9 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 
 async def _json_body(request: Request) -> Any:
     try:
-        return await request.json()
-    except ValueError:
-        raise ApiError(400, "the request body is not valid JSON") from None
+        return parse_json(await request.body())
+    except MalformedBodyError as error:
+        raise ApiError(400, str(error)) from None
 
 
 def _message_text(message: ChatMessage, index: int) -> str:

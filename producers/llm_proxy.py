@@ -58,7 +58,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from agl_stream.auth import listener_token
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
-from agl_stream.http_serving import QuietServer, allowed_hosts, bind, guard, listen
+from agl_stream.http_serving import MalformedBodyError, QuietServer, allowed_hosts, bind, guard, listen, parse_json
 from agl_stream.llm_calls import (
     CHAT,
     COMPLETION,
@@ -190,8 +190,8 @@ class Capture:
 
     def json(self) -> Any:
         try:
-            return json.loads(self.body)
-        except ValueError:
+            return parse_json(bytes(self.body))
+        except MalformedBodyError:
             return None
 
 
@@ -711,8 +711,8 @@ def _base_of(url: str | None) -> str | None:
 
 async def _json_body(request: Request) -> Any:
     try:
-        return json.loads(await request.body())
-    except ValueError:
+        return parse_json(await request.body())
+    except MalformedBodyError:
         return None
 
 

@@ -1,27 +1,53 @@
-"""What every HTTP listener refuses before its routes: other hosts' names (DNS rebinding) and
-requests web pages of other origins send (CSRF). Exercised on a bare app through ASGI."""
+"""What every HTTP listener refuses before its routes: other hosts' names (DNS rebinding),
+requests web pages of other origins send (CSRF), bodies that are not JSON or are too large.
+Exercised on a bare app through ASGI."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
 import httpx
-from fastapi import FastAPI
+import pytest
+from fastapi import FastAPI, Request
 
-from agl_stream.http_serving import allowed_hosts, guard
+from agl_stream.http_serving import (
+    BodyTooLargeError,
+    MalformedBodyError,
+    allowed_hosts,
+    guard,
+    parse_json,
+    read_body,
+)
 
 
-def _app(hosts: list[str]) -> FastAPI:
+def _app(hosts: list[str], max_body_bytes: int = 1 << 20) -> FastAPI:
     app = FastAPI()
-    guard(app, hosts)
+    guard(app, hosts, max_body_bytes=max_body_bytes, media_types={"/v1/traces": frozenset({"application/x-protobuf"})})
 
     @app.post("/v1/tasks")
-    async def tasks() -> dict[str, bool]:
-        return {"accepted": True}
+    async def tasks(request: Request) -> dict[str, Any]:
+        try:
+            body = await read_body(request, 1000)
+        except BodyTooLargeError as error:
+            return {"route_refused": str(error)}
+        return {"accepted": True, "size": len(body)}
+
+    @app.post("/v1/traces")
+    async def traces(request: Request) -> dict[str, int]:
+        return {"size": len(await request.body())}
 
     return app
 
 
+async def _send(app: FastAPI, path: str, content: Any, content_type: str | None) -> httpx.Response:
+    headers = {"content-type": content_type} if content_type else {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+        return await client.post(path, content=content, headers=headers)
+
+
 async def _post(app: FastAPI, host: str, origin: str | None = None) -> httpx.Response:
-    headers = {"host": host, "content-type": "text/plain"}
+    headers = {"host": host, "content-type": "application/json"}
     if origin is not None:
         headers["origin"] = origin
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
@@ -52,3 +78,46 @@ async def test_an_operator_can_name_more_hosts_or_any() -> None:
     assert (await _post(app, "other.lab:8642")).status_code == 400
     anything = _app(allowed_hosts("0.0.0.0", ["*"]))
     assert (await _post(anything, "other.lab:8642", origin="http://elsewhere")).status_code == 200
+
+
+async def test_bodies_are_json_only_except_where_a_path_allows_more() -> None:
+    app = _app(["127.0.0.1"])
+    assert (await _send(app, "/v1/tasks", b"{}", "application/json; charset=utf-8")).status_code == 200
+    for simple in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        refused = await _send(app, "/v1/tasks", b"{}", simple)  # what a page may send without asking
+        assert refused.status_code == 415 and refused.json()["error"] == "unsupported_media_type", simple
+    assert (await _send(app, "/v1/traces", b"\x0a\x00", "application/x-protobuf")).status_code == 200
+    assert (await _send(app, "/v1/tasks", b"\x0a\x00", "application/x-protobuf")).status_code == 415
+    assert (await _send(app, "/v1/tasks", b"", None)).status_code == 200  # no body, nothing to type
+
+
+async def _chunks(total: int, size: int = 4096) -> AsyncIterator[bytes]:
+    for start in range(0, total, size):
+        yield b" " * min(size, total - start)
+
+
+async def test_oversize_bodies_are_refused_declared_or_streamed() -> None:
+    app = _app(["127.0.0.1"], max_body_bytes=64 << 10)
+    declared = await _send(app, "/v1/traces", b"x" * (65 << 10), "application/x-protobuf")
+    assert declared.status_code == 413 and declared.json()["error"] == "too_large"
+    streamed = await _send(app, "/v1/traces", _chunks(1 << 20), "application/x-protobuf")  # chunked: no length
+    assert streamed.status_code == 413 and streamed.json()["error"] == "too_large"
+    assert (await _send(app, "/v1/traces", _chunks(60 << 10), "application/x-protobuf")).json() == {"size": 60 << 10}
+    # a route's own, smaller limit (read_body) stops reading at it
+    assert (
+        "over 1,000 bytes" in (await _send(app, "/v1/tasks", _chunks(5000), "application/json")).json()["route_refused"]
+    )
+    assert (await _send(app, "/v1/tasks", b"[1]", "application/json")).json() == {"accepted": True, "size": 3}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000, b"\xff\xfe", b"NaN", b"{'a': 1}", b""],
+)
+def test_parse_json_refuses_bad_and_deep_bodies_with_one_error(body: bytes) -> None:
+    with pytest.raises(MalformedBodyError, match="not JSON"):
+        parse_json(body)
+
+
+def test_parse_json_reads_json() -> None:
+    assert parse_json(b'{"a": [1, 2.5, "\\u00e9", null, true]}') == {"a": [1, 2.5, "\u00e9", None, True]}
