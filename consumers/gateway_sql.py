@@ -1,8 +1,8 @@
 """``GET/POST /v1/sql``: read-only SQL analytics on the gateway (docs/sql.md).
 
 - ``GET /v1/sql?query=...&format=json|jsonl|csv|table&timeout=s``
-- ``POST /v1/sql`` with ``{"query", "format", "timeout"}`` as JSON, or the SQL as a text/plain
-  body (``format`` and ``timeout`` then come from the URL).
+- ``POST /v1/sql`` with ``{"query", "format", "timeout"}`` as JSON (JSON only, at most
+  ``MAX_SQL_BODY_BYTES``: a web page can send text/plain anywhere without asking, JSON it cannot).
 
 Formats: ``json`` ``{"columns", "rows", "row_count", "elapsed_ms"}``, ``jsonl`` one object per row,
 ``csv`` with a header line, ``table`` aligned text. Errors are JSON ``{"error", "message", ...}``:
@@ -51,7 +51,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from datetime import time as dtime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
@@ -65,6 +65,7 @@ from rich.table import Table
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.errors import QueryError
+from agl_stream.http_serving import BodyTooLargeError, read_body
 
 if TYPE_CHECKING:
     from consumers.gateway import Gateway
@@ -78,6 +79,9 @@ ALLOWED_TABLE_FUNCTIONS = frozenset(
 dictionary, s3, ...) could read system tables or other databases."""
 
 ALWAYS_READABLE = frozenset({"system.one"})
+
+MAX_SQL_BODY_BYTES = 1 << 20
+"""A question, not data: a larger POST /v1/sql body is refused (413)."""
 """What a query without FROM reads."""
 
 ALLOWED_CATEGORIES = frozenset(
@@ -166,16 +170,36 @@ class SqlLimits:
             settings.sql_max_result_bytes,
         )
 
-    def execution(self, timeout: float | None) -> dict[str, Any]:
-        """ClickHouse settings for the query itself; ``timeout`` can only shorten the time limit."""
-        limit = self.time_limit_s if timeout is None else min(timeout, self.time_limit_s)
+    def time_limit(self, timeout: float | None) -> float:
+        """Seconds a query may take from check to answer; ``timeout`` can only shorten it."""
+        return self.time_limit_s if timeout is None else min(timeout, self.time_limit_s)
+
+    def checking(self, seconds: float) -> dict[str, Any]:
+        """ClickHouse settings for the checks (building a query tree evaluates constants)."""
         return {
-            "max_execution_time": limit,
+            "max_execution_time": round(seconds, 3),
             "max_memory_usage": self.max_memory_bytes,
+            "function_range_max_elements_in_block": MAX_RANGE_ELEMENTS,
+        }
+
+    def execution(self, seconds: float) -> dict[str, Any]:
+        """ClickHouse settings for the query itself, with ``seconds`` left of its time limit."""
+        return {
+            **self.checking(seconds),
             "max_result_rows": self.max_result_rows,
             "max_result_bytes": self.max_result_bytes,
             "result_overflow_mode": "throw",
         }
+
+
+T = TypeVar("T")
+
+MAX_RANGE_ELEMENTS = 10_000_000
+"""Elements one ``range()`` call may make per block (ClickHouse allows 500M): the engine checks
+its time limit between blocks, so one huge array expression could run far past it."""
+
+ABANDON_GRACE_S = 1.0
+"""How long past its time limit a query's caller waits before it gets its 408 regardless."""
 
 
 # -- functional core: what the engine's analysis says a query reads ---------------------------
@@ -369,6 +393,28 @@ def _csv_value(value: Any) -> Any:
 # -- imperative shell ----------------------------------------------------------------------------
 
 
+async def within(work: asyncio.Future[T], seconds: float) -> T:
+    """``work``'s result, or a timeout QueryError once ``seconds`` (and a grace second) have
+    passed, even while the engine is still inside one expression: it checks its time limit
+    only between blocks. The work itself runs on; whoever started it releases what it holds
+    when it ends (a done callback), so abandoned queries never pile up."""
+    work.add_done_callback(_retrieve)
+    try:
+        return await asyncio.wait_for(asyncio.shield(work), seconds + ABANDON_GRACE_S)
+    except asyncio.TimeoutError:
+        raise QueryError(
+            f"the query ran past its time limit of {seconds:g} s and was abandoned; "
+            "read fewer rows (WHERE, LIMIT) or ask for less per row",
+            code=159,
+            name="TIMEOUT_EXCEEDED",
+        ) from None
+
+
+def _retrieve(work: asyncio.Future[Any]) -> None:
+    if not work.cancelled():
+        work.exception()  # an abandoned query's error is nobody's news: no "never retrieved" noise
+
+
 class SqlRunner:
     """Runs analytics queries read-only with limits, each on clients of its own, in threads."""
 
@@ -380,21 +426,35 @@ class SqlRunner:
         self._policy: FunctionPolicy | None = None
 
     async def run(self, sql: str, timeout: float | None = None) -> SqlResult:
-        async with self._slots:
-            return await asyncio.to_thread(self.run_sync, sql, timeout)
+        """The result, within the time limit: past it (and a grace second) the caller gets a
+        timeout even when the engine is still inside one expression, which it cannot interrupt
+        (it checks its limit between blocks). Such a query keeps its concurrency slot until it
+        ends, so abandoned queries never pile up beyond ``sql_concurrency``."""
+        seconds = self.limits.time_limit(timeout)
+        await self._slots.acquire()
+        try:
+            work = asyncio.get_running_loop().run_in_executor(None, self.run_sync, sql, seconds)
+        except BaseException:
+            self._slots.release()
+            raise
+        work.add_done_callback(lambda _: self._slots.release())
+        return await within(work, seconds)
 
-    def run_sync(self, sql: str, timeout: float | None = None) -> SqlResult:
-        """Check, then run; QueryError (SqlRefusedError for refusals) when it does not."""
+    def run_sync(self, sql: str, seconds: float | None = None) -> SqlResult:
+        """Check, then run, all within ``seconds``; QueryError (SqlRefusedError for refusals)."""
         started = time.perf_counter()
-        # The checks are bounded too: building a query tree evaluates constant expressions.
-        check = self._client(
-            {"max_execution_time": self.limits.time_limit_s, "max_memory_usage": self.limits.max_memory_bytes}
-        )
+        budget = self.limits.time_limit(seconds)
+        check = self._client(self.limits.checking(budget))
         try:
             canonical = self._checked(check, sql)
         finally:
             check.close()
-        runner = self._client(self.limits.execution(timeout))
+        left = budget - (time.perf_counter() - started)
+        if left <= 0.001:
+            raise QueryError(
+                f"the query's checks used its whole time limit of {budget:g} s", code=159, name="TIMEOUT_EXCEEDED"
+            )
+        runner = self._client(self.limits.execution(left))
         try:
             result = runner.query(canonical)
         except DatabaseError as exc:
@@ -501,16 +561,12 @@ def sql_router(gateway: Gateway) -> APIRouter:
 
     @router.post("/v1/sql")
     async def sql_post(request: Request) -> Response:
-        body = await request.body()
         try:
-            if request.headers.get("content-type", "").startswith("application/json"):
-                parsed = SqlRequest.model_validate_json(body)
-            else:
-                parsed = SqlRequest.model_validate({**request.query_params, "query": body.decode()})
+            parsed = SqlRequest.model_validate_json(await read_body(request, MAX_SQL_BODY_BYTES))
+        except BodyTooLargeError as exc:
+            return JSONResponse({"error": "too_large", "message": str(exc)}, status_code=413)
         except ValidationError as exc:
             return invalid(exc)
-        except UnicodeDecodeError:
-            return JSONResponse({"error": "bad_request", "message": "the body is not UTF-8 text"}, status_code=400)
         return await answer(parsed)
 
     return router

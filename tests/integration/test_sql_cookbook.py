@@ -411,10 +411,14 @@ def test_formats_over_get_and_post(pipeline: Pipeline) -> None:
         {"status": "failed", "n": 2},
         {"status": "succeeded", "n": 6},
     ]
-    as_csv = httpx.post(
+    as_csv = httpx.post(f"{pipeline.url}/v1/sql", json={"query": query, "format": "csv"})
+    assert as_csv.status_code == 200 and as_csv.text.splitlines() == ["status,n", "failed,2", "succeeded,6"]
+    as_text = httpx.post(  # what a web page could send without asking: refused before it is read
         f"{pipeline.url}/v1/sql", params={"format": "csv"}, content=query, headers={"content-type": "text/plain"}
     )
-    assert as_csv.status_code == 200 and as_csv.text.splitlines() == ["status,n", "failed,2", "succeeded,6"]
+    assert as_text.status_code == 415 and as_text.json()["error"] == "unsupported_media_type"
+    huge = httpx.post(f"{pipeline.url}/v1/sql", json={"query": "SELECT 1 -- " + "x" * (2 << 20)})
+    assert huge.status_code == 413 and huge.json()["error"] == "too_large"
     table = pipeline.sql(query, "table")
     assert table.headers["content-type"].startswith("text/plain")
     lines = table.text.splitlines()
@@ -431,9 +435,14 @@ def test_limits_are_the_engines(pipeline: Pipeline) -> None:
     many = pipeline.sql(f"SELECT number FROM numbers({MAX_RESULT_ROWS + 1})")
     assert many.status_code == 413 and many.json()["name"] == "TOO_MANY_ROWS_OR_BYTES", many.text
     assert pipeline.sql(f"SELECT number FROM numbers({MAX_RESULT_ROWS})").json()["row_count"] == MAX_RESULT_ROWS
-    # Constant expressions are evaluated while the query is checked: under the same limits.
+    # Constant expressions are evaluated while the query is checked: under the same limits. One
+    # huge array in one block would run past the time limit (checked between blocks): refused.
     constant = pipeline.sql("SELECT length(range(100000000))")
-    assert constant.status_code == 413 and constant.json()["name"] == "MEMORY_LIMIT_EXCEEDED", constant.text
+    assert constant.status_code == 400 and constant.json()["name"] == "ARGUMENT_OUT_OF_BOUND", constant.text
+    one_block = pipeline.sql("SELECT length(arrayMap(x -> sipHash64(x), range(toUInt64(3e8))))")
+    assert one_block.status_code == 400 and one_block.json()["name"] == "ARGUMENT_OUT_OF_BOUND", one_block.text
+    wide = pipeline.sql("SELECT length(arrayMap(x -> repeat('x', 100), range(5000000)))")
+    assert wide.status_code == 413 and wide.json()["name"] == "MEMORY_LIMIT_EXCEEDED", wide.text
     aggregates = pipeline.sql(
         "SELECT countIf(number > 0) AS c, quantileExactIf(0.5)(number, number > 0) AS q FROM numbers(3)"
     )

@@ -1,10 +1,25 @@
-"""The pure parts of /v1/sql: what a query tree says is read, what is refused, how results render."""
+"""The pure parts of /v1/sql: what a query tree says is read, what is refused, how results render,
+and how long a caller waits."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
-from consumers.gateway_sql import FunctionPolicy, SqlResult, ast_refusal, objects_read, refusal, render, wrapped
+import pytest
+
+from agl_stream.errors import QueryError
+from consumers.gateway_sql import (
+    FunctionPolicy,
+    SqlResult,
+    ast_refusal,
+    objects_read,
+    refusal,
+    render,
+    within,
+    wrapped,
+)
 
 TREE = [
     "QUERY id: 0",
@@ -116,3 +131,22 @@ def test_a_statement_that_is_not_a_select_is_refused_as_read_only_before_its_fun
 def test_what_the_parser_writes_for_casts_and_case_is_allowed() -> None:
     for name in ("_CAST", "caseWithExpression", "lambda", "exists"):
         assert POLICY.allows(name), name
+
+
+async def test_a_query_past_its_time_limit_is_abandoned_and_keeps_its_slot_until_it_ends() -> None:
+    release = threading.Event()
+    slots = asyncio.Semaphore(1)
+    await slots.acquire()
+    work = asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+    work.add_done_callback(lambda _: slots.release())
+    with pytest.raises(QueryError, match=r"past its time limit of 0\.2 s") as caught:
+        await within(work, 0.2)  # the work would take 30 s: the caller is answered at 0.2 s + grace
+    assert caught.value.code == 159
+    assert slots.locked()  # the engine is still at it: no new query takes its place yet
+    release.set()
+    await asyncio.wait_for(slots.acquire(), 5)  # freed once it really ended
+
+
+async def test_a_query_within_its_time_limit_answers() -> None:
+    work = asyncio.get_running_loop().run_in_executor(None, lambda: 42)
+    assert await within(work, 5) == 42
