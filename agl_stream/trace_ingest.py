@@ -64,19 +64,35 @@ class Numbered:
         return [self.spans[index] for index in sorted(self.spans)]
 
 
-async def number_spans(store: AglStore, spans: Sequence[otlp.DecodedSpan]) -> Numbered:
+MAX_ATTEMPTS_PER_EXPORT = 256
+"""Attempts one export may name. Each costs one event on agl.rollouts (kept for good) before the
+processor can say whether the attempt exists, so one request cannot make thousands; a runner's
+exporter names at most its concurrent attempts."""
+
+
+async def number_spans(
+    store: AglStore, spans: Sequence[otlp.DecodedSpan], max_attempts: int = MAX_ATTEMPTS_PER_EXPORT
+) -> Numbered:
     """Each span of an attempt the processor knows with its sequence id; the others refused with
-    the processor's reason. One reservation per attempt, all attempts at once."""
+    the processor's reason. One reservation per attempt, all attempts at once; the spans of
+    attempts past the first ``max_attempts`` named are refused unread."""
     by_attempt: dict[tuple[str, str], list[int]] = defaultdict(list)
     for index, decoded in enumerate(spans):
         by_attempt[(decoded.span.rollout_id, decoded.span.attempt_id)].append(index)
     attempts = list(by_attempt)
+    result = Numbered()
+    for pair in attempts[max_attempts:]:
+        for index in by_attempt.pop(pair):
+            result.refused[index] = (
+                f"of an export naming more than {max_attempts} attempts (export more often, or fewer "
+                "attempts per exporter)"
+            )
+    attempts = attempts[:max_attempts]
     wanted = [max(1, sum(spans[i].needs_sequence_id for i in by_attempt[pair])) for pair in attempts]
     reserved = await asyncio.gather(
         *(store.get_many_span_sequence_ids([pair] * n) for pair, n in zip(attempts, wanted, strict=True)),
         return_exceptions=True,
     )
-    result = Numbered()
     for pair, ids in zip(attempts, reserved, strict=True):
         if isinstance(ids, ValueError):  # the processor's verdict: unknown rollout or attempt
             for index in by_attempt[pair]:

@@ -13,8 +13,9 @@ Per fetch (up to thousands of records from agl.rollouts and agl.store-requests):
    the log stays the whole history; it is folded (and answered) when it comes back. A claim that
    finds nothing waits up to its ``wait_seconds`` for work, else is answered ``empty``;
 3. phase one, sent together and acknowledged: one state record per rollout the batch touched
-   (its newest), tombstones of finished rollouts past their retention, DLQ records of rejected
-   or undecodable input, claim and watchdog events;
+   (its newest), tombstones of finished rollouts past their retention, DLQ records of
+   undecodable input and of rejected events nobody waits on (a writer waiting on its event
+   hears the reason instead), claim and watchdog events;
 4. phase two: the replies, each on the writer's own topic (``<prefix>.replies.<client>``, named
    by the event's ``agl-reply-to`` header or the request's ``reply_to``), carrying the state
    after that event and the offset of a state record at least as new (the writer's read fence),
@@ -305,9 +306,10 @@ class RolloutProcessor:
         result = fold(state, event)
         if result.outcome == "rejected":
             refused = RejectedEvent(result.error or "rejected")
-            out.rejected.append(Rejected.of(record, refused))
-            if reply_to:
+            if reply_to:  # the writer hears why and raises it: a DLQ copy would only pile up
                 out.answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(refused)))
+            else:
+                out.rejected.append(Rejected.of(record, refused))
             return
         if result.outcome == "ignored" or result.state is None:
             if reply_to and state is not None:

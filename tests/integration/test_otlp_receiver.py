@@ -29,7 +29,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
+from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import Span
+from agl_stream.otlp import PROTOBUF
+from agl_stream.trace_ingest import MAX_ATTEMPTS_PER_EXPORT
 
 pytestmark = pytest.mark.integration
 
@@ -252,6 +255,35 @@ async def test_unknown_attempts_and_untagged_spans_are_rejected_the_rest_stored(
         )
     partial = ExportTraceServiceResponse.FromString(answer.content).partial_success
     assert partial.rejected_spans == 1 and "unknown rollout id ro-00000bad" in partial.error_message
+
+
+async def test_one_export_naming_hundreds_of_unknown_attempts_writes_a_bounded_few_events(
+    store: AglStore, stack_settings: Settings, traces_url: str
+) -> None:
+    started = await store.start_rollout({"otlp": "many"})
+    rid = started.rollout_id
+    named = MAX_ATTEMPTS_PER_EXPORT + 44
+    unknown = [
+        span
+        for i in range(named)
+        for span in record_spans(
+            {ROLLOUT: rid, ATTEMPT: f"at-{i:08x}"}, lambda p: p.get_tracer("t").start_span("x").end()
+        )
+    ]
+    topics = [stack_settings.topic("rollouts"), stack_settings.topic("dlq")]
+    before = [sum((await end_offsets(stack_settings, t)).values()) for t in topics]
+    async with httpx.AsyncClient(timeout=60) as http:
+        answer = await http.post(
+            traces_url, content=encode_spans(unknown).SerializeToString(), headers={"Content-Type": PROTOBUF}
+        )
+    partial = ExportTraceServiceResponse.FromString(answer.content).partial_success
+    assert partial.rejected_spans == named
+    assert f"44 of an export naming more than {MAX_ATTEMPTS_PER_EXPORT} attempts" in partial.error_message
+    after = [sum((await end_offsets(stack_settings, t)).values()) for t in topics]
+    # one reservation event per attempt checked, none for the rest; the refusals were answered
+    # to the gateway, so none of them is dead-lettered as well
+    assert after[0] - before[0] == MAX_ATTEMPTS_PER_EXPORT
+    assert after[1] == before[1]
 
 
 async def test_malformed_and_unsupported_requests(traces_url: str) -> None:
