@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     kafka_ssl_certfile: Path | None = Field(None, description="Client certificate (mutual TLS).")
     kafka_ssl_keyfile: Path | None = Field(None, description="Client private key (mutual TLS).")
     kafka_ssl_password: SecretStr | None = Field(None, description="Password of the client private key.")
+    kafka_broker_keystore: Path | None = Field(
+        None, description="PKCS12 keystore with the certificate and key of the local broker's SASL_SSL listener."
+    )
+    kafka_broker_keystore_password: SecretStr | None = Field(None, description="Password of that keystore.")
     topic_prefix: str = Field(
         "agl", pattern=r"^[A-Za-z0-9._-]+$", description="Prefix of every topic name, so projects can share a cluster."
     )

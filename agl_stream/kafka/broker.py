@@ -11,10 +11,17 @@ One single-node KRaft broker (broker and controller in one JVM) per data dir, un
 - ``server.log``         Kafka's INFO log (infra/kafka/log4j2.properties)
 
 Nothing here runs when ``AGL_KAFKA_BOOTSTRAP`` names an existing cluster.
+
+With ``AGL_KAFKA_SECURITY_PROTOCOL=SASL_SSL`` (and a SCRAM mechanism) the client listener is
+SASL_SSL instead of PLAINTEXT: TLS from ``AGL_KAFKA_BROKER_KEYSTORE``, SCRAM users, and ACLs
+(StandardAuthorizer) with the settings' own user as the one super user; its credential is
+added when the storage is formatted. The controller listener is then on 127.0.0.1 only, behind
+SASL/PLAIN with a password made at each start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import errno
@@ -23,18 +30,24 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from aiokafka.conn import create_conn
+from aiokafka.errors import KafkaError, SaslAuthenticationFailed
+from aiokafka.protocol.metadata import MetadataRequest
+from pydantic import BaseModel, ConfigDict, SecretStr
 
 from agl_stream.config import KAFKA_VERSION, Settings
 from agl_stream.errors import BrokerError, ConfigError, PrerequisiteError
@@ -449,21 +462,210 @@ def is_answering(host: str, port: int, *, timeout: float = 1.0) -> bool:
     return correlation == 1 and brokers > 0
 
 
+def _is_answering_secured(settings: Settings, host: str, port: int, *, timeout: float = 1.0) -> bool:
+    """is_answering over the SASL_SSL listener, as the settings' user (TLS, SCRAM, Metadata).
+
+    Raises BrokerError when the broker refuses the credentials or its certificate does not
+    verify: waiting longer would not help. Runs its own event loop in a thread, so it works
+    from sync code and inside a running event loop alike.
+    """
+    options = settings.kafka_client_options()
+
+    async def probe() -> int:
+        conn = await create_conn(
+            host,
+            port,
+            client_id="agl-probe",
+            request_timeout_ms=int(timeout * 1000),
+            security_protocol=options["security_protocol"],
+            ssl_context=options.get("ssl_context"),
+            sasl_mechanism=options["sasl_mechanism"],
+            sasl_plain_username=options["sasl_plain_username"],
+            sasl_plain_password=options["sasl_plain_password"],
+        )
+        try:
+            response = await conn.send(MetadataRequest([]))  # no topics: just the live brokers
+        finally:
+            conn.close()
+        return len(response.brokers)
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            brokers = pool.submit(asyncio.run, asyncio.wait_for(probe(), timeout)).result()
+    except SaslAuthenticationFailed as exc:
+        raise BrokerError(
+            f"the local Kafka broker on {host}:{port} refused the credentials of AGL_KAFKA_SASL_USERNAME="
+            f"{settings.kafka_sasl_username} ({exc}). The user and password are stored when the data dir is "
+            f"first formatted ({settings.kafka_dir / 'data'}): use the ones it was formatted with, or "
+            f"start on a new data dir"
+        ) from exc
+    except ssl.SSLCertVerificationError as exc:
+        raise BrokerError(
+            f"the certificate of the local Kafka broker on {host}:{port} did not verify ({exc.verify_message}): "
+            "AGL_KAFKA_SSL_CAFILE must name the CA that signed the certificate in AGL_KAFKA_BROKER_KEYSTORE, "
+            f"and that certificate must be issued for {host}"
+        ) from exc
+    except (OSError, KafkaError, asyncio.TimeoutError):
+        return False  # not listening yet, or still starting
+    return brokers > 0
+
+
+def _answering(settings: Settings, host: str, port: int, *, timeout: float = 1.0) -> bool:
+    """is_answering as the settings' clients connect; a TLS and SCRAM handshake get 5x the time."""
+    if _secured(settings):
+        return _is_answering_secured(settings, host, port, timeout=5 * timeout)
+    return is_answering(host, port, timeout=timeout)
+
+
+# -- security -------------------------------------------------------------------------------
+
+_SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
+_SCRAM_ITERATIONS = 8192
+_SCRAM_USER = re.compile(r"[A-Za-z0-9._-]+")  # also an unquoted JAAS option name (user_<name>)
+_LOOPBACK = "127.0.0.1"
+
+
+def _secured(settings: Settings) -> bool:
+    """Whether the broker is secured: SASL_SSL, the one protocol besides PLAINTEXT _check_security allows."""
+    return settings.kafka_security_protocol != "PLAINTEXT"
+
+
+def _controller_host(settings: Settings) -> str:
+    """Secured, the controller listener (SASL/PLAIN without TLS) is on loopback only."""
+    return _LOOPBACK if _secured(settings) else settings.kafka_host
+
+
+def _secret(value: SecretStr | None) -> str:
+    return value.get_secret_value() if value is not None else ""
+
+
+def _check_security(settings: Settings) -> None:
+    """Refuse, before anything runs, security settings the local broker cannot serve."""
+    protocol, mechanism = settings.kafka_security_protocol, settings.kafka_sasl_mechanism
+    if protocol == "PLAINTEXT":
+        return
+    if protocol != "SASL_SSL" or mechanism not in _SCRAM_MECHANISMS:
+        raise ConfigError(
+            f"the local Kafka broker serves PLAINTEXT, or SASL_SSL with SCRAM-SHA-256 or SCRAM-SHA-512, not "
+            f"AGL_KAFKA_SECURITY_PROTOCOL={protocol} with AGL_KAFKA_SASL_MECHANISM={mechanism}; change them, "
+            "or set AGL_KAFKA_BOOTSTRAP to use a cluster secured your way"
+        )
+    required = {
+        "AGL_KAFKA_SASL_USERNAME": settings.kafka_sasl_username or "",
+        "AGL_KAFKA_SASL_PASSWORD": _secret(settings.kafka_sasl_password),
+        "AGL_KAFKA_BROKER_KEYSTORE": str(settings.kafka_broker_keystore or ""),
+        "AGL_KAFKA_BROKER_KEYSTORE_PASSWORD": _secret(settings.kafka_broker_keystore_password),
+    }
+    missing = [name for name, value in required.items() if not value]
+    if missing:
+        raise ConfigError(f"a local Kafka broker with SASL_SSL needs {', '.join(missing)}")
+    if not _SCRAM_USER.fullmatch(required["AGL_KAFKA_SASL_USERNAME"]):
+        raise ConfigError(
+            f"AGL_KAFKA_SASL_USERNAME={settings.kafka_sasl_username!r}: the local broker's user name may "
+            "contain letters, digits and . _ - only"
+        )
+    for name, path in (
+        ("AGL_KAFKA_BROKER_KEYSTORE", settings.kafka_broker_keystore),
+        ("AGL_KAFKA_SSL_CAFILE", settings.kafka_ssl_cafile),
+    ):
+        if path is not None and not path.expanduser().is_file():
+            raise ConfigError(f"{name}={path} is not a file")
+
+
+def _jaas_quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _security_properties(settings: Settings) -> dict[str, str]:
+    """The SASL_SSL listener's TLS, SCRAM and ACL settings (the rest is in _server_properties)."""
+    mechanism = str(settings.kafka_sasl_mechanism)
+    user = str(settings.kafka_sasl_username)
+    keystore = settings.kafka_broker_keystore
+    assert keystore is not None  # _check_security ran
+    login = (
+        "org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f"username={_jaas_quoted(user)} password={_jaas_quoted(_secret(settings.kafka_sasl_password))};"
+    )
+    # The controller listener authenticates too: as a PLAINTEXT listener its callers would be
+    # User:ANONYMOUS, which the broker's registration makes a super user, so any local process
+    # could grant itself ACLs there. KRaft controllers take no SCRAM; PLAIN with a password made
+    # for this start (the broker is the controller's only client) names the same user.
+    controller_password = _jaas_quoted(secrets.token_urlsafe(24))
+    controller_login = (
+        "org.apache.kafka.common.security.plain.PlainLoginModule required "
+        f"username={_jaas_quoted(user)} password={controller_password} user_{user}={controller_password};"
+    )
+    props = {
+        "sasl.enabled.mechanisms": mechanism,
+        # The broker is a client of its own listener too (one node: inter-broker traffic goes to
+        # itself), as the settings' user.
+        "sasl.mechanism.inter.broker.protocol": mechanism,
+        f"listener.name.sasl_ssl.{mechanism.lower()}.sasl.jaas.config": login,
+        "sasl.mechanism.controller.protocol": "PLAIN",
+        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.controller.plain.sasl.jaas.config": controller_login,
+        "ssl.keystore.type": "PKCS12",
+        "ssl.keystore.location": str(keystore.expanduser().resolve()),
+        "ssl.keystore.password": _secret(settings.kafka_broker_keystore_password),
+        # ACLs: nobody but the settings' user may do anything without one.
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "super.users": f"User:{user}",
+    }
+    if settings.kafka_ssl_cafile is not None:  # else the JDK's CAs, as the clients use the system's
+        props["ssl.truststore.type"] = "PEM"
+        props["ssl.truststore.location"] = str(settings.kafka_ssl_cafile.expanduser().resolve())
+    return props
+
+
+def _scram_argument(settings: Settings) -> str:
+    """``--add-scram`` for the settings' user: a salted password, never the password itself."""
+    mechanism = str(settings.kafka_sasl_mechanism)
+    salt = os.urandom(32)
+    salted = hashlib.pbkdf2_hmac(
+        mechanism.removeprefix("SCRAM-").replace("-", "").lower(),  # sha256 / sha512
+        _secret(settings.kafka_sasl_password).encode(),
+        salt,
+        _SCRAM_ITERATIONS,
+    )
+    salt_b64, salted_b64 = base64.b64encode(salt).decode(), base64.b64encode(salted).decode()
+    return (
+        f'{mechanism}=[name={settings.kafka_sasl_username},salt="{salt_b64}",'
+        f'saltedpassword="{salted_b64}",iterations={_SCRAM_ITERATIONS}]'
+    )
+
+
+def _property_value(value: str) -> str:
+    """``value`` escaped for java.util.Properties, which Kafka reads as ISO-8859-1."""
+    escaped = []
+    for index, char in enumerate(value):
+        if char == "\\" or (char == " " and index == 0):
+            escaped.append("\\" + char)
+        elif " " <= char <= "~":
+            escaped.append(char)
+        else:
+            units = struct.unpack(f">{len(char.encode('utf-16-be')) // 2}H", char.encode("utf-16-be"))
+            escaped.extend(f"\\u{unit:04x}" for unit in units)
+    return "".join(escaped)
+
+
 # -- configuration --------------------------------------------------------------------------
 
 
 def _server_properties(settings: Settings, paths: _Paths) -> str:
     host, port, cport = settings.kafka_host, settings.kafka_port, settings.kafka_controller_port
+    secured = _secured(settings)
+    client, controller = ("SASL_SSL", "SASL_PLAINTEXT") if secured else ("PLAINTEXT", "PLAINTEXT")
+    chost = _controller_host(settings)
     props = {
         # One JVM is both the KRaft controller and the broker; a single static voter.
         "process.roles": "broker,controller",
         "node.id": "1",
-        "controller.quorum.voters": f"1@{host}:{cport}",
-        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{cport}",
-        "advertised.listeners": f"PLAINTEXT://{host}:{port}",
+        "controller.quorum.voters": f"1@{chost}:{cport}",
+        "listeners": f"{client}://{host}:{port},CONTROLLER://{chost}:{cport}",
+        "advertised.listeners": f"{client}://{host}:{port}",
         "controller.listener.names": "CONTROLLER",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": f"CONTROLLER:{controller},{client}:{client}",
+        "inter.broker.listener.name": client,
         # Kafka calls its data "logs"; this is topic data plus the metadata log.
         "log.dirs": str(paths.data),
         # One broker: internal topics cannot have more replicas than that.
@@ -478,13 +680,14 @@ def _server_properties(settings: Settings, paths: _Paths) -> str:
         "auto.create.topics.enable": "false",
         "num.partitions": "1",
         # Retention stays at Kafka's defaults (7 days); each declared topic sets its own.
+        **(_security_properties(settings) if secured else {}),
     }
     header = (
         "# Written by agl-stream (agl_stream/kafka/broker.py) on every start; edits are lost.\n"
         "# Change ports with AGL_KAFKA_PORT / AGL_KAFKA_CONTROLLER_PORT or `agl-stream kafka start"
         " --port`.\n"
     )
-    return header + "".join(f"{key}={value}\n" for key, value in props.items())
+    return header + "".join(f"{key}={_property_value(value)}\n" for key, value in props.items())
 
 
 def _configured_bootstrap(paths: _Paths) -> str | None:
@@ -493,7 +696,7 @@ def _configured_bootstrap(paths: _Paths) -> str | None:
         text = paths.config.read_text()
     except OSError:
         return None
-    match = re.search(r"^advertised\.listeners=PLAINTEXT://(\S+)$", text, re.MULTILINE)
+    match = re.search(r"^advertised\.listeners=[A-Z_]+://(\S+)$", text, re.MULTILINE)
     return match.group(1) if match else None
 
 
@@ -504,6 +707,14 @@ def _new_cluster_id() -> str:
         value = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         if not value.startswith("-"):
             return value
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner can read (it may hold passwords)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # also when the file was there before
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
 
 
 def _java_options(paths: _Paths, heap: str | None) -> list[str]:
@@ -523,8 +734,8 @@ def _java_options(paths: _Paths, heap: str | None) -> list[str]:
     return ([f"-Xmx{heap}"] if heap else []) + options
 
 
-def _format_storage(java: Path, libs: Path, paths: _Paths) -> None:
-    """Format the data dir once; later starts reuse it (and its topics)."""
+def _format_storage(java: Path, libs: Path, paths: _Paths, settings: Settings) -> None:
+    """Format the data dir once; later starts reuse it (and its topics, and its SCRAM users)."""
     if (paths.data / "meta.properties").exists():
         return
     # Reuse an id written by an earlier, interrupted attempt so the files on disk agree.
@@ -532,24 +743,30 @@ def _format_storage(java: Path, libs: Path, paths: _Paths) -> None:
     if len(cluster_id) != 22:
         cluster_id = _new_cluster_id()
         paths.cluster_id.write_text(cluster_id + "\n")
-    result = subprocess.run(
-        [
-            str(java),
-            *_java_options(paths, "256m"),
-            "-cp",
-            f"{libs}/*",
-            "kafka.tools.StorageTool",
-            "format",
-            "-t",
-            cluster_id,
-            "-c",
-            str(paths.config),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=paths.kafka_dir,
-    )
+    arguments = ["format", "-t", cluster_id, "-c", str(paths.config)]
+    if _secured(settings):
+        arguments += ["--add-scram", _scram_argument(settings)]
+    # The arguments go in a 0600 file (one a line, read by the tool itself), not on the command
+    # line, where every local user could read the salted password.
+    args_file = paths.kafka_dir / "format.args"
+    _write_private(args_file, "".join(f"{argument}\n" for argument in arguments))
+    try:
+        result = subprocess.run(
+            [
+                str(java),
+                *_java_options(paths, "256m"),
+                "-cp",
+                f"{libs}/*",
+                "kafka.tools.StorageTool",
+                f"@{args_file}",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=paths.kafka_dir,
+        )
+    finally:
+        args_file.unlink(missing_ok=True)
     if result.returncode != 0:
         raise BrokerError(
             f"formatting the Kafka storage in {paths.data} failed (exit {result.returncode}):\n"
@@ -570,7 +787,7 @@ def _wait_until_answering(pid: int, settings: Settings, paths: _Paths, timeout: 
             code = f" with exit code {child.returncode}" if child is not None else ""
             raise BrokerError(f"the local Kafka broker (pid {pid}) exited during start-up{code}.\n{_log_tail(paths)}")
         remaining = deadline - time.monotonic()
-        if is_answering(host, port, timeout=max(0.1, min(1.0, remaining))):
+        if _answering(settings, host, port, timeout=max(0.1, min(1.0, remaining))):
             return
         if time.monotonic() >= deadline:
             raise BrokerError(
@@ -614,6 +831,7 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
         raise ConfigError(
             f"kafka heap {settings.kafka_heap!r} (--heap / AGL_KAFKA_HEAP): use a JVM size like 512m or 2g"
         )
+    _check_security(settings)
     paths = _Paths.of(settings)
     with _locked(paths):
         pid = _running_pid(paths)
@@ -625,7 +843,7 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
         # Fail fast and clearly, before Maven or the JVM run.
         _check_port_free(settings.kafka_host, settings.kafka_port, "the client port", "--port / AGL_KAFKA_PORT")
         _check_port_free(
-            settings.kafka_host,
+            _controller_host(settings),
             settings.kafka_controller_port,
             "the controller port",
             "--controller-port / AGL_KAFKA_CONTROLLER_PORT",
@@ -633,8 +851,8 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
         tools = check_prerequisites(maven=False)  # ensure_jars asks for Maven if it needs it
         libs = ensure_jars(settings)
         paths.data.mkdir(parents=True, exist_ok=True)
-        paths.config.write_text(_server_properties(settings, paths))
-        _format_storage(tools.java, libs, paths)
+        _write_private(paths.config, _server_properties(settings, paths))
+        _format_storage(tools.java, libs, paths, settings)
 
         command = [
             str(tools.java),
@@ -734,7 +952,7 @@ def status(settings: Settings) -> BrokerStatus:
     host, _, port = bootstrap.rpartition(":")
     return BrokerStatus(
         running=pid is not None,
-        answering=pid is not None and is_answering(host, int(port)),
+        answering=pid is not None and _answering(settings, host, int(port)),
         pid=pid,
         bootstrap=bootstrap,
         data_dir=paths.kafka_dir,
