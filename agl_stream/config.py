@@ -114,6 +114,12 @@ class Settings(BaseSettings):
     clickhouse_database: str = Field(
         "agl", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Database holding agl-stream's tables."
     )
+    clickhouse_reader_user: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$",
+        description="User the gateway's queries run as (server only): `clickhouse migrate` gives it the reader role.",
+    )
+    clickhouse_reader_password: SecretStr | None = Field(None, description="Password of the reader user.")
     clickhouse_verify_tls: bool = Field(True, description="Verify the server certificate on https.")
     clickhouse_ca_cert: Path | None = Field(None, description="CA bundle for the ClickHouse server certificate.")
 

@@ -54,6 +54,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from agl_stream import otlp
 from agl_stream.auth import listener_token
+from agl_stream.clickhouse.access import QUERY_RESULT_BYTES_FACTOR
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 from agl_stream.config import Settings
@@ -171,10 +172,10 @@ class QueryRunner:
 
     def _read_only_client(self) -> Client:
         # The analytics limits, but no row cap: a store read is complete or an error. Its result
-        # bytes are capped at 4x the analytics cap (a listing of a very large store is paged).
+        # bytes have a larger cap (a listing of a very large store is paged).
         limits = {
             **SqlLimits.of(self.settings).checking(self.time_limit_s),
-            "max_result_bytes": 4 * self.settings.sql_max_result_bytes,
+            "max_result_bytes": QUERY_RESULT_BYTES_FACTOR * self.settings.sql_max_result_bytes,
             "result_overflow_mode": "throw",
         }
         if self.settings.uses_embedded_clickhouse:

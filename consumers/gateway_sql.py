@@ -62,6 +62,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from agl_stream.clickhouse.access import MAX_RANGE_ELEMENTS
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.errors import QueryError
@@ -193,10 +194,6 @@ class SqlLimits:
 
 
 T = TypeVar("T")
-
-MAX_RANGE_ELEMENTS = 10_000_000
-"""Elements one ``range()`` call may make per block (ClickHouse allows 500M): the engine checks
-its time limit between blocks, so one huge array expression could run far past it."""
 
 ABANDON_GRACE_S = 1.0
 """How long past its time limit a query's caller waits before it gets its 408 regardless."""

@@ -6,6 +6,7 @@ import typer
 from rich.console import Console
 
 from agl_stream.cli import settings_of
+from agl_stream.clickhouse.access import apply_reader_role, reader_name
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 
@@ -30,3 +31,18 @@ def migrate_cmd(ctx: typer.Context) -> None:
         console.print("[dim]up to date[/]")
     for migration in applied:
         console.print(f"[green]applied[/] {migration.version:03d}_{migration.name}")
+    if settings.uses_embedded_clickhouse:
+        return  # chDB has no access control: the gateway's checks and client settings are it
+    client = get_client(settings)
+    try:
+        refused = apply_reader_role(client, settings)
+    finally:
+        client.close()
+    role = reader_name(settings.clickhouse_database)
+    if refused is None:
+        console.print(f"[green]applied[/] the reader role and settings profile {role}")
+    else:
+        console.print(
+            f"[yellow]skipped[/] the reader role {role}: {refused}. Run `clickhouse migrate` as a user "
+            "that may manage access to apply it (docs/sql.md, Access)"
+        )

@@ -32,15 +32,21 @@ def get_client(settings: Settings, *, readonly: bool = False, **client_settings:
     if not url.hostname:
         raise ConfigError(f"AGL_CLICKHOUSE_URL={settings.clickhouse_url!r} has no host")
     secure = url.scheme == "https"
+    username = url.username or settings.clickhouse_user
+    password = url.password or (settings.clickhouse_password.get_secret_value() if settings.clickhouse_password else "")
     if readonly:
-        # readonly=2 still lets the client set per-query limits such as max_execution_time.
+        # readonly=2 still lets the client set per-query limits such as max_execution_time; the
+        # reader role's profile (agl_stream/clickhouse/access.py) keeps them from going higher.
         client_settings = {"readonly": 2, **client_settings}
+        if settings.clickhouse_reader_user:
+            username = settings.clickhouse_reader_user
+            secret = settings.clickhouse_reader_password
+            password = secret.get_secret_value() if secret else ""
     return clickhouse_connect.get_client(
         host=url.hostname,
         port=url.port or (8443 if secure else 8123),
-        username=url.username or settings.clickhouse_user,
-        password=url.password
-        or (settings.clickhouse_password.get_secret_value() if settings.clickhouse_password else ""),
+        username=username,
+        password=password,
         secure=secure,
         verify=settings.clickhouse_verify_tls,
         ca_cert=str(settings.clickhouse_ca_cert) if settings.clickhouse_ca_cert else None,
