@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from io import BytesIO
 from typing import Any, Literal, TypeVar, cast, overload
@@ -63,8 +64,27 @@ def _write_json(datum: Any, schema: Any) -> str:
     return _dump_json(datum)
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"JSON text holds {name}, which is not JSON (agl-stream never writes it)")
+
+
+_JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_MAY_NOT_REENCODE = re.compile(r"\\u[dD][89a-fA-F]|[eE]\+?\d{3}|(?<!\d)\d{300}")
+"""What can make JSON text that parses into a value the writer refuses: an escaped surrogate
+(a lone one is no Unicode text), or a number too large for a float (``1e400`` parses as inf)."""
+
+
 def _read_json(data: str, writer_schema: Any, reader_schema: Any) -> Any:
-    return json.loads(data)
+    """JSON text -> the value, refusing what :func:`dump_json` would refuse to write (NaN,
+    Infinity, numbers that overflow to infinity, lone surrogates): a record that decodes must
+    encode again, or whoever folds it into state of its own fails later, far from the bad input."""
+    value = _JSON_DECODER.decode(data)
+    if _MAY_NOT_REENCODE.search(data) is not None:
+        try:
+            _dump_json(value).encode("utf-8")
+        except ValueError as error:  # UnicodeEncodeError included
+            raise ValueError(f"JSON text holds a value JSON cannot carry ({error})") from None
+    return value
 
 
 def register_json_logical_type() -> None:

@@ -134,17 +134,39 @@ class IngressLimits:
 def _json_size(value: Any, what: str, problems: list[str]) -> int:
     try:
         return len(dump_json(value).encode("utf-8"))
-    except (ValueError, TypeError) as exc:  # NaN/Infinity, or a value JSON cannot hold
+    except (ValueError, TypeError) as exc:  # NaN/Infinity, lone surrogates, a value JSON cannot hold
         problems.append(f"{what} is not valid JSON ({exc})")
-        return 0
+    except RecursionError:
+        problems.append(f"{what} is JSON nested too deeply to write")
+    return 0
+
+
+def _finite_number(value: Any) -> bool:
+    """A JSON number that is a float in range (bool is no number; an int too large for a float
+    is none either: ``math.isfinite`` would raise OverflowError on it)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: repr, cut short (a huge number or text stays readable)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past the digit limit of str(), maybe inside a list
+        return f"a {type(value).__name__} too large to show"
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def _positive_seconds(config: Mapping[str, Any], name: str, problems: list[str]) -> None:
     value = config.get(name)
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        problems.append(f"config.{name} must be a positive number of seconds or null, not {value!r}")
+    if not _finite_number(value) or value <= 0:
+        problems.append(f"config.{name} must be a positive number of seconds or null, not {_shown(value)}")
 
 
 def _check_config(config: Any, problems: list[str]) -> None:
@@ -155,7 +177,7 @@ def _check_config(config: Any, problems: list[str]) -> None:
         return
     attempts = config.get("max_attempts", 1)
     if isinstance(attempts, bool) or not isinstance(attempts, int) or not 1 <= attempts <= _INT_MAX:
-        problems.append(f"config.max_attempts must be an integer from 1 to {_INT_MAX}, not {attempts!r}")
+        problems.append(f"config.max_attempts must be an integer from 1 to {_INT_MAX}, not {_shown(attempts)}")
     _positive_seconds(config, "timeout_seconds", problems)
     _positive_seconds(config, "unresponsive_seconds", problems)
     conditions = config.get("retry_condition", [])
@@ -166,7 +188,7 @@ def _check_config(config: Any, problems: list[str]) -> None:
         if unknown:
             problems.append(
                 f"config.retry_condition may hold only {', '.join(RETRY_CONDITIONS)} (statuses a retry can "
-                f"follow), not {', '.join(map(repr, unknown))}"
+                f"follow), not {', '.join(map(_shown, unknown))}"
             )
 
 
@@ -196,7 +218,7 @@ def validate_request(datum: Mapping[str, Any], limits: IngressLimits) -> TaskReq
             too_large.append(f"input is {size:,} bytes of JSON, over the {limits.max_input_bytes:,}-byte limit")
     mode = datum.get("mode")
     if mode is not None and mode not in MODES:
-        problems.append(f"mode must be one of {', '.join(MODES)} or null, not {mode!r}")
+        problems.append(f"mode must be one of {', '.join(MODES)} or null, not {_shown(mode)}")
     metadata = datum.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, Mapping):
@@ -208,13 +230,13 @@ def validate_request(datum: Mapping[str, Any], limits: IngressLimits) -> TaskReq
                     f"metadata is {size:,} bytes of JSON, over the {limits.max_metadata_bytes:,}-byte limit"
                 )
     resources_id = datum.get("resources_id")
-    if resources_id is not None and (not isinstance(resources_id, str) or not 1 <= len(resources_id) <= 128):
-        problems.append(f"resources_id must be a resources snapshot id or null, not {str(resources_id)[:160]!r}")
-    request_time = datum.get("request_time")
-    if request_time is not None and (
-        isinstance(request_time, bool) or not isinstance(request_time, int | float) or not math.isfinite(request_time)
+    if resources_id is not None and (
+        not isinstance(resources_id, str) or not 1 <= len(resources_id) <= 128 or not _utf8(resources_id)
     ):
-        problems.append(f"request_time must be a finite number of seconds or null, not {request_time!r}")
+        problems.append(f"resources_id must be a resources snapshot id or null, not {_shown(resources_id)}")
+    request_time = datum.get("request_time")
+    if request_time is not None and not _finite_number(request_time):
+        problems.append(f"request_time must be a finite number of seconds or null, not {_shown(request_time)}")
     _check_config(datum.get("config"), problems)
     if too_large:
         raise TaskRequestTooLargeError("; ".join(too_large + problems))
@@ -224,6 +246,16 @@ def validate_request(datum: Mapping[str, Any], limits: IngressLimits) -> TaskReq
         return TaskRequest.model_validate(datum)
     except ValidationError as exc:  # what the checks above do not cover: unknown fields, types
         raise InvalidTaskRequestError(_pydantic_reasons(exc)) from exc
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is Unicode text (a lone surrogate, which JSON's ``\\ud800`` makes, is not:
+    the codec could not write it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _pydantic_reasons(exc: ValidationError) -> str:
@@ -262,8 +294,10 @@ def request_from_line(line: str, line_number: int, limits: IngressLimits, *, sal
     """One line of a task file (JSON Lines): a request; no request_id -> :func:`line_request_id`."""
     try:
         value = json.loads(line)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer past str()'s digit limit
         raise InvalidTaskRequestError(f"not JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidTaskRequestError("not JSON this reader can take: nested too deeply") from None
     return request_from_json(value, limits, default_request_id=line_request_id(line, line_number, salt))
 
 

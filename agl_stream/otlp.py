@@ -6,7 +6,7 @@ read: binary protobuf (``application/x-protobuf``) and the OTLP JSON mapping
 (``application/json``), which differs from protobuf's own JSON mapping in that trace and span
 ids are hex, not base64 (lowerCamelCase and snake_case field names, int64 as strings or numbers
 and enums as integers or names are all accepted, as the spec asks of receivers). Bodies may be
-gzip-compressed (``Content-Encoding: gzip``).
+gzip-compressed (``Content-Encoding: gzip``, one member or several).
 
 Field conventions follow agl_stream/spans.py (SDK spans): times in float seconds (``None`` for
 an unset 0), hex ids, kind and status code by name (``SPAN_KIND_UNSPECIFIED`` reads as
@@ -123,15 +123,7 @@ def decompress(body: bytes, content_encoding_header: str | None, *, limit: int =
     if coding == "identity":
         data = body
     elif coding in ("gzip", "x-gzip"):
-        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-        try:
-            data = inflater.decompress(body, limit + 1)
-        except zlib.error as error:
-            raise MalformedOtlpError(
-                f"the body is not valid gzip ({error}); send it as Content-Encoding: gzip"
-            ) from error
-        if len(data) <= limit and not inflater.eof:
-            raise MalformedOtlpError("the gzip body is truncated: send the whole compressed request")
+        data = _gunzip(body, limit)
     else:
         raise UnsupportedOtlpContentError(
             f"unsupported Content-Encoding {content_encoding_header!r}: OTLP/HTTP bodies are sent as is or as gzip"
@@ -142,6 +134,43 @@ def decompress(body: bytes, content_encoding_header: str | None, *, limit: int =
             "(the SDK batch processor's max_export_batch_size)"
         )
     return data
+
+
+_GZIP_CHUNK = 64 << 10
+MAX_GZIP_MEMBERS = 1000
+"""Gzip members one body may hold (RFC 1952: a gzip stream is one or more members, read as
+one). SDKs send one; the cap bounds the work of a body made of many tiny members."""
+
+
+def _gunzip(body: bytes, limit: int) -> bytes:
+    """Every member of a gzip body, stopping once past ``limit`` bytes of output. Fed in chunks,
+    so what zlib copies of the input after each member's end stays small."""
+    view = memoryview(body)
+    parts: list[bytes] = []
+    size = position = members = 0
+    while members == 0 or position < len(view):
+        members += 1
+        if members > MAX_GZIP_MEMBERS:
+            raise MalformedOtlpError(f"the gzip body has more than {MAX_GZIP_MEMBERS} members: send one")
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        while not inflater.eof:
+            if position >= len(view):
+                raise MalformedOtlpError("the gzip body is truncated: send the whole compressed request")
+            chunk = view[position : position + _GZIP_CHUNK]
+            position += len(chunk)
+            try:
+                part = inflater.decompress(chunk, limit + 1 - size)
+            except zlib.error as error:
+                where = "the body" if members == 1 else f"gzip member {members} of the body"
+                raise MalformedOtlpError(
+                    f"{where} is not valid gzip ({error}); send it as Content-Encoding: gzip"
+                ) from error
+            parts.append(part)
+            size += len(part)
+            if size > limit:
+                return b"".join(parts)  # decompress() refuses it as too large
+        position -= len(inflater.unused_data)
+    return b"".join(parts)
 
 
 def parse_request(body: bytes, encoding: Encoding) -> ExportTraceServiceRequest:
@@ -157,6 +186,8 @@ def parse_request(body: bytes, encoding: Encoding) -> ExportTraceServiceRequest:
         document = json.loads(body)
     except (UnicodeDecodeError, ValueError) as error:
         raise MalformedOtlpError(f"the body is not JSON: {error}") from error
+    except RecursionError:
+        raise MalformedOtlpError("the body is JSON nested too deeply to be an OTLP request") from None
     if not isinstance(document, dict):
         raise MalformedOtlpError(
             f"an OTLP JSON request is an object with resourceSpans, not a {type(document).__name__}"

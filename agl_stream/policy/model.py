@@ -222,7 +222,10 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
-    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the most likely token always stays
+    outside = before >= top_p
+    # The most likely token always stays, even for a top_p that is 0.0 as a float32 (1e-300).
+    outside[..., 0] = False
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return kept / kept.sum(dim=-1, keepdim=True)
 
@@ -364,7 +367,11 @@ def generate(
 def _sample(logits: torch.Tensor, rows: list[_Row], temperature: float, top_p: float) -> torch.Tensor:
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    probs = _nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
+    scaled = logits / temperature
+    if bool((~torch.isfinite(scaled) & torch.isfinite(logits)).any()):
+        # A temperature so close to 0 (1e-300) that the logits overflow: its limit is greedy.
+        return logits.argmax(dim=-1)
+    probs = _nucleus(torch.softmax(scaled, dim=-1), top_p)
     # One generator per row: a row's draws depend on its own seed only, not on its batch mates.
     return torch.stack(
         [
