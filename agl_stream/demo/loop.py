@@ -64,9 +64,14 @@ class DemoResult:
     coverage: dict[str, tuple[int, int]] = field(default_factory=dict)  # table -> (rows with a version, rows)
 
     def first_and_last(self, window: int = 3) -> tuple[float, float]:
-        rewards = [r for _, _, r in self.versions]
-        head, tail = rewards[:window], rewards[-window:]
-        return sum(head) / max(len(head), 1), sum(tail) / max(len(tail), 1)
+        """The mean reward of the rollouts of the first ``window`` policy versions, and of the last:
+        weighted by rollouts, so a version that ran only a couple of them cannot swing it."""
+
+        def mean(versions: list[tuple[int, int, float]]) -> float:
+            count = sum(n for _, n, _ in versions)
+            return sum(n * reward for _, n, reward in versions) / count if count else 0.0
+
+        return mean(self.versions[:window]), mean(self.versions[-window:])
 
 
 def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 120.0) -> None:

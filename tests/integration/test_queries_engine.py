@@ -44,7 +44,7 @@ from agl_stream.store.queries import (
     worker_from_row,
 )
 from agl_stream.store.readside import ClickHouseReadSide
-from consumers.clickhouse_sink import RESOURCES, ROLLOUT_STATE, SPANS, WORKERS, SinkSpec, TableSink
+from consumers.clickhouse_sink import REDACTED, RESOURCES, ROLLOUT_STATE, SPANS, WORKERS, SinkSpec, TableSink
 from tests.integration.helpers import clickhouse
 from tests.unit.test_codec import span_dict
 
@@ -291,10 +291,18 @@ def test_resources_by_id_latest_and_listing(engine: Engine) -> None:
             },
         )
 
-    a1, b1, a2 = update("rs-a", 1, 10.0), update("rs-b", 1, 20.0), update("rs-a", 2, 10.0)
-    engine.put(RESOURCES, a1, b1)
+    def stored(written: ResourcesUpdate) -> ResourcesUpdate:  # every SQL reader may read the table
+        keyless = {
+            name: r.model_copy(update={"api_key": REDACTED}) if getattr(r, "api_key", None) else r
+            for name, r in written.resources.items()
+        }
+        return written.model_copy(update={"resources": keyless})
+
+    a1, b1, a2 = (stored(u) for u in (update("rs-a", 1, 10.0), update("rs-b", 1, 20.0), update("rs-a", 2, 10.0)))
+    assert a1.resources["proxy"].api_key == REDACTED  # type: ignore[union-attr]
+    engine.put(RESOURCES, update("rs-a", 1, 10.0), update("rs-b", 1, 20.0))
     assert resources_from_row(engine.rows(Q.latest_resources())[0]) == b1
-    engine.put(RESOURCES, a2)  # update_resources: same id, written later, now the latest
+    engine.put(RESOURCES, update("rs-a", 2, 10.0))  # update_resources: same id, written later, now the latest
 
     [row] = engine.rows(Q.resources_by_id("rs-a"))
     assert resources_from_row(row) == a2

@@ -1,7 +1,8 @@
 """The whole RL loop on CPU, every role a real process: the reward rises with the policy versions.
 
-Threshold: the mean reward of the last 3 policy versions exceeds that of the first 3 by at least
-0.1 (a random policy scores ~0.15 on the digits task; runs here reach ~0.5 within 8 versions).
+Threshold: the mean reward of the rollouts of the last 3 policy versions exceeds that of the
+first 3 by at least 0.1 (a random policy scores ~0.15 on the digits task; runs here reach ~0.5
+within 8 versions). Means are over rollouts, not versions: under load a version may run only two.
 The trainer's seed is 0; sampling in the inference server is not seeded, hence the margin.
 """
 
