@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import os
 import signal
@@ -172,7 +173,11 @@ class Runner:
             key = (claimed.rollout_id, claimed.attempt.attempt_id)
             task = asyncio.create_task(self._attempt(claimed), name=f"attempt-{key[1]}")
             self.live[key] = task
-            task.add_done_callback(lambda _, key=key: (self.live.pop(key, None), slots.release()))  # type: ignore[misc]
+            task.add_done_callback(functools.partial(self._ended, key, slots))
+
+    def _ended(self, key: tuple[str, str], slots: asyncio.Semaphore, _task: asyncio.Task[None]) -> None:
+        self.live.pop(key, None)
+        slots.release()
 
     async def _drain(self) -> None:
         """Let live attempts finish within the grace period; release the rest for a retry."""

@@ -28,7 +28,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
@@ -40,6 +40,9 @@ from agl_stream.ids import new_resources_id
 from agl_stream.kafka.io import DeadLetters, Rejected, TypedProducer, make_producer
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TrainerStep, TripletBatch
+
+if TYPE_CHECKING:  # torch and verl load only when a backend is opened
+    from agl_stream.training.backend import BackendKind
 
 log = get_logger("agl.trainer")
 
@@ -97,7 +100,7 @@ class Progress:
 @dataclass
 class TrainerOptions:
     checkpoints: Path
-    backend: str = "torch"  # "torch" or "verl" (agl_stream.training: open_backend)
+    backend: BackendKind = "torch"  # agl_stream.training: open_backend
     initial_model: Path | None = None  # HF folder to start from; None: the tiny random policy
     model_name: str = "agl-tiny"
     proxy_endpoint: str | None = None  # published as the ProxyLLM runners call; None: none published
