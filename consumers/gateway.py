@@ -339,7 +339,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     app.include_router(tasks_router(gateway.tasks, lambda: gateway.stopping))
 
-    app.include_router(sql_router(gateway))
+    app.include_router(sql_router(settings, lambda: gateway.stopping))
     return app
 
 

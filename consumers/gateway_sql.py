@@ -47,11 +47,11 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from datetime import time as dtime
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
@@ -67,9 +67,6 @@ from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.errors import QueryError
 from agl_stream.http_serving import BodyTooLargeError, read_body
-
-if TYPE_CHECKING:
-    from consumers.gateway import Gateway
 
 SqlFormat = Literal["json", "jsonl", "csv", "table"]
 
@@ -529,12 +526,13 @@ class SqlRequest(BaseModel):
     timeout: float | None = Field(None, gt=0, le=3600, description="Seconds; capped by sql_time_limit_s.")
 
 
-def sql_router(gateway: Gateway) -> APIRouter:
+def sql_router(settings: Settings, stopping: Callable[[], bool]) -> APIRouter:
+    """``/v1/sql`` for a gateway with these settings; ``stopping`` says when it shuts down."""
     router = APIRouter()
-    runner = SqlRunner(gateway.settings)
+    runner = SqlRunner(settings)
 
     async def answer(request: SqlRequest) -> Response:
-        if gateway.stopping:
+        if stopping():
             return JSONResponse({"error": "stopping", "message": "the gateway is shutting down"}, status_code=503)
         try:
             result = await runner.run(request.query, request.timeout)

@@ -42,7 +42,7 @@ from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TrainerStep, TripletBatch
 
 if TYPE_CHECKING:  # torch and verl load only when a backend is opened
-    from agl_stream.training.backend import BackendKind
+    from agl_stream.training.factory import BackendKind
 
 log = get_logger("agl.trainer")
 

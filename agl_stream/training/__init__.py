@@ -7,13 +7,12 @@ Importing this package imports torch and VERL (a few seconds); the ``verl`` back
 from agl_stream.training.backend import (
     CRITIC_FREE_ESTIMATORS,
     TRAINER_STATE_FILE,
-    BackendKind,
     PolicyBackend,
     TorchBackendOptions,
     TorchPolicyBackend,
-    open_backend,
 )
 from agl_stream.training.data import InvalidBatchError, RewardMode, batch_to_dataproto
+from agl_stream.training.factory import BackendKind, open_backend
 
 __all__ = [
     "CRITIC_FREE_ESTIMATORS",

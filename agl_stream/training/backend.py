@@ -564,9 +564,6 @@ def resolve_estimator(algorithm: str, adv_estimator: str | None) -> str:
     return estimator
 
 
-BackendKind = Literal["torch", "verl"]
-
-
 def step_metrics(
     batch: dict[str, torch.Tensor],
     advantages: torch.Tensor,
@@ -610,38 +607,6 @@ def step_metrics(
         }
     )
     return metrics
-
-
-def open_backend(kind: BackendKind, checkpoint_dir: str | Path | None, **options: Any) -> PolicyBackend:
-    """The policy backend named ``kind`` ("torch": :class:`TorchPolicyBackend`; "verl":
-    :class:`~agl_stream.training.verl_backend.VerlFSDPBackend`, imported only when asked for).
-
-    ``checkpoint_dir``: None starts from the tiny random policy (:func:`agl_stream.policy.build_model`
-    with ``options``' seed); a folder the same kind saved with its trainer state resumes it (``options``
-    then override the saved ones); any other HF causal-LM folder starts a new backend on its weights
-    (pass ``policy_version`` to carry a version over). ``options``: the backend's options
-    (:class:`TorchBackendOptions` / ``VerlBackendOptions`` fields) and ``device``.
-    """
-    if kind == "torch":
-        if checkpoint_dir is None:
-            from agl_stream.policy import build_model, build_tokenizer
-
-            return TorchPolicyBackend(build_model(seed=int(options.get("seed", 0))), build_tokenizer(), **options)
-        path = Path(checkpoint_dir)
-        if (path / TRAINER_STATE_FILE).is_file():
-            return TorchPolicyBackend.load(path, **options)
-        model, tokenizer = load_checkpoint(path)
-        return TorchPolicyBackend(model, tokenizer, **options)
-    if kind == "verl":
-        from agl_stream.training.verl_backend import VERL_STATE_FILE, VerlFSDPBackend, open_tiny_verl_backend
-
-        if checkpoint_dir is None:
-            return open_tiny_verl_backend(**options)
-        path = Path(checkpoint_dir)
-        if (path / VERL_STATE_FILE).is_file():
-            return VerlFSDPBackend.load(path, **options)
-        return VerlFSDPBackend(path, **options)
-    raise ValueError(f"backend must be 'torch' or 'verl', not {kind!r}")
 
 
 def _chunks(indices: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
