@@ -1,13 +1,12 @@
 """``agl-stream batcher``: finished attempts (agl.triplets) -> training batches (agl.triplet-batches).
 
-The role lives in ``processors.batcher`` and is loaded by module name, so the library never
-imports the roles (the dependency rule: roles import the library, never the reverse).
+The role lives in ``processors.batcher``, imported when the command runs (its libraries load only then).
+The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
 The rules are agl_stream/batching.py.
 """
 
 from __future__ import annotations
 
-import importlib
 from enum import Enum
 from typing import Annotated, Optional
 
@@ -99,6 +98,6 @@ def batcher(
         )
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
-    importlib.import_module("processors.batcher").main(
-        settings_of(ctx), policy, input_topic=input_topic, output_topic=output_topic
-    )
+    from processors import batcher
+
+    batcher.main(settings_of(ctx), policy, input_topic=input_topic, output_topic=output_topic)

@@ -9,7 +9,6 @@ SQL results from ClickHouse.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
 from typing import Annotated
 
@@ -53,8 +52,9 @@ def _progress() -> Progress:
 
 
 async def _smoke(settings: Settings, spans: int) -> float:
-    synthetic = importlib.import_module("producers.synthetic_spans")
-    sink_role = importlib.import_module("consumers.clickhouse_sink")
+    from consumers import clickhouse_sink
+    from producers import synthetic_spans as synthetic
+
     plan = await admin.apply(settings)
     console.print(f"topics: {len(plan.create)} created, {len(plan.unchanged)} already there")
     sink = start_role(settings, "sink", log_path=settings.data_dir / "logs" / "sink.log")
@@ -73,7 +73,9 @@ async def _smoke(settings: Settings, spans: int) -> float:
 
             ends = await synthetic.produce_spans(settings, spans, on_progress=on_produced)
             # Fence on the sink's committed offsets: they pass ours only after the INSERT.
-            await wait_for_group(settings, sink_role.SPANS.group_id(settings), ends, timeout=300, on_progress=on_sunk)
+            await wait_for_group(
+                settings, clickhouse_sink.SPANS.group_id(settings), ends, timeout=300, on_progress=on_sunk
+            )
         return time.monotonic() - started
     finally:
         if stop_role(sink) != 0:

@@ -1,12 +1,11 @@
 """``agl-stream gateway``: the sinks and the query API in the process that owns ClickHouse.
 
-The role lives in ``consumers.gateway`` and is loaded by module name, so the library never
-imports the roles (the dependency rule: roles import the library, never the reverse).
+The role lives in ``consumers.gateway``, imported when the command runs (its libraries load only then).
+The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Annotated, Optional
 
 import typer
@@ -33,5 +32,6 @@ def gateway(
     overrides = {k: v for k, v in {"gateway_host": host, "gateway_port": port}.items() if v is not None}
     if overrides:
         settings = settings.model_copy(update=overrides)
-    module = importlib.import_module("consumers.gateway")
-    module.main(settings, query_clients=query_clients, query_time_limit_s=query_time_limit)
+    from consumers import gateway
+
+    gateway.main(settings, query_clients=query_clients, query_time_limit_s=query_time_limit)

@@ -1,12 +1,11 @@
 """``agl-stream inference``: the tiny policy behind an OpenAI-compatible (vLLM-shaped) API.
 
-The role lives in ``consumers.inference`` and is loaded by module name, so the library never
-imports the roles (the dependency rule: roles import the library, never the reverse).
+The role lives in ``consumers.inference``, imported when the command runs (its libraries load only then).
+The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -46,8 +45,9 @@ def inference(
     Example: agl-stream inference --port 8000 --model-name agl-tiny
     """
     settings = settings_of(ctx)
-    module = importlib.import_module("consumers.inference")
-    module.main(
+    from consumers import inference
+
+    inference.main(
         settings if follow else None,
         host,
         port,

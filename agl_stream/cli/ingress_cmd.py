@@ -1,13 +1,11 @@
 """``agl-stream ingress``: task requests from external systems (agl.task-requests) -> rollouts.
 
-The role lives in ``processors.ingress`` and is loaded by module name, so the library never
-imports the roles (the dependency rule: roles import the library, never the reverse).
+The role lives in ``processors.ingress``, imported when the command runs (its libraries load only then).
+The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
 The rules are agl_stream/ingress.py.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import typer
 
@@ -23,4 +21,6 @@ def ingress(ctx: typer.Context) -> None:
     reason (duplicates included). `agl-stream up` starts one; run more to share the partitions.
     Limits: --set ingress_max_input_bytes=N, --set ingress_max_metadata_bytes=N.
     """
-    importlib.import_module("processors.ingress").main(local_stack_settings(settings_of(ctx)))
+    from processors import ingress
+
+    ingress.main(local_stack_settings(settings_of(ctx)))

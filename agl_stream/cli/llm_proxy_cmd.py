@@ -1,12 +1,11 @@
 """``agl-stream llm-proxy``: the OpenAI-compatible proxy that records every LLM call as a span.
 
-The role lives in ``producers.llm_proxy`` and is loaded by module name, so the library never
-imports the roles (the dependency rule: roles import the library, never the reverse).
+The role lives in ``producers.llm_proxy``, imported when the command runs (its libraries load only then).
+The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -93,10 +92,10 @@ def llm_proxy(
     Example: agl-stream llm-proxy --backend Qwen/Qwen2.5-0.5B-Instruct=http://127.0.0.1:8000/v1
     """
     from agl_stream.stack import local_stack_settings
+    from producers import llm_proxy
 
-    module = importlib.import_module("producers.llm_proxy")
     try:
-        models = module.model_list_of(backend or [], api_key=api_key)
+        models = llm_proxy.model_list_of(backend or [], api_key=api_key)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--backend") from error
     if model_list is not None:
@@ -106,7 +105,7 @@ def llm_proxy(
             "name at least one backend, e.g. --backend Qwen/Qwen2.5-0.5B-Instruct=http://127.0.0.1:8000/v1",
             param_hint="--backend",
         )
-    options = module.ProxyOptions(
+    options = llm_proxy.ProxyOptions(
         host=host,
         port=port,
         logprobs=logprobs,
@@ -115,4 +114,4 @@ def llm_proxy(
         sequence_block=sequence_block,
         workers=workers,
     )
-    module.main(local_stack_settings(settings_of(ctx)), models, options)
+    llm_proxy.main(local_stack_settings(settings_of(ctx)), models, options)

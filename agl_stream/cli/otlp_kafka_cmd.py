@@ -1,12 +1,11 @@
 """``agl-stream otlp-kafka``: OTLP traces from the OpenTelemetry Collector's Kafka topic into agl.spans.
 
-The role lives in ``consumers.otlp_kafka`` and is loaded by module name, so the library never
-imports the roles (the dependency rule: roles import the library, never the reverse).
+The role lives in ``consumers.otlp_kafka``, imported when the command runs (its libraries load only then).
+The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Annotated, Optional
 
 import typer
@@ -44,5 +43,6 @@ def otlp_kafka(
     overrides = {k: v for k, v in {"otlp_kafka_topic": topic, "otlp_kafka_group": group}.items() if v is not None}
     if overrides:
         settings = settings.model_copy(update=overrides)
-    module = importlib.import_module("consumers.otlp_kafka")
-    module.main(settings, encoding=encoding, max_records=max_records)
+    from consumers import otlp_kafka
+
+    otlp_kafka.main(settings, encoding=encoding, max_records=max_records)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 from typing import Annotated, Optional
 
 import typer
@@ -76,7 +75,7 @@ def replay(
     from agl_stream.replay.core import ReplaySettings, Selection, batches_topic_of, parse_offset_ranges, parse_time
 
     # The shell is a writer role (producers/), loaded by name like every role.
-    run_replay = importlib.import_module("producers.replay").replay
+    from producers.replay import replay as run_replay
 
     settings = settings_of(ctx)
     adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward)

@@ -1,9 +1,8 @@
-"""Long-running roles. Each lives in its own top-level package and is loaded by module name,
-so the library never imports the roles (the dependency rule: roles import the library, never the reverse)."""
+"""Long-running roles. Each lives in its own top-level package and is imported when its command
+runs; the CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import subprocess
@@ -35,8 +34,9 @@ def sink(
 
     With the embedded engine this process owns the ClickHouse data dir.
     """
-    module = importlib.import_module("consumers.clickhouse_sink")
-    module.main(settings_of(ctx), batch_size=batch_size, flush_ms=flush_ms)
+    from consumers import clickhouse_sink
+
+    clickhouse_sink.main(settings_of(ctx), batch_size=batch_size, flush_ms=flush_ms)
 
 
 def processor(
@@ -53,7 +53,9 @@ def processor(
     settings = settings_of(ctx)
     overrides = {"watchdog_interval_s": watchdog_interval, "finished_retention_s": finished_retention}
     settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-    importlib.import_module("processors.rollouts").main(settings)
+    from processors import rollouts
+
+    rollouts.main(settings)
 
 
 def runner(
@@ -93,17 +95,18 @@ def runner(
         child_args += ["--max-rollouts", str(max_rollouts)] if max_rollouts else []
         _supervise_runners(settings, workers, child_args)
         return
-    module = importlib.import_module("consumers.runner")
-    options = module.RunnerOptions(
+    from consumers import runner
+
+    options = runner.RunnerOptions(
         concurrency=concurrency, grace_s=grace, heartbeat_interval_s=heartbeat_interval, max_rollouts=max_rollouts
     )
     if worker_id:
         options.worker_id = worker_id
     try:
-        module.load_agent(agent)
+        runner.load_agent(agent)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--agent") from error
-    module.main(settings, agent, options)
+    runner.main(settings, agent, options)
 
 
 def _supervise_runners(settings: Settings, workers: int, child_args: list[str]) -> None:
@@ -138,4 +141,6 @@ def triplets(
 ) -> None:
     """Run the triplet builder: each finished attempt's spans -> one record of triplets on agl.triplets."""
     adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward)
-    importlib.import_module("processors.triplets").main(settings_of(ctx), adapter=adapter, settle_s=settle)
+    from processors import triplets
+
+    triplets.main(settings_of(ctx), adapter=adapter, settle_s=settle)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -127,10 +126,10 @@ def trainer(
     if merged["algorithm"] not in ("grpo", "ppo"):
         raise typer.BadParameter(f"unknown algorithm {merged['algorithm']!r}: grpo or ppo", param_hint="--algorithm")
     try:
-        module = importlib.import_module("consumers.trainer")
-        importlib.import_module("agl_stream.training")
+        import agl_stream.training  # noqa: F401 - fails here, with advice, when the extra is missing
+        from consumers import trainer
     except ImportError as error:  # torch, transformers or verl missing
         raise typer.BadParameter(
             f"the trainer needs the training extra ({error}): pip install 'agl-stream[train]'", param_hint="--backend"
         ) from error
-    module.main(settings_of(ctx), module.TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))
+    trainer.main(settings_of(ctx), trainer.TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))
