@@ -25,6 +25,7 @@ jars: venv
 test: venv jars
 	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q -p no:cacheprovider
 
 lint: venv

@@ -25,12 +25,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from agl_stream.adapter import AdapterConfig, extract_triplets
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
+from agl_stream.domain.adapter import AdapterConfig, extract_triplets
+from agl_stream.domain.replay import ReplaySettings, span_view
 from agl_stream.kafka import admin, broker
 from agl_stream.models import Span
-from agl_stream.replay.core import ReplaySettings, span_view
 from agl_stream.span_records import span_dicts_of
 from producers.replay import replay
 from producers.replay_history import attempt_history, span_values, write_history

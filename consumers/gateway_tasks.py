@@ -3,7 +3,7 @@
 The body is one request or a JSON array of them, each a JSON object with TaskRequest's fields
 (``input`` and ``metadata`` as JSON values; ``request_id`` optional: a random UUID when absent,
 which a retry then does not deduplicate). Every item is checked with the ingress processor's own
-rules (agl_stream/ingress.py) before anything is sent:
+rules (agl_stream/domain/ingress.py) before anything is sent:
 
 - any item invalid: 422 ``{"error": "invalid_task_requests", "message", "items": [{"index",
   "request_id", "error", "reason"}]}``, and nothing is sent;
@@ -30,9 +30,9 @@ from fastapi.responses import JSONResponse
 from agl_stream.background import BackgroundClient
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
+from agl_stream.domain.ingress import IngressLimits, TaskRequestError, request_from_json, rollout_id_for
 from agl_stream.errors import AglError
 from agl_stream.http_serving import BodyTooLargeError, MalformedBodyError, parse_json, read_body
-from agl_stream.ingress import IngressLimits, TaskRequestError, request_from_json, rollout_id_for
 from agl_stream.kafka.io import make_producer
 from agl_stream.logs import get_logger
 from agl_stream.models import TaskRequest

@@ -1,6 +1,6 @@
 """The batcher: agl.triplets (one TripletRecord per finished attempt) -> agl.triplet-batches.
 
-The batching rules are the pure :class:`agl_stream.batching.Batcher`, one per source
+The batching rules are the pure :class:`agl_stream.domain.batching.Batcher`, one per source
 partition; this process reads and writes, on the processor skeleton
 (``agl_stream.kafka.processor``) as a handler that holds records: exactly-once here rests on
 committing each partition only up to its lowest *pending* record (a record waiting in an open
@@ -18,7 +18,7 @@ Exactly-once without transactions:
 - Source offsets are committed only up to the lowest pending offset, so a restart (or a new
   owner after a rebalance) reads every pending record again.
 - On assignment the batcher reads that output partition backwards from its end until it
-  reaches a batch made before the committed offset (:class:`agl_stream.batching.Recovery`):
+  reaches a batch made before the committed offset (:class:`agl_stream.domain.batching.Recovery`):
   the records after the commit point that are already in a batch are skipped, and the
   sequence number and newest policy version continue from the last batch. So a record is
   never in two batches and never lost, whenever the process dies.
@@ -38,9 +38,9 @@ import time
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from agl_stream.batching import Batcher, BatchPolicy, JournalEntry, Recovery
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
+from agl_stream.domain.batching import Batcher, BatchPolicy, JournalEntry, Recovery
 from agl_stream.errors import CodecError, TopicError
 from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
 from agl_stream.kafka.processor import Batch, run_processor
@@ -271,7 +271,7 @@ class BatcherProcessor:
 
     async def recover(self, partition: int, committed: int) -> Recovery:
         """Read the output partition backwards until the batches can no longer hold offsets at or
-        after ``committed`` (see :class:`agl_stream.batching.Recovery`)."""
+        after ``committed`` (see :class:`agl_stream.domain.batching.Recovery`)."""
         journal = self._journal
         assert journal is not None
         recovery = Recovery(partition, committed)

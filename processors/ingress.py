@@ -1,6 +1,6 @@
 """The ingress processor: agl.task-requests (external systems) -> RolloutEnqueued on agl.rollouts.
 
-Each request is decoded and validated by the pure rules of agl_stream/ingress.py, its
+Each request is decoded and validated by the pure rules of agl_stream/domain/ingress.py, its
 ``resources_id`` is looked up in a local copy of agl.resources (ResourcesCache), and a valid,
 new request becomes one ``RolloutEnqueued`` keyed by its derived rollout id
 (``ro-`` + SHA-256(request_id)[:12]). Everything else goes to agl.dlq with the reason and the
@@ -27,8 +27,7 @@ from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.errors import AglError, CodecError
-from agl_stream.ingress import (
+from agl_stream.domain.ingress import (
     WRITER,
     DuplicateRequestError,
     IngressLimits,
@@ -41,6 +40,7 @@ from agl_stream.ingress import (
     enqueue_event,
     rollout_id_for,
 )
+from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
 from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import get_logger

@@ -5,11 +5,11 @@ calls every method here; rebalances run under the same lock, so nothing here is 
 
 Per fetch (up to thousands of records from agl.rollouts and agl.store-requests):
 
-1. every event is folded with the pure fold (``agl_stream.store.fold``) in partition order;
+1. every event is folded with the pure fold (``agl_stream.domain.fold``) in partition order;
    events at or below a state's ``input_offset`` were applied before a crash and are skipped;
 2. store requests are answered: a watch adds the writer's reply topic to the rollout's
    ``watchers``; a claim takes the oldest queued rollout of every partition this processor owns
-   (``agl_stream.store.queue``) and becomes an AttemptStarted event *written to agl.rollouts*, so
+   (``agl_stream.domain.queue``) and becomes an AttemptStarted event *written to agl.rollouts*, so
    the log stays the whole history; it is folded (and answered) when it comes back. A claim that
    finds nothing waits up to its ``wait_seconds`` for work, else is answered ``empty``;
 3. phase one, sent together and acknowledged: one state record per rollout the batch touched
@@ -44,6 +44,9 @@ from aiokafka.errors import KafkaError
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
+from agl_stream.domain.fold import fold
+from agl_stream.domain.queue import ClaimQueue, claim_attempt_id
+from agl_stream.domain.watchdog import due_verdicts, next_deadline
 from agl_stream.errors import CodecError
 from agl_stream.ids import new_event_id
 from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
@@ -58,11 +61,8 @@ from agl_stream.models import (
 )
 from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES
 from agl_stream.models.replies import ReplyOutcome
-from agl_stream.store.fold import fold
-from agl_stream.store.queue import ClaimQueue, claim_attempt_id
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, ReplyTopics, prune_reply_topics
 from agl_stream.store.reply_wire import ReplyEncoder
-from agl_stream.store.watchdog import due_verdicts, next_deadline
 
 log = get_logger("agl.processor")
 

@@ -2,9 +2,9 @@
 
 A consumer-group member over two co-partitioned topics, ``agl.spans`` and ``agl.rollout-state``
 (both keyed by rollout id, so one member sees every span and every state of a rollout). The
-pure :class:`~agl_stream.trace_collector.TraceCollector` holds each attempt's spans until the
+pure :class:`~agl_stream.domain.trace_collector.TraceCollector` holds each attempt's spans until the
 attempt finished and the span count its writers reported has arrived (or it settled); then the
-pure adapter (:mod:`agl_stream.adapter`) extracts the triplets and the record goes to
+pure adapter (:mod:`agl_stream.domain.adapter`) extracts the triplets and the record goes to
 ``agl.triplets`` (keyed by group id, so a GRPO group meets in one batcher partition) with the
 resources snapshot the attempt ran with and its policy version.
 
@@ -40,17 +40,10 @@ from collections.abc import Iterable
 from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
-from agl_stream.adapter import AdapterConfig
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.errors import CodecError
-from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
-from agl_stream.kafka.processor import Batch, run_processor
-from agl_stream.logs import get_logger
-from agl_stream.models import RolloutState, TripletRecord
-from agl_stream.span_records import spans_of
-from agl_stream.store.resources_cache import ResourcesCache
-from agl_stream.trace_collector import (
+from agl_stream.domain.adapter import AdapterConfig
+from agl_stream.domain.trace_collector import (
     EvictedAttempt,
     ReadyAttempt,
     TraceCollector,
@@ -58,6 +51,13 @@ from agl_stream.trace_collector import (
     spans_by_attempt,
     triplet_record,
 )
+from agl_stream.errors import CodecError
+from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
+from agl_stream.kafka.processor import Batch, run_processor
+from agl_stream.logs import get_logger
+from agl_stream.models import RolloutState, TripletRecord
+from agl_stream.span_records import spans_of
+from agl_stream.store.resources_cache import ResourcesCache
 
 log = get_logger("agl.triplets")
 

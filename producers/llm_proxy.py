@@ -4,9 +4,9 @@ Agents reach it on a per-attempt base URL, ``http://host:port/rollout/<rollout_i
 <attempt_id>/v1`` (``ProxyLLM.get_base_url``), and call ``chat/completions`` or ``completions``
 (streamed or not). The proxy forwards each call through a LiteLLM Router to the model's
 OpenAI-compatible backends (vLLM; several per model are load-balanced), asking for token ids
-and logprobs (``agl_stream.llm_calls.backend_request``), and records the call as one span of the
+and logprobs (``agl_stream.domain.llm_calls.backend_request``), and records the call as one span of the
 attempt before the agent gets the answer. This module is the I/O edge; the rules are in
-``agl_stream.llm_calls``.
+``agl_stream.domain.llm_calls``.
 
 - **Raw responses.** LiteLLM 1.110 keeps vLLM's token ids in non-streamed answers, but drops
   ``prompt_token_ids`` from streams (a text completion's always, chat's with the
@@ -57,9 +57,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agl_stream.auth import listener_token
 from agl_stream.config import Settings
-from agl_stream.errors import AglError
-from agl_stream.http_serving import MalformedBodyError, QuietServer, allowed_hosts, bind, guard, listen, parse_json
-from agl_stream.llm_calls import (
+from agl_stream.domain.llm_calls import (
     CHAT,
     COMPLETION,
     CallError,
@@ -74,6 +72,8 @@ from agl_stream.llm_calls import (
     policy_version_of_header,
     slim,
 )
+from agl_stream.errors import AglError
+from agl_stream.http_serving import MalformedBodyError, QuietServer, allowed_hosts, bind, guard, listen, parse_json
 from agl_stream.logs import configure_logging, get_logger
 from agl_stream.semconv import POLICY_VERSION_HEADER
 from agl_stream.store.client import AglStore

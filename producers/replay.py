@@ -7,7 +7,7 @@ and every state goes into the live builder's pure :class:`TraceCollector`; then 
 the range go in (a record is one agl.Span or an agl.SpanBatch, decoded in one call; ranges and
 offsets count records), and each attempt the collector hands out becomes a record through the live
 builder's pure :func:`triplet_record`. Records are written after all partitions were read, in
-canonical order (see :mod:`agl_stream.replay.core`).
+canonical order (see :mod:`agl_stream.domain.replay`).
 
 Everything is read by manual assignment, no consumer group, ``read_committed``, up to the end
 offsets taken at the start: live traffic after that is never read, and nothing live is
@@ -29,12 +29,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.errors import AglError, CodecError
-from agl_stream.kafka.admin import create_topic_like
-from agl_stream.kafka.io import make_consumer, make_producer
-from agl_stream.logs import get_logger
-from agl_stream.models import ResourcesUpdate, RolloutEvent, RolloutState
-from agl_stream.replay.core import (
+from agl_stream.domain.fold import fold
+from agl_stream.domain.replay import (
     HEADER_ATTEMPT,
     HEADER_SETTINGS,
     OutRecord,
@@ -55,10 +51,20 @@ from agl_stream.replay.core import (
     validated_span,
     with_reward,
 )
+from agl_stream.domain.trace_collector import (
+    ReadyAttempt,
+    TraceCollector,
+    resources_id_of,
+    spans_by_attempt,
+    triplet_record,
+)
+from agl_stream.errors import AglError, CodecError
+from agl_stream.kafka.admin import create_topic_like
+from agl_stream.kafka.io import make_consumer, make_producer
+from agl_stream.logs import get_logger
+from agl_stream.models import ResourcesUpdate, RolloutEvent, RolloutState
 from agl_stream.span_records import span_dicts_of
-from agl_stream.store.fold import fold
 from agl_stream.store.readside import read_side_for
-from agl_stream.trace_collector import ReadyAttempt, TraceCollector, resources_id_of, spans_by_attempt, triplet_record
 
 log = get_logger("agl.replay")
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from agl_stream.adapter import AdapterConfig
+from agl_stream.domain.adapter import AdapterConfig
 
 LlmCallMatch = Annotated[
     str | None, typer.Option(help="Regex on span names that marks LLM calls (default: the openai spans).")

@@ -2,7 +2,7 @@
 
 The role lives in ``processors.batcher``, imported when the command runs (its libraries load only then).
 The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
-The rules are agl_stream/batching.py.
+The rules are agl_stream/domain/batching.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from agl_stream.batching import BatchPolicy
 from agl_stream.cli import settings_of
+from agl_stream.domain.batching import BatchPolicy
 
 
 class OnStale(str, Enum):

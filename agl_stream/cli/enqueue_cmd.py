@@ -2,7 +2,7 @@
 
 Each line is a JSON object with TaskRequest's fields (``input`` and ``metadata`` as JSON values,
 not text). A line without ``request_id`` gets one derived from its text and line number
-(agl_stream.ingress.line_request_id), so running the same file again names the same requests
+(agl_stream.domain.ingress.line_request_id), so running the same file again names the same requests
 and the ingress processor enqueues each once: an interrupted run is resumed by running it again.
 Bad lines are reported (line number and reason) and skipped; the exit code is 1 if any was bad.
 """
@@ -33,7 +33,7 @@ from rich.text import Text
 from agl_stream.cli import settings_of
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.ingress import IngressLimits, TaskRequestError, request_from_line, rollout_id_for
+from agl_stream.domain.ingress import IngressLimits, TaskRequestError, request_from_line, rollout_id_for
 from agl_stream.kafka.io import make_producer
 from agl_stream.stack import local_stack_settings
 

@@ -2,7 +2,7 @@
 
 The role lives in ``processors.ingress``, imported when the command runs (its libraries load only then).
 The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
-The rules are agl_stream/ingress.py.
+The rules are agl_stream/domain/ingress.py.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def replay(
 
     Example: agl-stream replay exp1 --from-time 2026-01-01T00:00 --reward my_rewards:strict
     """
-    from agl_stream.replay.core import ReplaySettings, Selection, batches_topic_of, parse_offset_ranges, parse_time
+    from agl_stream.domain.replay import ReplaySettings, Selection, batches_topic_of, parse_offset_ranges, parse_time
 
     # The shell is a writer role (producers/), loaded by name like every role.
     from producers.replay import replay as run_replay

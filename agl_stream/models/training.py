@@ -53,7 +53,7 @@ class TripletBatch(AglModel):
     min_policy_version: int | None = None
     max_policy_version: int | None = None
     n_tokens: int = 0
-    # What the batcher decided, and its restart journal (agl_stream/batching.py).
+    # What the batcher decided, and its restart journal (agl_stream/domain/batching.py).
     sequence: int = 0
     source_partition: int | None = None
     input_offsets: list[int] = Field(default_factory=list)

@@ -25,6 +25,7 @@ from aiokafka import AIOKafkaProducer
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings, load_settings
+from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.errors import AglError
 from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
 from agl_stream.kafka.io import TypedProducer, make_producer
@@ -49,7 +50,6 @@ from agl_stream.models import (
 from agl_stream.models.base import TERMINAL_STATUSES
 from agl_stream.models.replies import Reply
 from agl_stream.span_records import span_records
-from agl_stream.store.queue import claim_attempt_id
 from agl_stream.store.reads import StoreReads
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.resources_cache import ResourcesCache

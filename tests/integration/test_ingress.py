@@ -31,7 +31,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from agl_stream import AglStore, connect, stack
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.ingress import rollout_id_for
+from agl_stream.domain.ingress import rollout_id_for
 from agl_stream.kafka import admin
 from agl_stream.kafka.offsets import committed_offsets
 from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, RolloutState, Worker

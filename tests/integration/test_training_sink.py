@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from agl_stream.batching import Batcher, BatchPolicy
 from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.config import Settings
+from agl_stream.domain.batching import Batcher, BatchPolicy
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import Fetched, TypedProducer, make_producer
 from agl_stream.kafka.offsets import end_offsets

@@ -61,8 +61,7 @@ from agl_stream import otlp
 from agl_stream.clickhouse.avro_ingest import container, container_header, zigzag
 from agl_stream.codec import HEADER_SIZE, MAGIC, Codec
 from agl_stream.config import Settings
-from agl_stream.errors import CodecError, MalformedRecordError
-from agl_stream.ingress import (
+from agl_stream.domain.ingress import (
     IngressLimits,
     TaskRequestError,
     TaskRequestTooLargeError,
@@ -70,6 +69,7 @@ from agl_stream.ingress import (
     request_from_json,
     request_from_line,
 )
+from agl_stream.errors import CodecError, MalformedRecordError
 from agl_stream.kafka.io import Rejected, dead_letter, decode_as, prepare_records
 from agl_stream.models import (
     AVRO_CONTEXT,

@@ -1,4 +1,4 @@
-"""The batching rules (agl_stream.batching): sizes, groups, staleness, linger, ids, restarts."""
+"""The batching rules (agl_stream.domain.batching): sizes, groups, staleness, linger, ids, restarts."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from agl_stream.batching import Batcher, BatchPolicy, JournalEntry, Recovery, batch_id_of, record_tokens
 from agl_stream.config import Settings
+from agl_stream.domain.batching import Batcher, BatchPolicy, JournalEntry, Recovery, batch_id_of, record_tokens
 from agl_stream.models import Triplet, TripletBatch, TripletRecord
 
 T0 = 1_700_000_000.0

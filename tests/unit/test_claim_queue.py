@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agl_stream.store.queue import ClaimQueue, claim_attempt_id
+from agl_stream.domain.queue import ClaimQueue, claim_attempt_id
 
 
 def test_claims_take_the_oldest_queued_rollout_first_whatever_the_insertion_order() -> None:

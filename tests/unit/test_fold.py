@@ -1,4 +1,4 @@
-"""The rollout state machine (agl_stream.store.fold): every transition, without Kafka."""
+"""The rollout state machine (agl_stream.domain.fold): every transition, without Kafka."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agl_stream.domain.fold import FoldResult, fold, latest_attempt
+from agl_stream.domain.watchdog import due_verdicts
 from agl_stream.models import (
     QUEUING_STATUSES,
     TERMINAL_STATUSES,
@@ -30,8 +32,6 @@ from agl_stream.models import (
     SpanSequenceRequested,
     WatchdogFired,
 )
-from agl_stream.store.fold import FoldResult, fold, latest_attempt
-from agl_stream.store.watchdog import due_verdicts
 
 RID = "ro-0123456789ab"
 OTHER_RID = "ro-ba9876543210"

@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 
 from agl_stream.codec import Codec
-from agl_stream.errors import MalformedRecordError, NotSingleObjectEncodedError, RecordTypeError
-from agl_stream.ids import is_rollout_id
-from agl_stream.ingress import (
+from agl_stream.domain.fold import fold
+from agl_stream.domain.ingress import (
     IngressLimits,
     InvalidTaskRequestError,
     KeyMismatchError,
@@ -27,8 +26,9 @@ from agl_stream.ingress import (
     rollout_id_for,
     validate_request,
 )
+from agl_stream.errors import MalformedRecordError, NotSingleObjectEncodedError, RecordTypeError
+from agl_stream.ids import is_rollout_id
 from agl_stream.models import RolloutEnqueued, TaskRequest, Worker
-from agl_stream.store.fold import fold
 
 CODEC = Codec.default()
 LIMITS = IngressLimits(max_input_bytes=1000, max_metadata_bytes=100)

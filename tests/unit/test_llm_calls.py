@@ -1,4 +1,4 @@
-"""LLM calls as spans (agl_stream.llm_calls) and the proxy's I/O-free helpers (producers.llm_proxy).
+"""LLM calls as spans (agl_stream.domain.llm_calls) and the proxy's I/O-free helpers (producers.llm_proxy).
 
 Backend payloads are vLLM's shapes (>= 0.10.2, ``return_token_ids``) in tests/fixtures/vllm_proxy.
 """
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from agl_stream.codec import Codec
-from agl_stream.llm_calls import (
+from agl_stream.domain.llm_calls import (
     CHAT,
     COMPLETION,
     CallError,

@@ -46,9 +46,7 @@ def _child(env: dict[str, str]) -> dict[str, str]:
     return dict(json.loads(done.stdout))
 
 
-def test_secrets_reach_a_child_as_files_not_in_its_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_secrets_reach_a_child_as_files_not_in_its_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", PROVIDER_KEY)
     settings = _settings(tmp_path)
     env = role_environment(settings, "gateway")

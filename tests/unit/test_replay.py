@@ -7,11 +7,9 @@ from typing import Any
 
 import pytest
 
-from agl_stream.adapter import AdapterConfig, extract_triplets
 from agl_stream.codec import Codec
-from agl_stream.errors import MalformedRecordError
-from agl_stream.models import Span, TripletRecord
-from agl_stream.replay.core import (
+from agl_stream.domain.adapter import AdapterConfig, extract_triplets
+from agl_stream.domain.replay import (
     ReplayError,
     ReplaySettings,
     RewardError,
@@ -27,6 +25,8 @@ from agl_stream.replay.core import (
     span_view,
     with_reward,
 )
+from agl_stream.errors import MalformedRecordError
+from agl_stream.models import Span, TripletRecord
 from producers.replay_history import attempt_history
 
 

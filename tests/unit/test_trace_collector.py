@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
+from agl_stream.domain.trace_collector import TraceCollector, group_id_of, spans_by_attempt
 from agl_stream.models import Attempt, Rollout, RolloutState, Span
-from agl_stream.trace_collector import TraceCollector, group_id_of, spans_by_attempt
 
 RID = "ro-000000000001"
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_stream.adapter import (
+from agl_stream.domain.adapter import (
     DEFAULT_LLM_CALL_MATCH,
     VIRTUAL_ROOT_ID,
     AdapterConfig,
@@ -23,7 +23,7 @@ from agl_stream.adapter import (
     extract_triplets,
     repair_hierarchy,
 )
-from agl_stream.adapter.tree import TraceNode
+from agl_stream.domain.adapter.tree import TraceNode
 from agl_stream.models import Span
 from agl_stream.semconv import AGL_ANNOTATION, AGL_VIRTUAL
 

@@ -1,4 +1,4 @@
-"""Watchdog verdicts and deadlines (agl_stream.store.watchdog): pure arithmetic, no Kafka."""
+"""Watchdog verdicts and deadlines (agl_stream.domain.watchdog): pure arithmetic, no Kafka."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agl_stream.domain.watchdog import due_verdicts, next_deadline, verdict_for
 from agl_stream.models import Attempt, AttemptStatus, Rollout, RolloutConfig, RolloutState
-from agl_stream.store.watchdog import due_verdicts, next_deadline, verdict_for
 
 RID = "ro-0123456789ab"
 T0 = 1_700_000_000.0

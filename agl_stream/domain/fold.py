@@ -105,6 +105,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agl_stream.domain.watchdog import due_verdicts
 from agl_stream.models.base import QUEUING_STATUSES, RUNNING_STATUSES, TERMINAL_STATUSES, AttemptStatus
 from agl_stream.models.events import (
     AttemptHeartbeat,
@@ -120,7 +121,6 @@ from agl_stream.models.events import (
 )
 from agl_stream.models.rollouts import Attempt, Rollout
 from agl_stream.models.tasks import TaskItem
-from agl_stream.store.watchdog import due_verdicts
 
 __all__ = [
     "ATTEMPT_FINISHED_STATUSES",

@@ -3,7 +3,7 @@
 No I/O here: the triplet processor feeds spans in and publishes what comes out.
 """
 
-from agl_stream.adapter.tree import (
+from agl_stream.domain.adapter.tree import (
     VIRTUAL_ROOT_ID,
     TraceNode,
     TraceTree,
@@ -11,7 +11,7 @@ from agl_stream.adapter.tree import (
     build_tree,
     repair_hierarchy,
 )
-from agl_stream.adapter.triplets import (
+from agl_stream.domain.adapter.triplets import (
     DEFAULT_LLM_CALL_MATCH,
     AdapterConfig,
     AdapterResult,

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from agl_stream.adapter import AdapterConfig, AdapterResult, extract_triplets
+from agl_stream.domain.adapter import AdapterConfig, AdapterResult, extract_triplets
 from agl_stream.models import Attempt, ResourcesUpdate, Rollout, RolloutState, Span, TripletRecord
 
 Token = TypeVar("Token")

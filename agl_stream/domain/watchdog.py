@@ -3,7 +3,7 @@
 Pure functions of a :class:`RolloutState` and a time; the rollout processor calls
 :func:`next_deadline` to schedule one timer per rollout and :func:`due_verdicts` when it fires,
 then appends the verdicts to ``agl.rollouts`` as :class:`WatchdogFired` events. The fold
-re-checks every verdict against the state it meets (see ``agl_stream.store.fold``), so a verdict
+re-checks every verdict against the state it meets (see ``agl_stream.domain.fold``), so a verdict
 that a heartbeat overtook, or a second copy of one, is ignored there.
 
 Rules, for every attempt in ``preparing`` or ``running`` (the rollout's status does not matter:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from agl_stream.adapter import AdapterConfig
+from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.errors import AglError, MalformedRecordError
 from agl_stream.models import Span, TripletRecord
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
-from agl_stream.adapter.tree import TraceNode, agent_name_of, build_tree, node_key, repair_hierarchy
+from agl_stream.domain.adapter.tree import TraceNode, agent_name_of, build_tree, node_key, repair_hierarchy
 from agl_stream.emitters import get_reward_value
 from agl_stream.models import Span, Triplet
 from agl_stream.semconv import AGL_ANNOTATION
@@ -392,7 +392,7 @@ def _triplet(call: _Call, reward: float | None, reward_span: TraceNode | None, s
 def extract_triplets(spans: Sequence[Span], config: AdapterConfig | None = None) -> AdapterResult:
     """Turn the spans of one attempt into triplets, one per kept LLM call.
 
-    Steps: build the span tree (:func:`agl_stream.adapter.tree.build_tree`), optionally repair
+    Steps: build the span tree (:func:`agl_stream.domain.adapter.tree.build_tree`), optionally repair
     it, read every reward span, select LLM calls (name, agent scope, not under a reward span,
     dedup by response id, valid token ids and logprobs), match rewards to the selected calls
     by ``config.reward_match``, order triplets by call, and put the final reward on the last
