@@ -54,10 +54,7 @@ from pydantic import ValidationError
 from agl_stream.errors import AglError
 from agl_stream.models import Span
 from agl_stream.models.spans import Attributes, OtelResource, SpanContext, SpanEvent, SpanLink, SpanStatus
-
-ROLLOUT_ID_KEY = "agentlightning.rollout_id"
-ATTEMPT_ID_KEY = "agentlightning.attempt_id"
-SEQUENCE_ID_KEY = "agentlightning.span_sequence_id"
+from agl_stream.semconv import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"

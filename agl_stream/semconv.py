@@ -27,7 +27,10 @@ __all__ = [
     "AGL_MESSAGE",
     "AGL_OBJECT",
     "AGL_VIRTUAL",
+    "ATTEMPT_ID_KEY",
     "PRIMARY_REWARD_NAME",
+    "ROLLOUT_ID_KEY",
+    "SEQUENCE_ID_KEY",
     "AttributeLink",
     "LightningResourceAttributes",
     "LightningSpanAttributes",
@@ -75,6 +78,12 @@ class LightningResourceAttributes(str, Enum):
     ROLLOUT_ID = "agentlightning.rollout_id"
     ATTEMPT_ID = "agentlightning.attempt_id"
     SPAN_SEQUENCE_ID = "agentlightning.span_sequence_id"
+
+
+# The same keys as plain strings, for attribute maps (the one definition: import these).
+ROLLOUT_ID_KEY: str = LightningResourceAttributes.ROLLOUT_ID.value
+ATTEMPT_ID_KEY: str = LightningResourceAttributes.ATTEMPT_ID.value
+SEQUENCE_ID_KEY: str = LightningResourceAttributes.SPAN_SEQUENCE_ID.value
 
 
 class LightningSpanAttributes(str, Enum):

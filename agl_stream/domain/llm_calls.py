@@ -31,7 +31,7 @@ from typing import Any, Literal, TypeAlias, cast
 
 from agl_stream.models import OtelResource, Span, SpanStatus
 from agl_stream.models.spans import Attributes, AttributeScalar
-from agl_stream.semconv import POLICY_VERSION
+from agl_stream.semconv import ATTEMPT_ID_KEY, POLICY_VERSION, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY
 
 __all__ = [
     "CHAT",
@@ -71,9 +71,6 @@ SERVICE_NAME = "agl-stream-llm-proxy"
 
 # Attributes that tie a span to its attempt (agl_stream.semconv.LightningResourceAttributes);
 # the runner's tracer writes them on every span, so proxy spans read the same in SQL.
-ROLLOUT_ID_KEY = "agentlightning.rollout_id"
-ATTEMPT_ID_KEY = "agentlightning.attempt_id"
-SEQUENCE_ID_KEY = "agentlightning.span_sequence_id"
 
 PROMPT_KEY = "gen_ai.prompt"
 COMPLETION_KEY = "gen_ai.completion"

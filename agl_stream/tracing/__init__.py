@@ -1,7 +1,7 @@
 """Tracing of agent attempts: spans stamped with their attempt and sequence id, exported in batches."""
 
-from agl_stream.tracing.batching import BatchPolicy, Cut, Wait
 from agl_stream.tracing.buffer import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY, AttemptTrace
+from agl_stream.tracing.export_policy import Cut, ExportPolicy, Wait
 from agl_stream.tracing.processor import current_attempt
 from agl_stream.tracing.tracer import AttemptTracer, SpanSink, TracerStats
 
@@ -11,8 +11,8 @@ __all__ = [
     "SEQUENCE_ID_KEY",
     "AttemptTrace",
     "AttemptTracer",
-    "BatchPolicy",
     "Cut",
+    "ExportPolicy",
     "SpanSink",
     "TracerStats",
     "Wait",

@@ -19,12 +19,13 @@ from typing import Protocol, TypeAlias
 from opentelemetry.sdk.trace import ReadableSpan
 
 from agl_stream.models import Span
-from agl_stream.semconv import POLICY_VERSION, LightningResourceAttributes
-from agl_stream.tracing.batching import BatchPolicy
-
-ROLLOUT_ID_KEY: str = LightningResourceAttributes.ROLLOUT_ID.value
-ATTEMPT_ID_KEY: str = LightningResourceAttributes.ATTEMPT_ID.value
-SEQUENCE_ID_KEY: str = LightningResourceAttributes.SPAN_SEQUENCE_ID.value
+from agl_stream.semconv import (
+    ATTEMPT_ID_KEY,
+    POLICY_VERSION,
+    ROLLOUT_ID_KEY,
+    SEQUENCE_ID_KEY,
+)
+from agl_stream.tracing.export_policy import ExportPolicy
 
 SpanKey: TypeAlias = tuple[int, int]
 """(trace_id, span_id) of an OpenTelemetry span: how its start and its end are matched."""
@@ -94,7 +95,7 @@ class SpanBuffer:
     """Spans accepted and not yet settled, at most ``max_spans`` for threads, ``hard_max`` for the loop."""
 
     def __init__(
-        self, policy: BatchPolicy, max_spans: int, hard_max: int, clock: Callable[[], float] = time.monotonic
+        self, policy: ExportPolicy, max_spans: int, hard_max: int, clock: Callable[[], float] = time.monotonic
     ) -> None:
         if max_spans < 1 or hard_max < max_spans:
             raise ValueError("need 1 <= max_spans <= hard_max")

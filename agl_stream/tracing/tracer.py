@@ -38,8 +38,8 @@ from agl_stream.logs import get_logger
 from agl_stream.models import Span
 from agl_stream.spans import span_from_otel
 from agl_stream.tracing import instrumentation
-from agl_stream.tracing.batching import BatchPolicy, Cut
 from agl_stream.tracing.buffer import AttemptState, AttemptTrace, Item, Outcome, SpanBuffer, SpanKey
+from agl_stream.tracing.export_policy import Cut, ExportPolicy
 from agl_stream.tracing.processor import AttemptSpanProcessor, current_attempt, install
 
 log = get_logger("agl.tracing")
@@ -117,7 +117,7 @@ class AttemptTracer:
         export_attempts: int = 3,
     ) -> None:
         self._sink = store
-        self._policy = BatchPolicy(batch_size=batch_size, flush_interval_s=flush_interval_s)
+        self._policy = ExportPolicy(batch_size=batch_size, flush_interval_s=flush_interval_s)
         self._buffer = SpanBuffer(self._policy, max_buffered_spans, 2 * max_buffered_spans)
         self._instrument_openai = instrument_openai
         self._block_timeout_s = block_timeout_s

@@ -17,8 +17,8 @@ from agl_stream.tracing import (
     ROLLOUT_ID_KEY,
     SEQUENCE_ID_KEY,
     AttemptTracer,
-    BatchPolicy,
     Cut,
+    ExportPolicy,
     Wait,
 )
 
@@ -67,7 +67,7 @@ def _spans(names: Sequence[str]) -> None:
 
 
 def test_policy_cuts_full_batches_old_batches_and_on_flush() -> None:
-    policy = BatchPolicy(batch_size=4, flush_interval_s=0.1)
+    policy = ExportPolicy(batch_size=4, flush_interval_s=0.1)
     assert policy.decide(0, 0.0, flushing=False) == Wait(None)
     assert policy.decide(0, 0.0, flushing=True) == Wait(None)
     assert policy.decide(2, 0.03, flushing=False) == Wait(pytest.approx(0.07))  # type: ignore[arg-type]
@@ -79,10 +79,10 @@ def test_policy_cuts_full_batches_old_batches_and_on_flush() -> None:
 
 
 def test_policy_wakes_only_on_transitions() -> None:
-    policy = BatchPolicy(batch_size=3, flush_interval_s=0.1)
+    policy = ExportPolicy(batch_size=3, flush_interval_s=0.1)
     assert [policy.wakes(n) for n in range(1, 6)] == [True, False, True, False, False]
     with pytest.raises(ValueError):
-        BatchPolicy(batch_size=0)
+        ExportPolicy(batch_size=0)
 
 
 # -- attribution and sequence ids ------------------------------------------------------------

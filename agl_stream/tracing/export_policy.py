@@ -20,7 +20,7 @@ class Wait:
 
 
 @dataclass(frozen=True)
-class BatchPolicy:
+class ExportPolicy:
     """A batch is cut when it is full, when its oldest span has waited ``flush_interval_s``, or at once
     while an attempt waits for its spans to be flushed."""
 
