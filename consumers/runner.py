@@ -39,6 +39,7 @@ from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
 from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
 from agl_stream.logs import get_logger
 from agl_stream.models import ResourcesUpdate, Span
+from agl_stream.models.base import AttemptStatus
 from agl_stream.spans import span_from_otel
 from agl_stream.store.client import AglStore
 from agl_stream.store.resources_cache import ResourcesCache
@@ -222,7 +223,7 @@ class Runner:
         else:
             self.stats.failed += 1
 
-    async def _run_attempt(self, rollout: AttemptedRollout) -> str:
+    async def _run_attempt(self, rollout: AttemptedRollout) -> AttemptStatus:
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         await self._hooks("on_rollout_start", agent=self.agent, runner=self, rollout=rollout)
         # The tracer numbers this attempt's spans inside a reserved block, so spans other writers
@@ -235,7 +236,7 @@ class Runner:
         if snapshot is not None:
             metadata = {"resources_id": snapshot.resources_id, "policy_version": version}
         _, first_id = await self.store.start_running(rid, aid, reserve_sequence_ids=SEQUENCE_BLOCK, metadata=metadata)
-        status = "succeeded"
+        status: AttemptStatus = "succeeded"
         returned: list[Any] = []
         async with self.tracer.attempt(rid, aid, first_sequence_id=first_id, policy_version=version) as trace:
             await self._hooks("on_trace_start", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)

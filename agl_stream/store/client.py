@@ -47,13 +47,13 @@ from agl_stream.models import (
     StoreRequest,
     Worker,
 )
-from agl_stream.models.base import TERMINAL_STATUSES
+from agl_stream.models.base import TERMINAL_STATUSES, AttemptStatus, RolloutMode, RolloutStatus
 from agl_stream.models.replies import Reply
 from agl_stream.span_records import span_records
 from agl_stream.store.reads import StoreReads
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.resources_cache import ResourcesCache
-from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities
+from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities, Unset
 
 # A rollout event must fit in one Kafka message of agl.rollouts (broker default ~1 MB).
 MAX_EVENT_BYTES = 1_000_000
@@ -108,6 +108,8 @@ class AglStore(StoreReads):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> AglStore:
+        """Connect: the producer, this client's reply topic and the read side. ``async with``
+        calls it; every other method needs a started store."""
         await self._producer.start()
         try:
             await self._replies.start()
@@ -118,6 +120,7 @@ class AglStore(StoreReads):
         return self
 
     async def close(self) -> None:
+        """Disconnect; what was written and acknowledged stays written."""
         if self._resources is not None:
             await self._resources.stop()
         await self._replies.stop()
@@ -132,6 +135,8 @@ class AglStore(StoreReads):
 
     @property
     def capabilities(self) -> StoreCapabilities:
+        """What this client offers, as the seed's stores describe themselves: safe to share
+        between coroutines of one event loop, not between threads."""
         return StoreCapabilities(thread_safe=False, async_safe=True, zero_copy=False, otlp_traces=False)
 
     # -- the write path --------------------------------------------------------------------
@@ -288,6 +293,13 @@ class AglStore(StoreReads):
         config: RolloutConfig | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> AttemptedRollout:
+        """Create a rollout with its first attempt already started (``preparing``), for callers
+        that run it themselves instead of queuing it.
+
+        ``resources_id``: None pins the latest resources at this moment. Returns once the
+        processor folded it, so every later read sees it. Raises ValueError for unknown
+        resources or a rollout the fold refuses.
+        """
         if resources_id is None:
             latest = await self.get_latest_resources()
             resources_id = latest.resources_id if latest is not None else None
@@ -308,6 +320,12 @@ class AglStore(StoreReads):
         config: RolloutConfig | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> Rollout:
+        """Queue a rollout (``queuing``) for a runner to claim; returns it as stored.
+
+        Returns once the broker acknowledged the event (not its fold): a claim or read that
+        follows from this client sees it. Raises ValueError when ``resources_id`` names no
+        resources.
+        """
         await self._check_resources(resources_id)
         rollout = self._new_rollout(input, mode, resources_id, config, metadata)
         await self._acknowledged([(rollout.rollout_id, RolloutEnqueued(rollout=rollout))])
@@ -362,6 +380,8 @@ class AglStore(StoreReads):
         return None
 
     async def start_attempt(self, rollout_id: str) -> AttemptedRollout:
+        """Start a new attempt of ``rollout_id`` outside the queue (a manual retry); the rollout
+        with that attempt, once folded. ValueError for an unknown or finished rollout."""
         attempt = Attempt(rollout_id=rollout_id, attempt_id=new_attempt_id(), sequence_id=1, start_time=time.time())
         state = await self._request(rollout_id, AttemptStarted(attempt=attempt, manual=True))
         return _attempted(state, attempt.attempt_id)
@@ -370,12 +390,16 @@ class AglStore(StoreReads):
         self,
         rollout_id: str,
         input: Any = UNSET,
-        mode: Any = UNSET,
-        resources_id: Any = UNSET,
-        status: Any = UNSET,
-        config: Any = UNSET,
-        metadata: Any = UNSET,
+        mode: RolloutMode | Unset | None = UNSET,
+        resources_id: str | Unset | None = UNSET,
+        status: RolloutStatus | Unset = UNSET,
+        config: RolloutConfig | Unset = UNSET,
+        metadata: dict[str, Any] | Unset | None = UNSET,
     ) -> Rollout:
+        """Change the given fields of a rollout (arguments left out keep their value; None is a
+        value); the rollout after the change, once folded. A terminal ``status`` finishes it.
+        ValueError for an unknown rollout or a change the fold refuses (an illegal transition).
+        """
         given = {
             "input": input,
             "mode": mode,
@@ -392,11 +416,16 @@ class AglStore(StoreReads):
         self,
         rollout_id: str,
         attempt_id: str,
-        status: Any = UNSET,
-        worker_id: Any = UNSET,
-        last_heartbeat_time: Any = UNSET,
-        metadata: Any = UNSET,
+        status: AttemptStatus | Unset = UNSET,
+        worker_id: str | Unset | None = UNSET,
+        last_heartbeat_time: float | Unset = UNSET,
+        metadata: dict[str, Any] | Unset | None = UNSET,
     ) -> Attempt:
+        """Change the given fields of an attempt (``attempt_id="latest"``: the rollout's newest);
+        the attempt after the change, once folded. A failed attempt with retries left requeues
+        its rollout, as the rollout's config says. ValueError for an unknown rollout or attempt,
+        or an illegal transition.
+        """
         given = {
             "status": status,
             "worker_id": worker_id,
@@ -480,6 +509,7 @@ class AglStore(StoreReads):
     # -- spans -----------------------------------------------------------------------------
 
     async def add_span(self, span: Span) -> Span | None:
+        """Store one span (see :meth:`add_many_spans`); the span as stored."""
         spans = await self.add_many_spans([span])
         return spans[0] if spans else None
 
@@ -548,6 +578,8 @@ class AglStore(StoreReads):
     async def add_otel_span(
         self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None
     ) -> Span | None:
+        """Store an OpenTelemetry SDK span (a ``ReadableSpan``) of an attempt, numbered with
+        ``sequence_id`` or the next one reserved for it; the span as stored."""
         from agl_stream.spans import span_from_otel
 
         if sequence_id is None:
@@ -555,6 +587,8 @@ class AglStore(StoreReads):
         return await self.add_span(span_from_otel(readable_span, rollout_id, attempt_id, sequence_id))
 
     async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
+        """Reserve the next span sequence id of an attempt (strictly increasing per attempt,
+        across clients and restarts). ValueError for an unknown rollout or attempt."""
         state = await self._request(rollout_id, SpanSequenceRequested(attempt_id=attempt_id, count=1))
         assert state.reserved_sequence_id is not None
         return state.reserved_sequence_id
@@ -590,6 +624,9 @@ class AglStore(StoreReads):
         return attempt, reserved.reserved_sequence_id
 
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> Sequence[int]:
+        """One sequence id per ``(rollout_id, attempt_id)`` given, in order (a pair given n times
+        gets n increasing ids): one reservation per attempt, all attempts at once. ValueError
+        when any rollout or attempt is unknown."""
         wanted: dict[tuple[str, str], int] = defaultdict(int)
         for pair in rollout_attempt_ids:
             wanted[pair] += 1
@@ -630,6 +667,8 @@ class AglStore(StoreReads):
         return update
 
     async def add_resources(self, resources: Mapping[str, Any]) -> ResourcesUpdate:
+        """Publish a new resources snapshot (version 1 under a new id), which becomes the latest;
+        returned once the broker acknowledged it, so every later read sees it."""
         now = time.time()
         update = ResourcesUpdate(
             resources_id=new_resources_id(), create_time=now, update_time=now, version=1, resources=dict(resources)
@@ -637,6 +676,8 @@ class AglStore(StoreReads):
         return await self._publish_resources(update)
 
     async def update_resources(self, resources_id: str, resources: Mapping[str, Any]) -> ResourcesUpdate:
+        """Replace the contents of existing resources (version + 1), which become the latest.
+        ValueError when ``resources_id`` does not exist."""
         current = await self.get_resources_by_id(resources_id)
         if current is None:
             raise ValueError(f"resources {resources_id!r} do not exist")

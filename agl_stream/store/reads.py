@@ -82,6 +82,10 @@ class StoreReads:
         status: Sequence[str] | None = None,
         rollout_ids: Sequence[str] | None = None,
     ) -> list[Rollout]:
+        """Rollouts matching the filters (statuses, ids, an id substring; combined with
+        ``filter_logic``), sorted by ``sort_by`` (a rollout field) and paged by ``limit``
+        (-1: all) and ``offset``. ``status`` and ``rollout_ids`` are the seed's older names of
+        the first two. Sees every write this client made before the call (its fence)."""
         query = self.sql.rollouts(
             status_in=status_in if status_in is not None else status,
             rollout_id_in=rollout_id_in if rollout_id_in is not None else rollout_ids,
@@ -95,6 +99,7 @@ class StoreReads:
         return await self._all(query, rollout_from_row, "rollout-state")
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+        """The rollout, or None when no rollout has this id (after this client's own writes)."""
         return await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state")
 
     async def query_attempts(
@@ -106,17 +111,24 @@ class StoreReads:
         limit: int = -1,
         offset: int = 0,
     ) -> list[Attempt]:
+        """The attempts of a rollout, by ``sequence_id`` unless sorted otherwise; paged like
+        :meth:`query_rollouts`. ValueError for an unknown rollout."""
         await self._require_rollout(rollout_id)
         query = self.sql.attempts(rollout_id, sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset)
         return await self._all(query, attempt_from_row, "rollout-state")
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        """The rollout's newest attempt; None while it has none. ValueError for an unknown
+        rollout."""
         await self._require_rollout(rollout_id)
         return await self._one(self.sql.latest_attempt(rollout_id), attempt_from_row, "rollout-state")
 
     # -- spans -------------------------------------------------------------------------------
 
     async def query_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> list[Span]:
+        """The spans of a rollout (of one attempt, or ``"latest"``), by sequence id; ``filters``
+        as the seed's (e.g. ``name``). Sees every span this client added. ValueError for an
+        unknown rollout or attempt."""
         await self._require_rollout(rollout_id)
         if attempt_id not in (None, "latest"):
             known = {a.attempt_id for a in await self.query_attempts(rollout_id)}
@@ -136,6 +148,9 @@ class StoreReads:
         limit: int = -1,
         offset: int = 0,
     ) -> list[ResourcesUpdate]:
+        """Resources snapshots (the latest version of each id), filtered, sorted and paged like
+        :meth:`query_rollouts`. Read from ClickHouse, so LLM API keys come back redacted; use
+        :meth:`get_resources_by_id` for a snapshot to run with."""
         query = self.sql.resources(
             resources_id=resources_id,
             resources_id_contains=resources_id_contains,
@@ -147,9 +162,11 @@ class StoreReads:
         return await self._all(query, resources_from_row, "resources")
 
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
+        """The snapshot with this id, as the read side holds it (API keys redacted)."""
         return await self._one(self.sql.resources_by_id(resources_id), resources_from_row, "resources")
 
     async def get_latest_resources(self) -> ResourcesUpdate | None:
+        """The latest snapshot, as the read side holds it (API keys redacted)."""
         return await self._one(self.sql.latest_resources(), resources_from_row, "resources")
 
     # -- workers and statistics ------------------------------------------------------------------
@@ -165,6 +182,8 @@ class StoreReads:
         limit: int = -1,
         offset: int = 0,
     ) -> list[Worker]:
+        """Workers (status and current attempt follow from their attempts), filtered, sorted
+        and paged like :meth:`query_rollouts`."""
         query = self.sql.workers(
             status_in=status_in,
             worker_id_contains=worker_id_contains,
@@ -177,8 +196,10 @@ class StoreReads:
         return await self._all(query, worker_from_row, "workers", "rollout-state")
 
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
+        """The worker, or None when none has this id."""
         return await self._one(self.sql.worker_by_id(worker_id), worker_from_row, "workers", "rollout-state")
 
     async def statistics(self) -> StoreStatistics:
+        """Counts of rollouts by status and of spans, as the seed's ``statistics``."""
         counts = await self._one(self.sql.statistics(), statistics_from_row, "rollout-state", "spans")
         return StoreStatistics(name="AglStore", **(counts or {}))  # type: ignore[typeddict-item]

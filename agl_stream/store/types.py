@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from enum import Enum
+from typing import Final, TypedDict
 
 from agl_stream.models import Attempt, Rollout
 
 
-class _UnsetType:
-    """The value of an argument that was not given (as opposed to an explicit None)."""
+class Unset(Enum):
+    """The type of :data:`UNSET`: an argument that was not given, as opposed to an explicit None
+    (``update_rollout(id, metadata=None)`` clears the metadata; leaving it out keeps it)."""
 
-    __slots__ = ()
-    _instance: _UnsetType | None = None
-
-    def __new__(cls) -> _UnsetType:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+    UNSET = "UNSET"
 
     def __repr__(self) -> str:
         return "UNSET"
@@ -24,12 +20,8 @@ class _UnsetType:
     def __bool__(self) -> bool:
         return False
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_UnsetType, ())
 
-
-UNSET: Any = _UnsetType()
-Unset = _UnsetType
+UNSET: Final = Unset.UNSET
 
 
 class AttemptedRollout(Rollout):
