@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
@@ -39,10 +40,31 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level)
-    # aiokafka logs every coordinator hiccup at INFO; keep ours readable.
-    for noisy in ("aiokafka", "httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    # Ours at the level asked for; third-party libraries (aiokafka logs every coordinator hiccup
+    # at INFO, httpx every request) at WARNING, unless DEBUG asks for everything.
+    asked = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    root.setLevel(asked if asked == logging.DEBUG else max(logging.WARNING, asked))
+    logging.getLogger("agl").setLevel(asked)
+
+
+_OWN_API = re.compile(r"/v1/(query|sql|traces|tasks|offsets|health)\b")
+
+
+class _LlmRequestsOnly(logging.Filter):
+    """httpx's request lines, without those of agl-stream's own API (the store's reads)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        url = record.args[1] if isinstance(record.args, tuple) and len(record.args) > 1 else ""
+        return _OWN_API.search(str(url)) is None
+
+
+def log_llm_requests() -> None:
+    """One INFO line per HTTP request the process's agents make (httpx's own line: method, URL,
+    status), so a runner's log shows its agent's LLM calls; agl-stream's own calls stay out."""
+    httpx_log = logging.getLogger("httpx")
+    httpx_log.setLevel(logging.INFO)
+    if not any(isinstance(f, _LlmRequestsOnly) for f in httpx_log.filters):
+        httpx_log.addFilter(_LlmRequestsOnly())
 
 
 def get_logger(name: str) -> Any:

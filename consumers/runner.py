@@ -37,7 +37,7 @@ from typing import Any
 from agl_stream.config import Settings
 from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
 from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
-from agl_stream.logs import get_logger
+from agl_stream.logs import get_logger, log_llm_requests
 from agl_stream.models import ResourcesUpdate, Span
 from agl_stream.models.base import AttemptStatus
 from agl_stream.spans import span_from_otel
@@ -350,6 +350,7 @@ async def run_runner(agent: LitAgent[Any], settings: Settings, options: RunnerOp
 
 def main(settings: Settings, agent_spec: str, options: RunnerOptions) -> None:
     agent = load_agent(agent_spec)
+    log_llm_requests()
     stats = asyncio.run(run_runner(agent, settings, options))
     print(
         f"runner {options.worker_id}: claimed {stats.claimed}, succeeded {stats.succeeded}, "
