@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from agl_stream.config import Settings, load_settings
+from agl_stream.cli.context import settings_of
+from agl_stream.config import load_settings
 from agl_stream.errors import AglError
 from agl_stream.logs import configure_logging
 
@@ -21,6 +22,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
+
+__all__ = ["app", "main", "settings_of"]
 
 
 @app.callback()
@@ -66,16 +69,8 @@ def _root(
     ctx.obj = settings
 
 
-def settings_of(ctx: typer.Context) -> Settings:
-    """The settings the root command built from flags and environment."""
-    obj = ctx.find_root().obj
-    assert isinstance(obj, Settings)
-    return obj
-
-
 def _register() -> None:
-    # Imported here so each sub-command module can import `app`/`settings_of` from this one.
-    from agl_stream.cli import commands
+    from agl_stream.cli import commands  # the sub-commands load only when the command runs
 
     commands.register(app)
 

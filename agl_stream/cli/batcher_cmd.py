@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 from agl_stream.domain.batching import BatchPolicy
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 from agl_stream.clickhouse.access import apply_reader_role, reader_name
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker

@@ -30,7 +30,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import IngressLimits, TaskRequestError, request_from_line, rollout_id_for

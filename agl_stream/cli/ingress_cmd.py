@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 from agl_stream.stack import local_stack_settings
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 
 
 def _load_model_list(path: Path) -> list[dict[str, Any]]:

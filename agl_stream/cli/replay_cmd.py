@@ -9,7 +9,6 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from agl_stream.cli import settings_of
 from agl_stream.cli.adapter_options import (
     AgentMatch,
     ExcludeLlmCallInReward,
@@ -17,6 +16,7 @@ from agl_stream.cli.adapter_options import (
     RewardMatch,
     adapter_config,
 )
+from agl_stream.cli.context import settings_of
 from agl_stream.errors import AglError
 
 

@@ -11,7 +11,6 @@ from typing import Annotated
 
 import typer
 
-from agl_stream.cli import settings_of
 from agl_stream.cli.adapter_options import (
     AgentMatch,
     ExcludeLlmCallInReward,
@@ -19,6 +18,7 @@ from agl_stream.cli.adapter_options import (
     RewardMatch,
     adapter_config,
 )
+from agl_stream.cli.context import settings_of
 from agl_stream.config import Settings
 from agl_stream.processes import role_environment
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agl_stream.auth import auth_headers
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, GatewayUnavailableError, QueryError
 from agl_stream.store.readside import ClickHouseReadSide, GatewayReadSide, QueryResult, read_side_for

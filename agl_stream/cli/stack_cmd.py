@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agl_stream import stack
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 
 console = Console()
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 from agl_stream.kafka import admin
 from agl_stream.topics import TopicPlan, load_topic_specs
 

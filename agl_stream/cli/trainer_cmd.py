@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from agl_stream.cli import settings_of
+from agl_stream.cli.context import settings_of
 
 if sys.version_info >= (3, 11):
     import tomllib
