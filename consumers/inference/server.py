@@ -36,15 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -53,265 +50,40 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from agl_stream.auth import listener_token
 from agl_stream.config import Settings
-from agl_stream.http_serving import MalformedBodyError, QuietServer, allowed_hosts, guard, listen, parse_json
+from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
-from agl_stream.policy import Generation, StepToken, build_model, build_tokenizer, generate, load_checkpoint
-from agl_stream.semconv import POLICY_VERSION_HEADER
+from agl_stream.policy import StepToken, build_model, build_tokenizer, load_checkpoint
 from agl_stream.store.resources_cache import ResourcesCache
+from consumers.inference.engine import Engine, Policy, Sampling
+from consumers.inference.openai_api import (
+    VERSION_HEADER,
+    ApiError,
+    ChatRequest,
+    ChoiceStream,
+    CompletionRequest,
+    Prepared,
+    SamplingRequest,
+    chat_logprobs,
+    chat_prompt,
+    chat_response,
+    completion_logprobs,
+    completion_prompts,
+    completion_response,
+    error_response,
+    held_back,
+    json_body,
+    parse,
+    sse,
+    usage,
+)
 
 log = get_logger("agl.inference")
-
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-VERSION_HEADER = POLICY_VERSION_HEADER
-
-
-# -- the loaded policy and the generation worker ---------------------------------------------
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Weights and tokenizer of one policy version (immutable: swapping replaces the object)."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerFast
-    version: int
-    source: str  # "random(seed=N)" or the checkpoint directory
-
-    @property
-    def max_model_len(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 1024))
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """What must be equal for two jobs to share a batch."""
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    top_logprobs: int = 0
-
-
-@dataclass
-class Job:
-    prompts: list[list[int]]
-    seeds: list[int | None]
-    sampling: Sampling
-    on_step: Callable[[list[StepToken]], None] | None = None  # called on the worker thread
-    started: asyncio.Future[Policy] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    done: asyncio.Future[list[Generation]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-class Engine:
-    """Runs jobs one batch at a time on a single thread, batching the queued jobs that sample alike."""
-
-    def __init__(self, policy: Policy, *, max_batch_rows: int = 64) -> None:
-        self.policy = policy
-        self.max_batch_rows = max_batch_rows
-        self._pending: list[Job] = []
-        self._wake = asyncio.Event()
-        # One thread: torch already uses the cores for one batch; two batches would only contend.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="agl-generate")
-        self.batches = 0
-
-    def submit(self, job: Job) -> Job:
-        self._pending.append(job)
-        self._wake.set()
-        return job
-
-    async def run(self) -> None:
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                while self._pending:
-                    batch = self._take_batch()
-                    await self._run_batch(batch)
-        finally:
-            for job in self._pending:
-                for future in (job.started, job.done):
-                    if not future.done():
-                        future.set_exception(RuntimeError("the inference server is stopping"))
-            self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def _take_batch(self) -> list[Job]:
-        """The oldest job plus every queued job with the same sampling, up to max_batch_rows."""
-        first = self._pending[0]
-        batch, rest, rows = [], [], 0
-        for job in self._pending:
-            fits = rows + len(job.prompts) <= self.max_batch_rows
-            if job is first or (job.sampling == first.sampling and fits):
-                batch.append(job)
-                rows += len(job.prompts)
-            else:
-                rest.append(job)
-        self._pending = rest
-        return batch
-
-    async def _run_batch(self, batch: list[Job]) -> None:
-        policy = self.policy  # read once: a swap during the batch applies to the next one
-        for job in batch:
-            if not job.started.done():
-                job.started.set_result(policy)
-        owners: list[tuple[Job, int]] = [(job, i) for job in batch for i in range(len(job.prompts))]
-        sampling = batch[0].sampling
-
-        def on_step(events: list[StepToken]) -> None:
-            by_job: dict[int, tuple[Job, list[StepToken]]] = {}
-            for event in events:
-                job, local = owners[event.row]
-                if job.on_step is not None:
-                    entry = by_job.setdefault(id(job), (job, []))
-                    entry[1].append(dataclasses.replace(event, row=local))  # rows of the job, not the batch
-            for job, job_events in by_job.values():
-                assert job.on_step is not None
-                job.on_step(job_events)
-
-        def work() -> list[Generation]:
-            return generate(
-                policy.model,
-                policy.tokenizer,
-                [p for job in batch for p in job.prompts],
-                sampling.max_new_tokens,
-                sampling.temperature,
-                sampling.top_p,
-                [s for job in batch for s in job.seeds],
-                stop=sampling.stop,
-                stop_token_ids=sampling.stop_token_ids,
-                top_logprobs=sampling.top_logprobs,
-                on_step=on_step if any(job.on_step for job in batch) else None,
-            )
-
-        try:
-            results = await asyncio.get_running_loop().run_in_executor(self._executor, work)
-        except Exception as error:
-            log.exception("generation failed", rows=len(owners))
-            for job in batch:
-                if not job.done.done():
-                    job.done.set_exception(error)
-            return
-        self.batches += 1
-        start = 0
-        for job in batch:
-            if not job.done.done():
-                job.done.set_result(results[start : start + len(job.prompts)])
-            start += len(job.prompts)
-
-
-# -- requests ----------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """An error answered to the client in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 500: "InternalServerError"}
-
-
-def _error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # like vLLM: unknown fields are ignored
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _SamplingRequest(_Body):
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    return_token_ids: bool = False
-
-    def stops(self) -> tuple[str, ...]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise ApiError(400, "stop strings must not be empty", param="stop")
-        return tuple(stops)
-
-
-class ContentPart(_Body):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-
-class ChatRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    max_completion_tokens: int | None = Field(None, ge=1)
-    add_generation_prompt: bool = True
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[list[int]] | list[str]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-
-
-def _parse(model: type[BaseModel], body: Any) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
-
-
-async def _json_body(request: Request) -> Any:
-    try:
-        return parse_json(await request.body())
-    except MalformedBodyError as error:
-        raise ApiError(400, str(error)) from None
-
-
-def _message_text(message: ChatMessage, index: int) -> str:
-    if message.content is None or isinstance(message.content, str):
-        return message.content or ""
-    texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise ApiError(400, f"only text content parts are supported, got {part.type!r}", param=f"messages.{index}")
-        texts.append(part.text)
-    return "".join(texts)
-
 
 # -- the server -------------------------------------------------------------------------------
 
@@ -481,27 +253,11 @@ def _local_path(uri: str) -> Path:
     raise ValueError(f"only local checkpoint directories are supported, got {uri!r}")
 
 
-# -- request handling -------------------------------------------------------------------------
-
-
-@dataclass
-class Prepared:
-    """A validated request: the prompts (one per choice) and how to sample them."""
-
-    prompts: list[list[int]]  # distinct prompts
-    n: int
-    sampling: Sampling
-    seed: int | None
-    policy: Policy
-
-    def job(self, on_step: Callable[[list[StepToken]], None] | None = None) -> Job:
-        rows = [p for p in self.prompts for _ in range(self.n)]
-        seeds = [None if self.seed is None else self.seed + i for i in range(len(rows))]
-        return Job(rows, seeds, self.sampling, on_step)
+# -- request handling -----------------------------------------------------------------------
 
 
 def _prepare(
-    server: InferenceServer, request: _SamplingRequest, prompts: list[list[int]], max_tokens: int | None
+    server: InferenceServer, request: SamplingRequest, prompts: list[list[int]], max_tokens: int | None
 ) -> Prepared:
     policy = server.policy
     if request.model is not None and request.model != server.options.model_name:
@@ -540,200 +296,6 @@ def _prepare(
     return Prepared(prompts, request.n, sampling, seed, policy)
 
 
-def _chat_prompt(policy: Policy, request: ChatRequest) -> list[int]:
-    messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(request.messages)]
-    try:
-        text = policy.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=request.add_generation_prompt, tokenize=False
-        )
-    except Exception as error:  # a template that rejects the conversation is the request's fault
-        raise ApiError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-    assert isinstance(text, str)
-    return list(policy.tokenizer.encode(text, add_special_tokens=False))
-
-
-def _completion_prompts(policy: Policy, request: CompletionRequest) -> list[list[int]]:
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return [list(policy.tokenizer.encode(prompt, add_special_tokens=False))]
-    if not prompt:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return [
-        list(policy.tokenizer.encode(p, add_special_tokens=False)) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
-        for p in prompt
-    ]
-
-
-def _token_text(tokenizer: PreTrainedTokenizerFast, token_id: int) -> str:
-    return str(tokenizer.decode([token_id]))
-
-
-def _finite(logprob: float) -> float:
-    return max(logprob, -9999.0)  # vLLM's floor: JSON has no -Infinity
-
-
-def _chat_logprob(tokenizer: PreTrainedTokenizerFast, token_id: int, logprob: float) -> dict[str, Any]:
-    token = _token_text(tokenizer, token_id)
-    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
-
-
-def _chat_logprobs(
-    tokenizer: PreTrainedTokenizerFast,
-    ids: Sequence[int],
-    logprobs: Sequence[float],
-    tops: Sequence[list[tuple[int, float]]],
-    k: int,
-) -> dict[str, Any]:
-    content = []
-    for token_id, logprob, top in zip(ids, logprobs, tops, strict=True):
-        entry = _chat_logprob(tokenizer, token_id, logprob)
-        entry["top_logprobs"] = [_chat_logprob(tokenizer, t, v) for t, v in top[:k]]
-        content.append(entry)
-    return {"content": content}
-
-
-def _completion_logprobs(
-    tokenizer: PreTrainedTokenizerFast,
-    ids: Sequence[int],
-    logprobs: Sequence[float],
-    tops: Sequence[list[tuple[int, float]]],
-    k: int,
-    offset: int,
-) -> dict[str, Any]:
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    special = set(tokenizer.all_special_ids)
-    for token_id, logprob, top in zip(ids, logprobs, tops, strict=True):
-        token = _token_text(tokenizer, token_id)
-        tokens.append(token)
-        token_logprobs.append(_finite(logprob))
-        # vLLM's completions list the sampled token among the top ones even when it is not.
-        ranked = {_token_text(tokenizer, t): _finite(v) for t, v in top[:k]}
-        ranked.setdefault(token, _finite(logprob))
-        top_logprobs.append(ranked)
-        text_offset.append(offset)
-        if token_id not in special:
-            offset += len(token)
-    return {
-        "text_offset": text_offset,
-        "token_logprobs": token_logprobs,
-        "tokens": tokens,
-        "top_logprobs": top_logprobs,
-    }
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
-    }
-
-
-def _chat_response(
-    request: ChatRequest, prepared: Prepared, policy: Policy, results: list[Generation], name: str
-) -> dict[str, Any]:
-    choices = []
-    for index, gen in enumerate(results):
-        logprobs = None
-        if request.logprobs:
-            k = request.top_logprobs or 0
-            logprobs = _chat_logprobs(policy.tokenizer, gen.response_token_ids, gen.logprobs, gen.top_logprobs, k)
-        choices.append(
-            {
-                "index": index,
-                "message": {
-                    "role": "assistant",
-                    "content": gen.text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": [],
-                    "reasoning_content": None,
-                },
-                "logprobs": logprobs,
-                "finish_reason": gen.finish_reason,
-                "stop_reason": gen.stop_reason,
-                "token_ids": gen.response_token_ids if request.return_token_ids else None,
-            }
-        )
-    prompt = prepared.prompts[0]
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": name,
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": _usage(len(prompt), sum(len(g.response_token_ids) for g in results)),
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt if request.return_token_ids else None,
-        "kv_transfer_params": None,
-    }
-
-
-def _completion_response(
-    request: CompletionRequest, prepared: Prepared, policy: Policy, results: list[Generation], name: str
-) -> dict[str, Any]:
-    choices = []
-    for index, gen in enumerate(results):
-        logprobs = None
-        if request.logprobs is not None:
-            logprobs = _completion_logprobs(
-                policy.tokenizer, gen.response_token_ids, gen.logprobs, gen.top_logprobs, request.logprobs, 0
-            )
-        choices.append(
-            {
-                "index": index,
-                "text": gen.text,
-                "logprobs": logprobs,
-                "finish_reason": gen.finish_reason,
-                "stop_reason": gen.stop_reason,
-                "prompt_logprobs": None,
-                "prompt_token_ids": gen.prompt_token_ids if request.return_token_ids else None,
-                "token_ids": gen.response_token_ids if request.return_token_ids else None,
-            }
-        )
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": name,
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": None,
-        # Like vLLM: each distinct prompt counts once, whatever n is.
-        "usage": _usage(sum(len(p) for p in prepared.prompts), sum(len(g.response_token_ids) for g in results)),
-        "kv_transfer_params": None,
-    }
-
-
-def _held_back(text: str, stop: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` could still begin a stop string."""
-    longest = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
-
-
-@dataclass
-class _ChoiceStream:
-    emitted: int = 0  # characters of text sent so far
-    started: bool = False  # the first chunk (prompt_token_ids for completions) went out
-
-
-def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
 async def _stream(
     server: InferenceServer,
     kind: Literal["chat", "completion"],
@@ -754,17 +316,17 @@ async def _stream(
     chunk_id = f"chatcmpl-{uuid.uuid4().hex}" if kind == "chat" else f"cmpl-{uuid.uuid4().hex}"
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     stop = prepared.sampling.stop
-    choices = [_ChoiceStream() for _ in job.prompts]
+    choices = [ChoiceStream() for _ in job.prompts]
 
     def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         payload = {"id": chunk_id, "object": obj, "created": created, "model": name, "choices": choice_list}
         payload.update(extra)
-        return _sse(payload)
+        return sse(payload)
 
     def step_choice(event: StepToken) -> dict[str, Any]:
         state = choices[event.row]
-        visible = len(event.text) if event.finish_reason else len(event.text) - _held_back(event.text, stop)
+        visible = len(event.text) if event.finish_reason else len(event.text) - held_back(event.text, stop)
         delta = event.text[state.emitted : max(visible, state.emitted)]
         offset = state.emitted
         state.emitted = max(visible, state.emitted)
@@ -775,13 +337,13 @@ async def _stream(
             assert isinstance(request, ChatRequest)
             choice["delta"] = {"content": delta}
             choice["logprobs"] = (
-                _chat_logprobs(tokenizer, ids, lps, tops, request.top_logprobs or 0) if request.logprobs else None
+                chat_logprobs(tokenizer, ids, lps, tops, request.top_logprobs or 0) if request.logprobs else None
             )
         else:
             assert isinstance(request, CompletionRequest)
             choice["text"] = delta
             choice["logprobs"] = (
-                _completion_logprobs(tokenizer, ids, lps, tops, request.logprobs, offset)
+                completion_logprobs(tokenizer, ids, lps, tops, request.logprobs, offset)
                 if request.logprobs is not None
                 else None
             )
@@ -807,13 +369,13 @@ async def _stream(
         try:
             results = job.done.result()
         except Exception as error:  # the stream has started: report in-band, as vLLM does
-            yield _sse({"error": {"message": str(error), "type": "InternalServerError", "param": None, "code": 500}})
-            yield _sse("[DONE]")
+            yield sse({"error": {"message": str(error), "type": "InternalServerError", "param": None, "code": 500}})
+            yield sse("[DONE]")
             return
         if include_usage:
             prompt_tokens = sum(len(p) for p in prepared.prompts)
-            yield chunk([], usage=_usage(prompt_tokens, sum(len(g.response_token_ids) for g in results)))
-        yield _sse("[DONE]")
+            yield chunk([], usage=usage(prompt_tokens, sum(len(g.response_token_ids) for g in results)))
+        yield sse("[DONE]")
 
     return StreamingResponse(
         body(),
@@ -829,16 +391,16 @@ def create_app(server: InferenceServer) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
-        return _error_response(error.status, error.message, error.param)
+        return error_response(error.status, error.message, error.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _error_response(error.status_code, str(error.detail))
+        return error_response(error.status_code, str(error.detail))
 
     @app.exception_handler(Exception)
     async def server_error(_request: Request, error: Exception) -> JSONResponse:
         log.exception("request failed")
-        return _error_response(500, f"internal error: {type(error).__name__}: {error}")
+        return error_response(500, f"internal error: {type(error).__name__}: {error}")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -869,11 +431,11 @@ def create_app(server: InferenceServer) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        request: ChatRequest = _parse(ChatRequest, await _json_body(raw))
+        request: ChatRequest = parse(ChatRequest, await json_body(raw))
         policy = server.policy
         if request.top_logprobs and not request.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt = _chat_prompt(policy, request)
+        prompt = chat_prompt(policy, request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         prepared = _prepare(server, request, [prompt], max_tokens)
         if request.stream:
@@ -881,17 +443,17 @@ def create_app(server: InferenceServer) -> FastAPI:
         job = server.engine.submit(prepared.job())
         used = await job.started
         results = await job.done
-        body = _chat_response(request, prepared, used, results, server.options.model_name)
+        body = chat_response(request, prepared, used, results, server.options.model_name)
         return JSONResponse(body, headers={VERSION_HEADER: str(used.version)})
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        request: CompletionRequest = _parse(CompletionRequest, await _json_body(raw))
+        request: CompletionRequest = parse(CompletionRequest, await json_body(raw))
         if request.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         if request.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        prompts = _completion_prompts(server.policy, request)
+        prompts = completion_prompts(server.policy, request)
         # Completions may ask for top-k via logprobs (an int); generation needs the larger of both.
         request.top_logprobs = max(request.top_logprobs or 0, request.logprobs or 0)
         prepared = _prepare(server, request, prompts, request.max_tokens)
@@ -900,7 +462,7 @@ def create_app(server: InferenceServer) -> FastAPI:
         job = server.engine.submit(prepared.job())
         used = await job.started
         results = await job.done
-        body = _completion_response(request, prepared, used, results, server.options.model_name)
+        body = completion_response(request, prepared, used, results, server.options.model_name)
         return JSONResponse(body, headers={VERSION_HEADER: str(used.version)})
 
     return app
