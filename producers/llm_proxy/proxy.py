@@ -43,10 +43,8 @@ import multiprocessing
 import os
 import signal
 import time
-import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
@@ -69,19 +67,16 @@ from agl_stream.domain.llm_calls import (
     error_of_status,
     merge_chunks,
     parse_sse,
-    policy_version_of_header,
     slim,
 )
 from agl_stream.errors import AglError
 from agl_stream.http_serving import MalformedBodyError, QuietServer, allowed_hosts, bind, guard, listen, parse_json
 from agl_stream.logs import configure_logging, get_logger
-from agl_stream.semconv import POLICY_VERSION_HEADER
 from agl_stream.store.client import AglStore
+from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport
+from producers.llm_proxy.sequence_ids import SequenceBlocks, SpanStore
 
 log = get_logger("agl.llm_proxy")
-
-CALL_HEADER = "x-agl-proxy-call"
-"""Header that ties a backend request to the proxy call that made it (see CaptureTransport)."""
 
 _LOG_EVERY_S = 10.0
 
@@ -176,158 +171,6 @@ def model_list_of(backends: Sequence[str], *, api_key: str | None = None) -> lis
     return model_list
 
 
-# -- raw responses ----------------------------------------------------------------------------
-
-
-@dataclass
-class Capture:
-    """What the backend answered to one proxy call (the last try, when LiteLLM retried)."""
-
-    status: int | None = None
-    url: str | None = None
-    body: bytearray = field(default_factory=bytearray)
-    policy_version: int | None = None  # as the backend reported it (POLICY_VERSION_HEADER)
-
-    def json(self) -> Any:
-        try:
-            return parse_json(bytes(self.body))
-        except MalformedBodyError:
-            return None
-
-
-class _TeeStream(httpx.AsyncByteStream):
-    def __init__(self, inner: httpx.AsyncByteStream, sink: bytearray) -> None:
-        self._inner = inner
-        self._sink = sink
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._inner:
-            self._sink.extend(chunk)
-            yield chunk
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class CaptureTransport(httpx.AsyncBaseTransport):
-    """An httpx transport that copies the response bytes of requests with :data:`CALL_HEADER`.
-
-    The header, not a contextvar, links a request to its call: LiteLLM's router may run the
-    request in tasks of its own. Captured requests ask for an uncompressed answer, so the copy
-    is the JSON or event stream itself.
-    """
-
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self.inner = inner
-        self.captures: dict[str, Capture] = {}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        capture = self.captures.get(request.headers.get(CALL_HEADER, ""))
-        if capture is None:
-            return await self.inner.handle_async_request(request)
-        request.headers["Accept-Encoding"] = "identity"
-        capture.status, capture.url, capture.policy_version = None, str(request.url), None
-        capture.body.clear()
-        response = await self.inner.handle_async_request(request)
-        capture.status = response.status_code
-        capture.policy_version = policy_version_of_header(response.headers.get(POLICY_VERSION_HEADER))
-        assert isinstance(response.stream, httpx.AsyncByteStream)
-        response.stream = _TeeStream(response.stream, capture.body)
-        return response
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[tuple[str, Capture]]:
-        call_id, capture = uuid.uuid4().hex, Capture()
-        self.captures[call_id] = capture
-        try:
-            yield call_id, capture
-        finally:
-            del self.captures[call_id]
-
-
-# -- sequence ids -----------------------------------------------------------------------------
-
-
-@dataclass
-class _Block:
-    next: int = 0
-    end: int = 0
-    unknown: str | None = None  # the processor's reason when the attempt is unknown
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-class SequenceBlocks:
-    """Sequence ids for the proxy's spans, reserved a block per attempt at a time.
-
-    ``reserve(rollout_id, attempt_id, count)`` is ``AglStore.reserve_span_sequence_ids``. Blocks
-    live in an LRU of ``capacity`` attempts; a forgotten attempt that calls again gets a new block
-    (the ids left in the old one stay unused, which is harmless). An attempt the store refused
-    (ValueError) is remembered as unknown, so its later calls cost no round trip.
-    """
-
-    def __init__(
-        self, reserve: Callable[[str, str, int], Awaitable[int]], *, block: int = 256, capacity: int = 10_000
-    ) -> None:
-        if block < 1 or capacity < 1:
-            raise ValueError("block and capacity must be at least 1")
-        self._reserve = reserve
-        self.block = block
-        self.capacity = capacity
-        self._blocks: OrderedDict[tuple[str, str], _Block] = OrderedDict()
-        self.reservations = 0
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def _entry(self, key: tuple[str, str]) -> _Block:
-        entry = self._blocks.get(key)
-        if entry is None:
-            entry = self._blocks[key] = _Block()
-            while len(self._blocks) > self.capacity:
-                self._blocks.popitem(last=False)
-        else:
-            self._blocks.move_to_end(key)
-        return entry
-
-    async def next_id(self, rollout_id: str, attempt_id: str) -> int | None:
-        """The attempt's next sequence id; None when the store does not know the attempt.
-
-        Other store failures (processor unreachable) raise and leave nothing cached.
-        """
-        entry = self._entry((rollout_id, attempt_id))
-        if entry.next >= entry.end and entry.unknown is None:
-            async with entry.lock:  # one reservation at a time per attempt; the others wait for it
-                if entry.next >= entry.end and entry.unknown is None:
-                    try:
-                        first = await self._reserve(rollout_id, attempt_id, self.block)
-                    except ValueError as error:
-                        entry.unknown = str(error)
-                        log.warning(
-                            "LLM calls of an unknown rollout or attempt are answered but not recorded",
-                            rollout_id=rollout_id,
-                            attempt_id=attempt_id,
-                            reason=str(error),
-                        )
-                    else:
-                        self.reservations += 1
-                        entry.next, entry.end = first, first + self.block
-        if entry.unknown is not None:
-            return None
-        sequence_id = entry.next
-        entry.next += 1
-        return sequence_id
-
-
-class _SpanStore(AglStore):
-    """The proxy's store client: it only writes, so it needs no read side (no gateway)."""
-
-    async def _start_reads(self) -> None:
-        return None
-
-
 # -- the proxy --------------------------------------------------------------------------------
 
 
@@ -404,7 +247,7 @@ class LLMProxy:
         self.router = litellm.Router(
             model_list=self.model_list, num_retries=self.options.num_retries, timeout=self.options.timeout_s
         )
-        store = _SpanStore(self.settings)
+        store = SpanStore(self.settings)
         await store.start()
         self.store = store
         self.blocks = SequenceBlocks(

@@ -1,0 +1,33 @@
+"""The LLM proxy role: OpenAI-compatible, built on LiteLLM, every call a span (proxy.py), with
+the backend's raw answers captured (capture.py) and span sequence ids reserved per attempt
+(sequence_ids.py)."""
+
+from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport
+from producers.llm_proxy.proxy import (
+    LLMProxy,
+    ProxyOptions,
+    ProxyStats,
+    backend_url,
+    create_app,
+    main,
+    model_list_of,
+    run,
+    serving,
+)
+from producers.llm_proxy.sequence_ids import SequenceBlocks
+
+__all__ = [
+    "CALL_HEADER",
+    "Capture",
+    "CaptureTransport",
+    "LLMProxy",
+    "ProxyOptions",
+    "ProxyStats",
+    "SequenceBlocks",
+    "backend_url",
+    "create_app",
+    "main",
+    "model_list_of",
+    "run",
+    "serving",
+]
