@@ -8,11 +8,10 @@ from agl_stream.training.backend import (
     CRITIC_FREE_ESTIMATORS,
     TRAINER_STATE_FILE,
     PolicyBackend,
-    TorchBackendOptions,
-    TorchPolicyBackend,
 )
 from agl_stream.training.data import InvalidBatchError, RewardMode, batch_to_dataproto
 from agl_stream.training.factory import BackendKind, open_backend
+from agl_stream.training.torch_backend import TorchBackendOptions, TorchPolicyBackend
 
 __all__ = [
     "CRITIC_FREE_ESTIMATORS",

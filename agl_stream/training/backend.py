@@ -1,7 +1,7 @@
-"""Policy backends: what a trainer calls with each batch, and the torch one that trains a HF causal LM.
-
-:class:`TorchPolicyBackend` is VERL's PPO actor update without Ray or FSDP, for one process on a
-CPU or one GPU. The RL maths is VERL's own, called, not re-derived:
+"""Policy backends: what a trainer calls with each batch (:class:`PolicyBackend`), and the RL maths
+both backends share. The torch backend (``torch_backend.py``) is VERL's PPO actor update without
+Ray or FSDP, for one process on a CPU or one GPU; the verl backend drives VERL's FSDP engine. The
+RL maths is VERL's own, called, not re-derived:
 
 - advantages: ``verl.trainer.ppo.core_algos.get_adv_estimator_fn(name)`` with the keyword
   arguments VERL's ``ray_trainer.compute_advantage`` passes (``token_level_rewards``,
@@ -22,24 +22,14 @@ batch; no groups needed). ``adv_estimator`` picks any other critic-free VERL est
 
 from __future__ import annotations
 
-import math
-import os
-import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
-import verl.utils.torch_functional as verl_F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
-from verl.trainer.ppo.core_algos import agg_loss, get_adv_estimator_fn, get_policy_loss_fn
-from verl.workers.config import ActorConfig, PolicyLossConfig
+from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-from agl_stream.policy import load_checkpoint, save_checkpoint
 from agl_stream.training.data import InvalidBatchError
 
 Algorithm = Literal["grpo", "ppo"]
@@ -60,7 +50,7 @@ CRITIC_FREE_ESTIMATORS = frozenset(
         "reinforce_plus_plus_baseline",
     }
 )
-_ESTIMATOR_OF: dict[str, str] = {"grpo": "grpo", "ppo": "reinforce_plus_plus"}
+ESTIMATOR_OF: dict[str, str] = {"grpo": "grpo", "ppo": "reinforce_plus_plus"}
 _REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "token_level_rewards")
 
 
@@ -80,415 +70,6 @@ class PolicyBackend(Protocol):
     def save(self, directory: str | Path) -> None:
         """Write a checkpoint an inference server can load (and this backend can resume from)."""
         ...
-
-
-@dataclass(frozen=True)
-class TorchBackendOptions:
-    """The hyperparameters of a :class:`TorchPolicyBackend` (saved with its checkpoints)."""
-
-    lr: float
-    algorithm: Algorithm = "grpo"
-    adv_estimator: str | None = None  # None: the algorithm's (grpo -> grpo, ppo -> reinforce_plus_plus)
-    loss_mode: str = "vanilla"
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None  # None: clip_ratio
-    clip_ratio_high: float | None = None  # None: clip_ratio
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: LossAggMode = "token-mean"
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    entropy_coeff: float = 0.0
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None  # rows per optimizer step; None: the whole batch
-    micro_batch_size: int = 8  # rows per forward/backward pass
-    shuffle: bool = False
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    recompute_old_log_probs: bool = False
-    mixed_precision: bool = False  # bf16 autocast on CUDA (fp32 master weights)
-    seed: int = 0
-
-    @property
-    def estimator(self) -> str:
-        return self.adv_estimator or _ESTIMATOR_OF[self.algorithm]
-
-
-class TorchPolicyBackend:
-    """Trains ``model`` (a HF causal LM) in place with VERL's advantage estimators and policy loss.
-
-    One :meth:`step` = advantages for the batch, old log-probs (the batch's rollout log-probs,
-    else a no-grad forward pass), then ``ppo_epochs`` passes over the batch in mini-batches of
-    ``mini_batch_size`` rows (default: the whole batch, so one AdamW step per batch), each
-    accumulated over micro-batches of ``micro_batch_size`` rows and clipped to ``max_grad_norm``.
-    A mini-batch whose gradient norm is not finite is skipped (as VERL does), counted in
-    ``skipped_updates``. On CPU the same model, optimizer state, batch and seed give the same
-    weights. Not thread-safe: one step at a time.
-    """
-
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        lr: float,
-        algorithm: Algorithm = "grpo",
-        adv_estimator: str | None = None,
-        loss_mode: str = "vanilla",
-        clip_ratio: float = 0.2,
-        clip_ratio_low: float | None = None,
-        clip_ratio_high: float | None = None,
-        clip_ratio_c: float = 3.0,
-        loss_agg_mode: LossAggMode = "token-mean",
-        norm_adv_by_std_in_grpo: bool = True,
-        gamma: float = 1.0,
-        entropy_coeff: float = 0.0,
-        ppo_epochs: int = 1,
-        mini_batch_size: int | None = None,
-        micro_batch_size: int = 8,
-        shuffle: bool = False,
-        max_grad_norm: float = 1.0,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        recompute_old_log_probs: bool = False,
-        mixed_precision: bool = False,
-        device: str | torch.device = "cpu",
-        seed: int = 0,
-        policy_version: int = 0,
-    ) -> None:
-        options = TorchBackendOptions(
-            lr=lr,
-            algorithm=algorithm,
-            adv_estimator=adv_estimator,
-            loss_mode=loss_mode,
-            clip_ratio=clip_ratio,
-            clip_ratio_low=clip_ratio_low,
-            clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c,
-            loss_agg_mode=loss_agg_mode,
-            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-            gamma=gamma,
-            entropy_coeff=entropy_coeff,
-            ppo_epochs=ppo_epochs,
-            mini_batch_size=mini_batch_size,
-            micro_batch_size=micro_batch_size,
-            shuffle=shuffle,
-            max_grad_norm=max_grad_norm,
-            weight_decay=weight_decay,
-            betas=(betas[0], betas[1]),
-            eps=eps,
-            recompute_old_log_probs=recompute_old_log_probs,
-            mixed_precision=mixed_precision,
-            seed=seed,
-        )
-        _validate(options)
-        self.options = options
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' asked for, but torch sees no CUDA device")
-        # Module.to moves parameters in place: the caller's model is the one trained.
-        torch.nn.Module.to(model, self.device)
-        self.model = model
-        self.tokenizer = tokenizer
-        self._policy_version = policy_version
-        self._steps = 0
-        self.extra_state: dict[str, Any] = {}  # what the last save() was given, after load()
-        self._loss_fn = get_policy_loss_fn(options.loss_mode)
-        self._algo_config = AlgoConfig(
-            adv_estimator=options.estimator,
-            gamma=options.gamma,
-            norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo,
-        )
-        self._actor_config = ActorConfig(
-            strategy="fsdp",  # required by the dataclass; nothing here reads it
-            rollout_n=1,
-            ppo_mini_batch_size=options.mini_batch_size or 1,
-            ppo_micro_batch_size_per_gpu=options.micro_batch_size,
-            clip_ratio=options.clip_ratio,
-            clip_ratio_low=options.clip_ratio if options.clip_ratio_low is None else options.clip_ratio_low,
-            clip_ratio_high=options.clip_ratio if options.clip_ratio_high is None else options.clip_ratio_high,
-            clip_ratio_c=options.clip_ratio_c,
-            loss_agg_mode=options.loss_agg_mode,
-            entropy_coeff=options.entropy_coeff,
-            ppo_epochs=options.ppo_epochs,
-            shuffle=options.shuffle,
-            use_torch_compile=False,
-            policy_loss=PolicyLossConfig(loss_mode=options.loss_mode),
-        )
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=options.lr,
-            betas=options.betas,
-            eps=options.eps,
-            weight_decay=options.weight_decay,
-        )
-        self._generator = torch.Generator().manual_seed(options.seed)
-
-    @property
-    def policy_version(self) -> int:
-        return self._policy_version
-
-    # -- training -------------------------------------------------------------------------
-
-    def step(self, data: DataProto) -> dict[str, float]:
-        """Train on ``data``; return metrics (all floats).
-
-        Metrics: ``loss`` (policy loss incl. entropy bonus, mean over mini-batches),
-        ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (VERL's mean of
-        old - new log-prob: how far the weights are from the policy that sampled the batch,
-        the "kl"), ``entropy``, ``grad_norm`` (mean, before clipping), ``advantage_mean``,
-        ``advantage_abs_mean``, ``reward_mean`` (per row), ``response_length_mean``, ``rows``,
-        ``tokens`` (non-pad prompt+response tokens), ``response_tokens`` (tokens in the loss),
-        ``seconds``, ``tokens_per_s`` (tokens x ppo_epochs / seconds), ``updates``,
-        ``skipped_updates``, ``recomputed_old_log_probs`` (0/1), ``policy_version`` (after).
-        Raises :class:`InvalidBatchError` for a batch without the needed tensors.
-        """
-        started = time.perf_counter()
-        options = self.options
-        batch = self._prepare(data)
-        advantages = self._advantages(data, batch)
-        recompute = options.recompute_old_log_probs or "old_log_probs" not in batch
-        old_log_probs = self._compute_log_probs(batch) if recompute else batch["old_log_probs"]
-
-        rows = batch["input_ids"].shape[0]
-        mini = options.mini_batch_size or rows
-        sums: dict[str, float] = {}
-        updates = skipped = 0
-        was_training = self.model.training
-        self.model.train()
-        try:
-            for _epoch in range(options.ppo_epochs):
-                order = torch.randperm(rows, generator=self._generator) if options.shuffle else torch.arange(rows)
-                for start in range(0, rows, mini):
-                    indices = order[start : start + mini]
-                    result = self._update(batch, indices, advantages, old_log_probs)
-                    if result is None:
-                        continue  # no token of this mini-batch is in the loss
-                    for key, value in result.items():
-                        sums[key] = sums.get(key, 0.0) + value
-                    if math.isfinite(result["grad_norm"]):
-                        updates += 1
-                    else:
-                        skipped += 1
-        finally:
-            self.model.train(was_training)
-
-        self._steps += 1
-        if updates:
-            self._policy_version += 1  # the weights are new only if an optimizer step happened
-        return step_metrics(
-            batch,
-            advantages,
-            sums,
-            updates=updates,
-            skipped=skipped,
-            seconds=time.perf_counter() - started,
-            epochs=options.ppo_epochs,
-            recomputed=recompute,
-            lr=float(self.optimizer.param_groups[0]["lr"]),
-            policy_version=self._policy_version,
-        )
-
-    @torch.no_grad()
-    def log_probs(self, data: DataProto) -> torch.Tensor:
-        """The current policy's log-probs of ``data``'s responses, (B, R) on the CPU, 0 at padding."""
-        return self._compute_log_probs(self._prepare(data))
-
-    def _prepare(self, data: DataProto) -> dict[str, torch.Tensor]:
-        return prepare_batch(data)
-
-    def _advantages(self, data: DataProto, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return compute_advantages(
-            data,
-            batch,
-            estimator=self.options.estimator,
-            algo_config=self._algo_config,
-            norm_adv_by_std_in_grpo=self.options.norm_adv_by_std_in_grpo,
-        )
-
-    def _micro(self, batch: dict[str, torch.Tensor], indices: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
-        """The rows ``indices``, without the pad columns none of them needs (left of the prompts, right of
-        the responses); also the kept response width."""
-        prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-        left = prompt_width - int(batch["prompt_lengths"][indices].max())
-        width = int(batch["response_lengths"][indices].max())
-        end = prompt_width + width
-        out = {
-            "input_ids": batch["input_ids"][indices, left:end],
-            "attention_mask": batch["attention_mask"][indices, left:end],
-            "position_ids": batch["position_ids"][indices, left:end],
-            "responses": batch["responses"][indices, :width],
-        }
-        return {k: v.to(self.device) for k, v in out.items()}, width
-
-    def _forward(
-        self, micro: dict[str, torch.Tensor], width: int, *, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        autocast = self.options.mixed_precision and self.device.type == "cuda"
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=autocast):
-            output = self.model(
-                input_ids=micro["input_ids"],
-                attention_mask=micro["attention_mask"],
-                position_ids=micro["position_ids"],
-                use_cache=False,
-                # The logits at the last prompt token and every response token but the last predict
-                # the response; the prompt's other positions are never materialised.
-                logits_to_keep=width + 1,
-            )
-        logits = output.logits[:, :-1, :].float()
-        log_prob = verl_F.logprobs_from_logits(logits, micro["responses"])
-        ent = None
-        if entropy:
-            with torch.set_grad_enabled(self.options.entropy_coeff != 0.0 and torch.is_grad_enabled()):
-                ent = verl_F.entropy_from_logits(logits)
-        return log_prob, ent
-
-    @torch.no_grad()
-    def _compute_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        rows, response_width = batch["responses"].shape
-        out = torch.zeros((rows, response_width), dtype=torch.float32)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for indices in _chunks(torch.arange(rows), self.options.micro_batch_size):
-                micro, width = self._micro(batch, indices)
-                log_prob, _ = self._forward(micro, width, entropy=False)
-                out[indices, :width] = log_prob.float().cpu()
-        finally:
-            self.model.train(was_training)
-        return out * batch["attention_mask"][:, -response_width:]
-
-    def _update(
-        self,
-        batch: dict[str, torch.Tensor],
-        indices: torch.Tensor,
-        advantages: torch.Tensor,
-        old_log_probs: torch.Tensor,
-    ) -> dict[str, float] | None:
-        options = self.options
-        response_mask = batch["response_mask"]
-        mini_tokens = int(response_mask[indices].sum())
-        if mini_tokens == 0:
-            return None
-        mini_rows = int((response_mask[indices].sum(dim=1) > 0).sum())
-        global_batch_info = {
-            "dp_size": 1,
-            "batch_num_tokens": mini_tokens,
-            "global_batch_size": mini_rows,
-            # Only "seq-mean-token-sum-norm" reads it: the batch's response width, not the trimmed
-            # micro-batch's, so every micro-batch is normalised alike.
-            "loss_scale_factor": batch["responses"].shape[1],
-        }
-        self._actor_config.global_batch_info.clear()
-        self._actor_config.global_batch_info.update(global_batch_info)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = {
-            "loss": 0.0,
-            "pg_loss": 0.0,
-            "pg_clipfrac": 0.0,
-            "pg_clipfrac_lower": 0.0,
-            "ppo_kl": 0.0,
-            "entropy": 0.0,
-        }
-        for micro_indices in _chunks(indices, options.micro_batch_size):
-            micro_tokens = int(response_mask[micro_indices].sum())
-            if micro_tokens == 0:
-                continue  # its loss would be 0 and VERL's masked means would divide by zero
-            micro, width = self._micro(batch, micro_indices)
-            mask = response_mask[micro_indices, :width].to(self.device)
-            log_prob, ent = self._forward(micro, width, entropy=True)
-            pg_loss, pg_metrics = self._loss_fn(
-                old_log_prob=old_log_probs[micro_indices, :width].to(self.device),
-                log_prob=log_prob,
-                advantages=advantages[micro_indices, :width].to(self.device),
-                response_mask=mask,
-                loss_agg_mode=options.loss_agg_mode,
-                config=self._actor_config,
-                rollout_is_weights=None,
-            )
-            loss = pg_loss
-            if ent is not None:
-                entropy_loss = agg_loss(
-                    loss_mat=ent, loss_mask=mask, loss_agg_mode=options.loss_agg_mode, **global_batch_info
-                )
-                if options.entropy_coeff != 0.0:
-                    loss = loss - options.entropy_coeff * entropy_loss
-                sums["entropy"] += float(verl_F.masked_mean(ent.detach(), mask)) * micro_tokens / mini_tokens
-            loss.backward()
-            # The losses are already scaled to the mini-batch (global_batch_info): they add up.
-            sums["loss"] += float(loss.detach())
-            sums["pg_loss"] += float(pg_loss.detach())
-            # VERL's metrics are means over the micro-batch's tokens: weight them by its share.
-            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                sums[key] += float(pg_metrics[f"actor/{key}"]) * micro_tokens / mini_tokens
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, options.max_grad_norm))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        return {**sums, "grad_norm": grad_norm}
-
-    # -- checkpoints ----------------------------------------------------------------------
-
-    def save(self, directory: str | Path, *, optimizer: bool = True, extra_state: dict[str, Any] | None = None) -> None:
-        """Write the model and tokenizer (:func:`agl_stream.policy.save_checkpoint`, atomic) and then,
-        unless ``optimizer=False``, ``trainer_state.pt`` (optimizer state, options, policy version,
-        RNG, and ``extra_state``) into the same directory, atomically too. An inference server
-        reads only the former; a crash between the two leaves a loadable policy without trainer
-        state. ``extra_state`` (plain values: str, int, float, bool, None, lists, dicts) comes back
-        as :attr:`extra_state` from :meth:`load`: where a trainer records how far it had consumed.
-        Publish each version to a new directory: an existing one is replaced."""
-        target = Path(directory)
-        save_checkpoint(self.model, self.tokenizer, target)  # type: ignore[arg-type]
-        if not optimizer:
-            return
-        state = {
-            "format": 1,
-            "policy_version": self._policy_version,
-            "steps": self._steps,
-            "options": asdict(self.options),
-            "optimizer": self.optimizer.state_dict(),
-            "generator": self._generator.get_state(),
-            "extra_state": dict(extra_state or {}),
-        }
-        tmp = target / f".{TRAINER_STATE_FILE}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as handle:
-                torch.save(state, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target / TRAINER_STATE_FILE)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    @classmethod
-    def load(cls, directory: str | Path, *, device: str | torch.device = "cpu", **overrides: Any) -> TorchPolicyBackend:
-        """Resume from what :meth:`save` wrote: same weights, options, optimizer state and version.
-
-        ``overrides`` replace saved options (``lr=...``, ``micro_batch_size=...``). A folder without
-        ``trainer_state.pt`` (a policy saved with ``optimizer=False``, any HF checkpoint) raises
-        FileNotFoundError: build a fresh backend on :func:`agl_stream.policy.load_checkpoint` instead.
-        """
-        path = Path(directory)
-        state_file = path / TRAINER_STATE_FILE
-        if not state_file.is_file():
-            raise FileNotFoundError(f"no {TRAINER_STATE_FILE} in {path}: it holds a policy but no trainer state")
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-        if state.get("format") != 1:
-            raise ValueError(f"{state_file}: unknown trainer state format {state.get('format')!r}")
-        model, tokenizer = load_checkpoint(path)
-        options = dict(state["options"])
-        options["betas"] = tuple(options["betas"])
-        options.update(overrides)
-        backend = cls(model, tokenizer, device=device, policy_version=int(state["policy_version"]), **options)
-        backend.optimizer.load_state_dict(state["optimizer"])
-        backend._generator.set_state(state["generator"])
-        backend._steps = int(state["steps"])
-        backend.extra_state = dict(state.get("extra_state") or {})
-        return backend
 
 
 def prepare_batch(data: DataProto) -> dict[str, torch.Tensor]:
@@ -553,9 +134,9 @@ def compute_advantages(
 def resolve_estimator(algorithm: str, adv_estimator: str | None) -> str:
     """The VERL advantage estimator for ``algorithm`` ("grpo" | "ppo") or the explicit one; ValueError
     for an unknown algorithm or an estimator that would need a critic."""
-    if algorithm not in _ESTIMATOR_OF:
+    if algorithm not in ESTIMATOR_OF:
         raise ValueError(f"algorithm must be 'grpo' or 'ppo', not {algorithm!r}")
-    estimator = adv_estimator or _ESTIMATOR_OF[algorithm]
+    estimator = adv_estimator or ESTIMATOR_OF[algorithm]
     if estimator not in CRITIC_FREE_ESTIMATORS:
         raise ValueError(
             f"advantage estimator {estimator!r} is not supported without a critic; "
@@ -609,11 +190,6 @@ def step_metrics(
     return metrics
 
 
-def _chunks(indices: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
-    for start in range(0, len(indices), size):
-        yield indices[start : start + size]
-
-
 def check_common_options(options: Any) -> None:
     """The checks every backend's options need (estimator, lr, epochs, mini-batches, clipping)."""
     resolve_estimator(options.algorithm, options.adv_estimator)
@@ -625,9 +201,3 @@ def check_common_options(options: Any) -> None:
         raise ValueError("mini_batch_size must be at least 1 (or None: the whole batch)")
     if options.max_grad_norm <= 0:
         raise ValueError("max_grad_norm must be > 0")
-
-
-def _validate(options: TorchBackendOptions) -> None:
-    check_common_options(options)
-    if options.micro_batch_size < 1:
-        raise ValueError("micro_batch_size must be at least 1")

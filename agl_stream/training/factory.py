@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agl_stream.policy import load_checkpoint
-from agl_stream.training.backend import TRAINER_STATE_FILE, PolicyBackend, TorchPolicyBackend
+from agl_stream.training.backend import TRAINER_STATE_FILE, PolicyBackend
+from agl_stream.training.torch_backend import TorchPolicyBackend
 
 BackendKind = Literal["torch", "verl"]
 

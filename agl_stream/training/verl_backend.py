@@ -48,7 +48,8 @@ On the CPU (tests, this repo's machines): the engine runs unchanged in one proce
 process group of world size 1 (an in-memory ``HashStore``: no port). VERL has no CPU platform
 (``verl.plugin.platform`` registers CUDA, NPU and ROCm and falls back to CUDA, so
 ``get_device_id()`` calls ``torch.cuda.current_device()`` and fails without a GPU) and registers
-the engine for ``cuda``/``npu`` only; the shim is :class:`_CpuPlatform`, installed with VERL's own
+the engine for ``cuda``/``npu`` only; the shim is
+:class:`~agl_stream.training.verl_cpu.CpuPlatform`, installed with VERL's own
 ``verl.plugin.platform.set_platform`` before the engine module is imported (device ``"cpu"``,
 backend gloo, ``current_device()`` = ``"cpu"`` so ``tensor.to(get_device_id())`` stays on the CPU,
 no-op memory statistics), and the engine class instantiated directly. With it ``fsdp2`` trains on
@@ -67,16 +68,13 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -84,7 +82,6 @@ import torch.distributed as dist
 from tensordict import TensorDict  # type: ignore[import-untyped]
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from verl import DataProto
-from verl.plugin.platform import PlatformBase, set_platform
 from verl.trainer.config import AlgoConfig, CheckpointConfig
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import Metric
@@ -110,6 +107,7 @@ from agl_stream.training.backend import (
     step_metrics,
 )
 from agl_stream.training.data import InvalidBatchError
+from agl_stream.training.verl_cpu import use_cpu_platform
 
 VERL_STATE_FILE = "verl_state.json"
 ENGINE_DIR = "verl_engine"
@@ -586,7 +584,7 @@ def init_distributed(device: Device = "auto") -> tuple[int, int]:
     tell the other ranks something before they build the backend (see :func:`broadcast_object`)."""
     resolved = _resolve_device(device)
     if resolved == "cpu":
-        _use_cpu_platform()
+        use_cpu_platform()
     return _join_process_group(resolved)
 
 
@@ -687,154 +685,6 @@ def _object_group() -> dist.ProcessGroup:
             raise RuntimeError("this rank is not in the gloo group of all ranks")
         _OBJECT_GROUPS[key] = group
     return _OBJECT_GROUPS[key]
-
-
-class _CpuDeviceModule(ModuleType):
-    """``torch.cpu`` plus the memory calls VERL makes on its device module (nothing to report)."""
-
-    def __init__(self) -> None:
-        super().__init__("agl_stream_verl_cpu_device")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cpu, name)
-
-    @staticmethod
-    def empty_cache() -> None:
-        return None
-
-    @staticmethod
-    def mem_get_info(*_args: Any) -> tuple[int, int]:
-        return 0, 0
-
-    @staticmethod
-    def memory_allocated(*_args: Any) -> int:
-        return 0
-
-    @staticmethod
-    def memory_reserved(*_args: Any) -> int:
-        return 0
-
-    @staticmethod
-    def max_memory_allocated(*_args: Any) -> int:
-        return 0
-
-    @staticmethod
-    def max_memory_reserved(*_args: Any) -> int:
-        return 0
-
-    @staticmethod
-    def reset_peak_memory_stats(*_args: Any) -> None:
-        return None
-
-    @staticmethod
-    def manual_seed(seed: int) -> None:
-        torch.manual_seed(seed)
-
-    @staticmethod
-    def manual_seed_all(seed: int) -> None:
-        torch.manual_seed(seed)
-
-    @staticmethod
-    def get_rng_state(*_args: Any) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    @staticmethod
-    def set_rng_state(state: torch.Tensor, *_args: Any) -> None:
-        torch.set_rng_state(state)
-
-
-class _CpuPlatform(PlatformBase):  # type: ignore[misc]
-    """VERL's platform interface for a machine without accelerators (see the module docstring)."""
-
-    _module = _CpuDeviceModule()
-
-    @property
-    def device_name(self) -> str:
-        return "cpu"
-
-    @property
-    def vendor_name(self) -> str:
-        return "cpu"
-
-    @property
-    def device_module(self) -> ModuleType:
-        return self._module
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_device(self) -> Any:
-        return "cpu"  # read as tensor.to(get_device_id()): the CPU, not cuda:0
-
-    def device_count(self) -> int:
-        return 1
-
-    def set_device(self, device_index: int) -> None:
-        return None
-
-    def synchronize(self, device_index: int | None = None) -> None:
-        return None
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings: str) -> None:
-        return None
-
-    def empty_cache(self) -> None:
-        return None
-
-    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
-        return None, None
-
-    def communication_backend_name(self) -> str:
-        return "gloo"
-
-    def visible_devices_envvar(self) -> str:
-        return "CUDA_VISIBLE_DEVICES"
-
-    @contextmanager
-    def nvtx_range(self, msg: str) -> Iterator[None]:
-        yield
-
-    def profiler_start(self) -> None:
-        return None
-
-    def profiler_stop(self) -> None:
-        return None
-
-    def ray_resource_name(self) -> str:
-        return "CPU"
-
-    def ray_noset_envvars(self) -> list[str]:
-        return []
-
-    def is_ipc_supported(self) -> bool:
-        return False
-
-    def cudart(self) -> Any:
-        return None
-
-
-def _use_cpu_platform() -> None:
-    if _platform_name() == "cpu":
-        return
-    set_platform(_CpuPlatform())
-    engine_module = sys.modules.get("verl.workers.engine.fsdp.transformer_impl")
-    if engine_module is not None:
-        # Imported before the shim: it cached the device name at import time.
-        engine_module.__dict__["device_name"] = "cpu"
-
-
-def _platform_name() -> str | None:
-    """The device name of VERL's platform if one is set already, else None (nothing is detected)."""
-    from verl.plugin.platform import platform_manager
-
-    current = platform_manager._current_platform
-    return None if current is None else str(current.device_name)
 
 
 def _write_atomic(path: Path, text: str) -> None:
