@@ -54,8 +54,8 @@ class _LlmRequestsOnly(logging.Filter):
     """httpx's request lines, without those of agl-stream's own API (the store's reads)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        url = record.args[1] if isinstance(record.args, tuple) and len(record.args) > 1 else ""
-        return _OWN_API.search(str(url)) is None
+        # The whole message, not its arguments: other filters (LiteLLM's) may have merged them.
+        return _OWN_API.search(record.getMessage()) is None
 
 
 def log_llm_requests() -> None:
@@ -63,8 +63,9 @@ def log_llm_requests() -> None:
     status), so a runner's log shows its agent's LLM calls; agl-stream's own calls stay out."""
     httpx_log = logging.getLogger("httpx")
     httpx_log.setLevel(logging.INFO)
-    if not any(isinstance(f, _LlmRequestsOnly) for f in httpx_log.filters):
-        httpx_log.addFilter(_LlmRequestsOnly())
+    for old in [f for f in httpx_log.filters if type(f).__name__ == _LlmRequestsOnly.__name__]:
+        httpx_log.removeFilter(old)  # one filter, whatever set one before (a reloaded module too)
+    httpx_log.addFilter(_LlmRequestsOnly())
 
 
 def get_logger(name: str) -> Any:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from agl_stream.cli import trainer_cmd
 from agl_stream.cli.trainer_cmd import read_config
 from agl_stream.config import Settings
+from consumers import trainer as trainer_role
 
 
 def test_a_config_file_sets_options_and_paths_are_relative_to_it(tmp_path: Path) -> None:
@@ -40,14 +41,10 @@ def test_bad_config_files_say_what_is_wrong(tmp_path: Path, text: str, message: 
 def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path: Path, monkeypatch: Any) -> None:
     seen: list[Any] = []
 
-    class FakeTrainerModule:
-        from consumers.trainer import TrainerOptions
+    def fake_main(settings: Any, options: Any) -> None:
+        seen.append(options)
 
-        @staticmethod
-        def main(settings: Any, options: Any) -> None:
-            seen.append(options)
-
-    monkeypatch.setattr(trainer_cmd.importlib, "import_module", lambda name: FakeTrainerModule)
+    monkeypatch.setattr(trainer_role, "main", fake_main)  # the command's options, not a training run
     path = tmp_path / "trainer.toml"
     path.write_text('checkpoints = "ckpt"\nlr = 0.5\nseed = 7\nbatches_topic = "agl.replayed"\n')
     app = typer.Typer()
