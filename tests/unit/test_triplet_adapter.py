@@ -316,14 +316,15 @@ def test_final_reward_goes_on_the_last_triplet_when_it_has_none() -> None:
     agent = t.agent(root, 2.5, 4, "solver")
     t.call(agent, 3, 3.5, "b")
     final = t.reward(root, 5, 1.0)  # a's sibling, not b's
-    result = run(t, reward_match="first_sibling", repair_hierarchy=False)
+    result = run(t, reward_match="first_sibling", repair_hierarchy=False, final_reward_to_last=True)
     assert result.final_reward == 1.0
-    # As in the seed, the last transition carries the outcome even when matching already gave
-    # that reward span to an earlier call; reward_source tells the two apart.
+    # As the seed's to_trajectory(final_reward=...), the last transition carries the outcome
+    # even when matching already gave that reward span to an earlier call; reward_source tells
+    # the two apart.
     assert rewards(result) == [1.0, 1.0]
     assert [tr.metadata["reward_source"] for tr in result.triplets] == ["first_sibling", "final_reward"]
     assert result.triplets[-1].metadata["reward_span_id"] == final
-    off = run(t, reward_match="first_sibling", repair_hierarchy=False, final_reward_to_last=False)
+    off = run(t, reward_match="first_sibling", repair_hierarchy=False)  # the seed's adapter's default
     assert rewards(off) == [1.0, None]
     assert off.final_reward == 1.0
 
@@ -695,22 +696,24 @@ def test_bad_token_ids_are_skipped_with_a_reason(prompt: Any, response: Any, rea
         ('[{"logprob": -1}]', "has 1 entries for 2 response tokens"),
     ],
 )
-def test_bad_logprobs_skip_the_call_with_a_reason(raw: str, reason: str) -> None:
+def test_bad_logprobs_are_dropped_and_the_call_kept_with_a_reason(raw: str, reason: str) -> None:
     t = Trace()
     root = t.root()
     t.call(root, 1, 2, "good")
     bad = t.call(root, 3, 4, "bad", attrs={"logprobs.content": raw})
+    t.reward(root, 5, 0.5)
     result = run(t)
-    assert rids(result) == ["good"]
+    assert rids(result) == ["good", "bad"]  # the sample stays, and its reward with it
+    assert rewards(result) == [None, 0.5] and result.triplets[1].response_logprobs is None
     [issue] = issues_about(result, bad)
-    assert "logprobs.content" in issue and reason in issue
+    assert "logprobs dropped" in issue and "logprobs.content" in issue and reason in issue
 
 
 def test_logprobs_that_are_not_text_are_rejected() -> None:
     t = Trace()
     bad = t.call(t.root(), 1, 2, "bad", attrs={"logprobs.content": [-0.1, -0.2]})
     result = run(t)
-    assert result.triplets == []
+    assert rids(result) == ["bad"] and result.triplets[0].response_logprobs is None
     assert "not JSON text" in issues_about(result, bad)[0]
 
 
@@ -876,3 +879,92 @@ def test_trace_node_walk_handles_deep_nesting() -> None:
     t.call(parent, 5000, 5001, "deep")
     assert rids(run(t)) == ["deep"]
     assert isinstance(build_tree(t.spans).root, TraceNode)
+
+
+# --- traces shaped like the seed's other tracers ------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [None, 0.25], ids=["without a value", "with a value"])
+def test_calls_inside_a_reward_operation_are_judge_calls(value: float | None) -> None:
+    t = Trace()
+    root = t.root()
+    t.call(root, 1, 2, "policy")
+    attrs: dict[str, Any] = {"agentlightning.operation.name": "agentlightning.reward"}
+    if value is not None:
+        attrs.update({"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value})
+    judge_scope = t.add("agentlightning.operation", 3, 6, root, attrs=attrs)
+    judge = t.call(judge_scope, 4, 5, "judge")
+    result = run(t)
+    assert rids(result) == ["policy"]
+    assert "inside reward span" in issues_about(result, judge)[0]
+    assert rewards(result) == [value]
+    other = t.add("agentlightning.operation", 7, 9, root, attrs={"agentlightning.operation.name": "tool"})
+    t.call(other, 7.5, 8, "under a plain operation")
+    assert rids(run(t)) == ["policy", "under a plain operation"]
+
+
+def test_an_unfinished_call_is_no_sample_and_cannot_take_the_final_reward() -> None:
+    t = Trace()
+    root = t.root()
+    t.call(root, 1, 2, "done")
+    open_call = t.call(root, 3, None, "never ended")
+    t.reward(root, 1.5, 0.75)  # during "done": matched to nothing, but the trace's final reward
+    result = run(t, final_reward_to_last=True)
+    assert rids(result) == ["done"] and rewards(result) == [0.75]
+    assert "never finished" in issues_about(result, open_call)[0]
+
+
+def test_weave_token_ids_response_ids_and_agent_names_are_read() -> None:
+    t = Trace()
+    root = t.root()
+    agent = t.add("weave.op", 1, 10, root, attrs={"type": "agent", "agentlightning.operation.input.name": "planner"})
+    out = "agentlightning.operation.output"
+    t.call(
+        agent,
+        2,
+        3,
+        None,
+        prompt=None,
+        response=None,
+        attrs={f"{out}.prompt_token_ids": [5, 6], f"{out}.response_token_ids.0": [7], f"{out}.id": "w-1"},
+    )
+    t.call(
+        agent,
+        4,
+        5,
+        None,
+        prompt=None,
+        response=None,
+        attrs={f"{out}.prompt_token_ids": [8], f"{out}.choices.0.token_ids": [9, 10], f"{out}.id": "w-2"},
+    )
+    t.call(
+        agent,
+        6,
+        7,
+        None,
+        prompt=None,
+        response=None,
+        attrs={
+            f"{out}.prompt_token_ids": [1],
+            f"{out}.choices.0.provider_specific_fields.token_ids": [2],
+            f"{out}.id": "w-3",
+        },
+    )
+    chain = t.add("langchain.Chain.AgentExecutor", 11, 20, root, attrs={"lc_name": "executor"})
+    t.call(chain, 12, 13, "lc-1")
+    result = run(t)
+    assert rids(result) == ["w-1", "w-2", "w-3", "lc-1"]
+    assert [tr.prompt_token_ids for tr in result.triplets[:3]] == [[5, 6], [8], [1]]
+    assert [tr.response_token_ids for tr in result.triplets[:3]] == [[7], [9, 10], [2]]
+    assert [tr.metadata["agent_name"] for tr in result.triplets] == ["planner", "planner", "planner", "executor"]
+    assert rids(run(t, agent_match="^exec")) == ["lc-1"]
+
+
+def test_the_final_reward_goes_to_the_last_call_only_when_asked() -> None:
+    t = Trace()
+    root = t.root()
+    t.call(root, 1, 2, "a")
+    t.call(root, 3, 4, "b")
+    t.reward(root, 2.5, 1.0)  # a's, by first occurrence
+    assert rewards(run(t)) == [1.0, None]  # the seed's adapter
+    assert rewards(run(t, final_reward_to_last=True)) == [1.0, 1.0]

@@ -123,8 +123,10 @@ def agent_name_of(node: TraceNode) -> str | None:
 
     Precedence follows the seed: OpenAI Agents SDK ``agent.name``; AgentOps ``@agent`` spans
     (``agentops.span.kind == "agent"`` with ``operation.name``); AutoGen ``recipient_agent_type``;
-    LangGraph ``langchain.chain.type``; agent-framework ``executor.id``. Non-string values are
-    ignored rather than stringified: they are not names any framework writes.
+    LangGraph ``langchain.chain.type``; agent-framework ``executor.id``; Weave agent operations
+    (``type == "agent"`` with ``agentlightning.operation.input.name``); Weave's LangChain chains
+    (``langchain.Chain.*`` spans with ``lc_name``). Non-string values are ignored rather than
+    stringified: they are not names any framework writes.
     """
     if node.span is None:
         return None
@@ -133,6 +135,10 @@ def agent_name_of(node: TraceNode) -> str | None:
     if attributes.get("agentops.span.kind") == "agent":
         candidates.append(attributes.get("operation.name"))
     candidates.extend(attributes.get(key) for key in _AGENT_NAME_KEYS[1:])
+    if attributes.get("type") == "agent":
+        candidates.append(attributes.get("agentlightning.operation.input.name"))
+    if node.span.name.startswith("langchain.Chain."):
+        candidates.append(attributes.get("lc_name"))
     for candidate in candidates:
         if isinstance(candidate, str):
             return candidate

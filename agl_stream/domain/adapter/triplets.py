@@ -41,6 +41,24 @@ RESPONSE_TOKEN_IDS = "response_token_ids"
 RESPONSE_ID = "gen_ai.response.id"
 LOGPROBS_CONTENT = "logprobs.content"
 
+# Where each is found, first key present wins: ours (and the OpenAI instrumentation's), then the
+# Weave tracer's flattened operation output (the seed reads the same places).
+_WEAVE_OUTPUT = "agentlightning.operation.output"
+PROMPT_TOKEN_KEYS = (PROMPT_TOKEN_IDS, f"{_WEAVE_OUTPUT}.prompt_token_ids")
+RESPONSE_TOKEN_KEYS = (
+    RESPONSE_TOKEN_IDS,
+    f"{_WEAVE_OUTPUT}.response_token_ids.0",
+    f"{_WEAVE_OUTPUT}.choices.0.token_ids",  # newer vLLM
+    f"{_WEAVE_OUTPUT}.choices.0.provider_specific_fields.token_ids",  # newer vLLM and OpenAI SDK
+)
+RESPONSE_ID_KEYS = (RESPONSE_ID, f"{_WEAVE_OUTPUT}.id")
+
+# A reward written as an operation (``@reward``-decorated code of the seed's 0.3 line): a judge
+# scope for the calls inside it, with or without a value.
+AGL_OPERATION = "agentlightning.operation"
+OPERATION_NAME = "agentlightning.operation.name"
+REWARD_OPERATION = "agentlightning.reward"
+
 # Pre-0.3 reward encodings; emitters.get_reward_value reads them but silently ignores a
 # non-numeric value, which the adapter must report instead.
 _AGENTOPS_OUTPUT_KEYS = ("agentops.task.output", "agentops.entity.output")
@@ -72,7 +90,7 @@ class AdapterConfig(BaseModel):
         reward_match: A :class:`RewardMatchPolicy` or its value; anything else is rejected.
         repair_hierarchy: Re-parent floating top-level spans first (:func:`repair_hierarchy`).
         final_reward_to_last: When the last triplet got no reward from matching, give it the
-            trace's final reward.
+            trace's final reward. Off by default, as in the seed's adapter.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,7 +101,7 @@ class AdapterConfig(BaseModel):
     dedup_llm_call: StrictBool = True
     reward_match: RewardMatchPolicy = RewardMatchPolicy.FIRST_OCCURRENCE
     repair_hierarchy: StrictBool = True
-    final_reward_to_last: StrictBool = True
+    final_reward_to_last: StrictBool = False
 
     @field_validator("llm_call_match", "agent_match")
     @classmethod
@@ -142,11 +160,19 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _token_ids(attributes: Mapping[str, Any], key: str) -> tuple[list[int] | None, str | None]:
-    """(ids, None) or (None, why not)."""
+def _first_key(attributes: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """The first of ``keys`` the attributes hold (the first key when none is there)."""
+    return next((key for key in keys if attributes.get(key) is not None), keys[0])
+
+
+def _token_ids(attributes: Mapping[str, Any], keys: Sequence[str]) -> tuple[list[int] | None, str | None]:
+    """(ids, None) or (None, why not), from the first of ``keys`` present."""
+    key = _first_key(attributes, keys)
     value = attributes.get(key)
     if value is None:
         return None, f"no {key}"
+    if isinstance(value, tuple):
+        value = list(value)
     if not isinstance(value, list):
         return None, f"{key} is a {type(value).__name__}, not a list of integers"
     if not value:
@@ -207,6 +233,10 @@ def _legacy_reward_is_non_numeric(span: Span) -> bool:
     return False
 
 
+def _is_reward_operation(span: Span) -> bool:
+    return span.name == AGL_OPERATION and span.attributes.get(OPERATION_NAME) == REWARD_OPERATION
+
+
 def _read_rewards(nodes: Sequence[TraceNode], issues: list[str]) -> _Rewards:
     rewards = _Rewards()
     for node in nodes:
@@ -223,6 +253,8 @@ def _read_rewards(nodes: Sequence[TraceNode], issues: list[str]) -> _Rewards:
             if _legacy_reward_is_non_numeric(node.span):
                 rewards.scopes.add(node.id)
                 issues.append(f"{node.label}: reward skipped: legacy reward value is not a number")
+            elif _is_reward_operation(node.span):
+                rewards.scopes.add(node.id)  # a judge's scope, though it carries no value
             continue
         rewards.scopes.add(node.id)
         if not math.isfinite(value):
@@ -274,7 +306,7 @@ def _select_call(
     if config.exclude_llm_call_in_reward and scope.reward_span is not None:
         issues.append(f"{node.label}: skipped: inside reward span {scope.reward_span}")
         return None
-    raw_id = span.attributes.get(RESPONSE_ID)
+    raw_id = span.attributes.get(_first_key(span.attributes, RESPONSE_ID_KEYS))
     response_id = str(raw_id) if raw_id is not None else None
     if config.dedup_llm_call:
         if response_id is not None and response_id in seen_ids:
@@ -283,14 +315,18 @@ def _select_call(
         if response_id is None and scope.llm_call is not None:
             issues.append(f"{node.label}: skipped: no response id and nested in LLM call {scope.llm_call}")
             return None
-    prompt, why = _token_ids(span.attributes, PROMPT_TOKEN_IDS)
-    response, why_response = _token_ids(span.attributes, RESPONSE_TOKEN_IDS)
+    if span.end_time is None and span.start_time is not None:
+        issues.append(f"{node.label}: skipped: the call never finished (no end time), so it is no training sample")
+        return None
+    prompt, why = _token_ids(span.attributes, PROMPT_TOKEN_KEYS)
+    response, why_response = _token_ids(span.attributes, RESPONSE_TOKEN_KEYS)
     why = why or why_response
-    logprobs, why_logprobs = _logprobs(span.attributes, len(response or []))
-    why = why or why_logprobs
     if why is not None or prompt is None or response is None:
         issues.append(f"{node.label}: skipped: {why}")
         return None
+    logprobs, why_logprobs = _logprobs(span.attributes, len(response))
+    if why_logprobs is not None:  # the sample stands without them; its reward stays with it
+        issues.append(f"{node.label}: logprobs dropped: {why_logprobs}")
     if response_id is not None:
         seen_ids.add(response_id)
     return _Call(node, scope.agent_name, response_id, prompt, response, logprobs)
