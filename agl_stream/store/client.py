@@ -29,6 +29,7 @@ from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.errors import AglError
 from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
 from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.logs import get_logger
 from agl_stream.models import (
     AglModel,
     Attempt,
@@ -54,6 +55,8 @@ from agl_stream.store.reads import StoreReads
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities, Unset
+
+log = get_logger("agl.store")
 
 # A rollout event must fit in one Kafka message of agl.rollouts (broker default ~1 MB).
 MAX_EVENT_BYTES = 1_000_000
@@ -103,6 +106,7 @@ class AglStore(StoreReads):
         # Resources by id come from agl.resources itself, started on first use: the ClickHouse
         # copy has its API keys redacted (anyone with SQL access reads that table).
         self._resources: ResourcesCache | None = None
+        self._reported_unknown: set[str] = set()  # ids wait_for_rollouts warned about once
         self._resources_started = asyncio.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -264,6 +268,14 @@ class AglStore(StoreReads):
         else:
             self._finished.pop(rollout.rollout_id, None)
 
+    async def _pinned_resources(self, resources_id: str | None) -> str | None:
+        """``resources_id`` checked, or the latest resources now (None when there are none): a
+        rollout says which policy version it was meant for, as the seed's stores record it."""
+        if resources_id is None:
+            latest = await self.get_latest_resources()
+            return latest.resources_id if latest is not None else None
+        return await self._check_resources(resources_id)
+
     async def _check_resources(self, resources_id: str | None) -> str | None:
         if resources_id is not None and await self.get_resources_by_id(resources_id) is None:
             raise ValueError(f"resources {resources_id!r} do not exist")
@@ -292,22 +304,24 @@ class AglStore(StoreReads):
         resources_id: str | None = None,
         config: RolloutConfig | None = None,
         metadata: dict[str, Any] | None = None,
+        worker_id: str | None = None,
     ) -> AttemptedRollout:
         """Create a rollout with its first attempt already started (``preparing``), for callers
-        that run it themselves instead of queuing it.
+        that run it themselves instead of queuing it; ``worker_id`` is the worker that runs it
+        (busy on that attempt from now on).
 
         ``resources_id``: None pins the latest resources at this moment. Returns once the
         processor folded it, so every later read sees it. Raises ValueError for unknown
         resources or a rollout the fold refuses.
         """
-        if resources_id is None:
-            latest = await self.get_latest_resources()
-            resources_id = latest.resources_id if latest is not None else None
-        else:
-            await self._check_resources(resources_id)
+        resources_id = await self._pinned_resources(resources_id)
         rollout = self._new_rollout(input, mode, resources_id, config, metadata)
         attempt = Attempt(
-            rollout_id=rollout.rollout_id, attempt_id=new_attempt_id(), sequence_id=1, start_time=rollout.start_time
+            rollout_id=rollout.rollout_id,
+            attempt_id=new_attempt_id(),
+            sequence_id=1,
+            start_time=rollout.start_time,
+            worker_id=worker_id,
         )
         state = await self._request(rollout.rollout_id, RolloutEnqueued(rollout=rollout, attempt=attempt))
         return _attempted(state)
@@ -322,21 +336,24 @@ class AglStore(StoreReads):
     ) -> Rollout:
         """Queue a rollout (``queuing``) for a runner to claim; returns it as stored.
 
-        Returns once the broker acknowledged the event (not its fold): a claim or read that
-        follows from this client sees it. Raises ValueError when ``resources_id`` names no
-        resources.
+        ``resources_id``: None pins the latest resources at this moment. Returns once the broker
+        acknowledged the event (not its fold): a claim or read that follows from this client
+        sees it. Raises ValueError when ``resources_id`` names no resources.
         """
-        await self._check_resources(resources_id)
+        resources_id = await self._pinned_resources(resources_id)
         rollout = self._new_rollout(input, mode, resources_id, config, metadata)
         await self._acknowledged([(rollout.rollout_id, RolloutEnqueued(rollout=rollout))])
         return rollout  # as the fold stores a new rollout
 
     async def enqueue_many_rollouts(self, requests: Sequence[Mapping[str, Any]]) -> list[Rollout]:
-        """Enqueue several rollouts at once (keys as enqueue_rollout's arguments), pipelined."""
-        for resources_id in {r.get("resources_id") for r in requests}:
-            await self._check_resources(resources_id)
+        """Enqueue several rollouts at once (keys as enqueue_rollout's arguments), pipelined:
+        one produce batch and one wait for the broker; those without ``resources_id`` pin the
+        latest resources."""
+        pinned = {rid: await self._pinned_resources(rid) for rid in {r.get("resources_id") for r in requests}}
         rollouts = [
-            self._new_rollout(r["input"], r.get("mode"), r.get("resources_id"), r.get("config"), r.get("metadata"))
+            self._new_rollout(
+                r["input"], r.get("mode"), pinned[r.get("resources_id")], r.get("config"), r.get("metadata")
+            )
             for r in requests
         ]
         await self._acknowledged([(r.rollout_id, RolloutEnqueued(rollout=r)) for r in rollouts])
@@ -448,7 +465,8 @@ class AglStore(StoreReads):
         client has never seen are watched first (one store request each, answered with the
         current state); only the ids the processor does not hold (finished and forgotten, or
         unknown) are looked up on the read side. Repeated calls therefore cost no round trip.
-        Unknown ids raise ValueError.
+        Ids no store knows are left out of the answer and logged, as the seed's store does: an
+        algorithm waits on lists it built itself, and a typo must not end a training run.
         """
         wanted = list(dict.fromkeys(rollout_ids))
         unseen = [rid for rid in wanted if rid not in self._finished and rid not in self._watched]
@@ -498,8 +516,10 @@ class AglStore(StoreReads):
         if forgotten:
             found = {r.rollout_id: r for r in await self.query_rollouts(rollout_id_in=forgotten)}
             unknown = [rid for rid in forgotten if rid not in found]
-            if unknown:
-                raise ValueError(f"unknown rollout ids: {unknown}")
+            fresh = [rid for rid in unknown if rid not in self._reported_unknown]
+            if fresh:
+                self._reported_unknown.update(fresh)
+                log.warning("wait_for_rollouts: no such rollouts; left out of the answer", rollout_ids=fresh[:20])
             for rid, rollout in found.items():
                 if rollout.status in TERMINAL_STATUSES:
                     self._finished[rid] = rollout
