@@ -271,6 +271,17 @@ class StoreQueries:
             p,
         )
 
+    def latest_attempts(self, rollout_ids: Sequence[str]) -> Query:
+        """The attempt with the highest sequence_id of each of these rollouts (those that have one)."""
+        return Query(
+            _sql(
+                f"SELECT {', '.join(ATTEMPT_COLUMNS)} FROM {self.db}.attempts FINAL",
+                "WHERE rollout_id IN {rollout_ids:Array(String)}",
+                "ORDER BY rollout_id, sequence_id DESC LIMIT 1 BY rollout_id",
+            ),
+            {"rollout_ids": list(rollout_ids)},
+        )
+
     def latest_attempt(self, rollout_id: str) -> Query:
         """The attempt with the highest sequence_id."""
         return Query(

@@ -23,7 +23,7 @@ from agl_stream.store.queries import (
     worker_from_row,
 )
 from agl_stream.store.readside import ReadSide, read_side_for
-from agl_stream.store.types import StoreStatistics
+from agl_stream.store.types import AttemptedRollout, StoreStatistics
 
 T = TypeVar("T")
 
@@ -96,11 +96,26 @@ class StoreReads:
             limit=limit,
             offset=offset,
         )
-        return await self._all(query, rollout_from_row, "rollout-state")
+        return await self._with_attempts(await self._all(query, rollout_from_row, "rollout-state"))
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
-        """The rollout, or None when no rollout has this id (after this client's own writes)."""
-        return await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state")
+        """The rollout (an :class:`AttemptedRollout` with its latest attempt once it has one), or
+        None when no rollout has this id (after this client's own writes)."""
+        found = await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state")
+        return None if found is None else (await self._with_attempts([found]))[0]
+
+    async def _with_attempts(self, rollouts: list[Rollout]) -> list[Rollout]:
+        """Each rollout that has attempts as an AttemptedRollout with its latest, as the seed's
+        stores return them; one more query, only when some rollout left the queue."""
+        tried = [r.rollout_id for r in rollouts if r.status != "queuing"]
+        if not tried:
+            return rollouts
+        latest = {
+            a.rollout_id: a for a in await self._all(self.sql.latest_attempts(tried), attempt_from_row, "rollout-state")
+        }
+        return [
+            AttemptedRollout(**dict(r), attempt=latest[r.rollout_id]) if r.rollout_id in latest else r for r in rollouts
+        ]
 
     async def query_attempts(
         self,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agl_stream import UNSET, AglStore, connect
+from agl_stream import UNSET, AglStore, AttemptedRollout, connect
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.models import LLM, Reply, RolloutConfig, Span
@@ -315,6 +315,15 @@ async def test_rollouts_pin_the_latest_resources_and_start_rollout_takes_a_worke
     fetched = await store.get_rollout_by_id(queued.rollout_id)
     assert fetched is not None and fetched.resources_id == latest.resources_id
     assert started.attempt.worker_id == worker
+    # Reads return a rollout with its latest attempt once it has one, as the seed's stores do.
+    again = await store.get_rollout_by_id(started.rollout_id)
+    assert isinstance(again, AttemptedRollout) and again.attempt.attempt_id == started.attempt.attempt_id
+    assert not isinstance(fetched, AttemptedRollout)  # still queued: no attempt yet
+    listed = await store.query_rollouts(rollout_id_in=[queued.rollout_id, started.rollout_id])
+    assert {r.rollout_id: isinstance(r, AttemptedRollout) for r in listed} == {
+        queued.rollout_id: False,
+        started.rollout_id: True,
+    }
     busy = await store.get_worker_by_id(worker)
     assert busy is not None and busy.status == "busy" and busy.current_rollout_id == started.rollout_id
 
