@@ -336,9 +336,9 @@ class AglStore(StoreReads):
     ) -> Rollout:
         """Queue a rollout (``queuing``) for a runner to claim; returns it as stored.
 
-        ``resources_id``: None pins the latest resources at this moment. Returns once the broker
-        acknowledged the event (not its fold): a claim or read that follows from this client
-        sees it. Raises ValueError when ``resources_id`` names no resources.
+        ``resources_id``: None pins the latest resources at this moment. Returns once the
+        processor folded it, so a claim that follows (from any client) can get it. Raises
+        ValueError when ``resources_id`` names no resources.
         """
         resources_id = await self._pinned_resources(resources_id)
         rollout = self._new_rollout(input, mode, resources_id, config, metadata)

@@ -581,3 +581,47 @@ async def test_reply_topics_of_gone_clients_are_pruned_and_live_ones_kept(
     # The live client still gets its answers.
     rollout = await store.enqueue_rollout({"after": "prune"})
     assert (await store.get_rollout_by_id(rollout.rollout_id)) is not None
+
+
+async def _drain(store: AglStore) -> None:
+    """Claim whatever other tests left queued, so the queue holds only what a test enqueues."""
+    for _ in range(500):
+        if await store.dequeue_rollout(worker_id="w-drain") is None:
+            return
+    raise AssertionError("the queue never ran dry")
+
+
+async def test_the_queue_contract_holds_on_every_repetition(store: AglStore) -> None:
+    """The seed's queue, repeated (intermittent failures show only on repetition): a claim right
+    after one's own enqueues sees them, oldest first across partitions; a failed attempt with
+    retries left is requeuing at once, and the next claim gets it."""
+    await _drain(store)
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    for round_ in range(25):
+        made = [(await store.enqueue_rollout({"round": round_, "i": i}, config=config)).rollout_id for i in range(3)]
+        claimed = [await store.dequeue_rollout(worker_id="w-rep") for _ in made]
+        assert [c.rollout_id if c else None for c in claimed] == made, round_
+        first = claimed[0]
+        assert first is not None
+        await store.update_attempt(first.rollout_id, "latest", status="failed")
+        requeued = await store.get_rollout_by_id(first.rollout_id)
+        assert requeued is not None and requeued.status == "requeuing", round_
+        again = await store.dequeue_rollout(worker_id="w-rep")
+        assert again is not None and again.rollout_id == first.rollout_id and again.attempt.sequence_id == 2
+        for rollout_id in made:
+            await store.update_attempt(rollout_id, "latest", status="succeeded")
+        assert await store.dequeue_rollout(worker_id="w-rep") is None, round_
+
+
+async def test_a_timed_out_attempt_is_requeued_and_reclaimable_on_every_repetition(store: AglStore) -> None:
+    await _drain(store)
+    config = RolloutConfig(timeout_seconds=0.2, max_attempts=2, retry_condition=["timeout"])
+    for round_ in range(4):
+        rollout = await store.enqueue_rollout({"timeout round": round_}, config=config)
+        first = await store.dequeue_rollout(worker_id="w-slow")
+        assert first is not None and first.rollout_id == rollout.rollout_id
+        again = await store.dequeue_rollout(worker_id="w-next", wait=10.0)  # held until the watchdog requeues
+        assert again is not None and again.rollout_id == rollout.rollout_id and again.attempt.sequence_id == 2
+        attempts = await store.query_attempts(rollout.rollout_id)
+        assert [a.status for a in attempts] == ["timeout", "preparing"], round_
+        await store.update_attempt(rollout.rollout_id, "latest", status="succeeded")
