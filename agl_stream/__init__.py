@@ -10,25 +10,91 @@ from agl_stream.emitters import (
     emit_reward,
     find_final_reward,
     find_reward_spans,
+    get_message_value,
+    get_object_value,
     get_reward_value,
+    get_rewards_from_span,
     is_reward_span,
 )
-from agl_stream.litagent import Hook, LitAgent, rollout
-from agl_stream.models import LLM, PromptTemplate, ProxyLLM, Rollout, Span
+from agl_stream.litagent import (
+    FunctionalLitAgent,
+    Hook,
+    LitAgent,
+    NamedResources,
+    llm_rollout,
+    prompt_rollout,
+    rollout,
+)
+from agl_stream.models import (
+    LLM,
+    Attempt,
+    AttemptStatus,
+    OtelResource,
+    PromptTemplate,
+    ProxyLLM,
+    Resource,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    RolloutStatus,
+    Span,
+    SpanContext,
+    StatusCode,
+    Triplet,
+    Worker,
+    WorkerStatus,
+)
+from agl_stream.models import SpanStatus as TraceStatus
 from agl_stream.store.client import AglStore, connect
-from agl_stream.store.types import UNSET, AttemptedRollout
+from agl_stream.store.types import (
+    UNSET,
+    AttemptedRollout,
+    EnqueueRolloutRequest,
+    StoreCapabilities,
+    StoreStatistics,
+    Task,
+    TaskInput,
+)
+
+# The seed's names for the store and its descriptions: code written against it runs as it is.
+LightningStore = AglStore
+LightningStoreCapabilities = StoreCapabilities
+LightningStoreStatistics = StoreStatistics
 
 __all__ = [
     "LLM",
     "UNSET",
     "AglStore",
+    "Attempt",
+    "AttemptStatus",
     "AttemptedRollout",
+    "EnqueueRolloutRequest",
+    "FunctionalLitAgent",
     "Hook",
+    "LightningStore",
+    "LightningStoreCapabilities",
+    "LightningStoreStatistics",
     "LitAgent",
+    "NamedResources",
+    "OtelResource",
     "PromptTemplate",
     "ProxyLLM",
+    "Resource",
+    "ResourcesUpdate",
     "Rollout",
+    "RolloutConfig",
+    "RolloutMode",
+    "RolloutStatus",
     "Span",
+    "SpanContext",
+    "StatusCode",
+    "Task",
+    "TaskInput",
+    "TraceStatus",
+    "Triplet",
+    "Worker",
+    "WorkerStatus",
     "connect",
     "emit_annotation",
     "emit_exception",
@@ -37,7 +103,12 @@ __all__ = [
     "emit_reward",
     "find_final_reward",
     "find_reward_spans",
+    "get_message_value",
+    "get_object_value",
     "get_reward_value",
+    "get_rewards_from_span",
     "is_reward_span",
+    "llm_rollout",
+    "prompt_rollout",
     "rollout",
 ]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -45,6 +46,41 @@ class LitAgent(Generic[T]):
     The runner calls ``training_rollout[_async]`` for rollouts in ``train`` mode and
     ``validation_rollout[_async]`` otherwise; by default both call ``rollout[_async]``.
     """
+
+    _runner_ref: weakref.ReferenceType[Any] | None = None
+    _trainer_ref: weakref.ReferenceType[Any] | None = None
+
+    # The seed's accessors: the runner sets itself (and a trainer itself) on the agent it runs.
+    def set_runner(self, runner: Any) -> None:
+        self._runner_ref = weakref.ref(runner)
+
+    def get_runner(self) -> Any:
+        """The runner running this agent; ValueError before one is set (or once it is gone)."""
+        return _deref(self._runner_ref, "runner")
+
+    @property
+    def runner(self) -> Any:
+        return self.get_runner()
+
+    def set_trainer(self, trainer: Any) -> None:
+        self._trainer_ref = weakref.ref(trainer)
+
+    def get_trainer(self) -> Any:
+        """The trainer this agent is trained by; ValueError before one is set."""
+        return _deref(self._trainer_ref, "trainer")
+
+    @property
+    def trainer(self) -> Any:
+        return self.get_trainer()
+
+    def get_tracer(self) -> Any:
+        """The tracer of this agent's runner (or of its trainer)."""
+        owner = self.get_runner() if self._runner_ref is not None else self.get_trainer()
+        return owner.tracer
+
+    @property
+    def tracer(self) -> Any:
+        return self.get_tracer()
 
     def is_async(self) -> bool:
         """Whether the runner should await the ``_async`` methods (true when any is overridden)."""
@@ -80,6 +116,13 @@ class LitAgent(Generic[T]):
         """Called after the rollout ran, with its spans (default: nothing)."""
 
 
+def _deref(ref: weakref.ReferenceType[Any] | None, what: str) -> Any:
+    found = ref() if ref is not None else None
+    if found is None:
+        raise ValueError(f"no {what} has been set for this agent (or it is gone)")
+    return found
+
+
 class Hook:
     """Runner hooks; override the ones you need. All are awaited; exceptions are logged, not raised.
 
@@ -107,7 +150,7 @@ class _Wanted:
     """What one parameter of a decorated function asks for."""
 
     name: str
-    kind: str  # "llm", "proxy_llm", "prompt_template", "rollout", "resources", "named"
+    kind: str  # "llm", "proxy_llm", "raw_llm", "prompt_template", "rollout", "resources", "named"
     required: bool
 
 
@@ -196,6 +239,8 @@ def resolve_arguments(wanted: list[_Wanted], resources: NamedResources, rollout:
             value = _as_llm(chosen, rollout)
         elif want.kind == "proxy_llm":
             value = named if isinstance(named, ProxyLLM) else _first(resources, (ProxyLLM,))
+        elif want.kind == "raw_llm":  # an LLM or ProxyLLM as published (llm_rollout(strip_proxy=False))
+            value = named if isinstance(named, (LLM, ProxyLLM)) else _first(resources, (LLM, ProxyLLM))
         elif want.kind == "prompt_template":
             value = named if isinstance(named, PromptTemplate) else _first(resources, (PromptTemplate,))
         else:
@@ -246,3 +291,27 @@ def rollout(func: Callable[..., Any]) -> FunctionalLitAgent[Any]:
     ... async def agent(task: dict, llm: LLM) -> float: ...
     """
     return FunctionalLitAgent(func)
+
+
+def llm_rollout(
+    func: Callable[..., Any] | None = None, *, strip_proxy: bool = True
+) -> FunctionalLitAgent[Any] | Callable[[Callable[..., Any]], FunctionalLitAgent[Any]]:
+    """The seed's ``@llm_rollout``: an agent ``f(task, llm[, rollout])``. ``llm`` is the first LLM
+    resource; a ProxyLLM arrives as an LLM whose endpoint is this attempt's proxy URL (the seed's
+    ``strip_proxy=True``); with ``strip_proxy=False`` it arrives as the ProxyLLM itself."""
+
+    def make(f: Callable[..., Any]) -> FunctionalLitAgent[Any]:
+        agent: FunctionalLitAgent[Any] = FunctionalLitAgent(f)
+        if not strip_proxy:
+            agent.wanted = [_Wanted(w.name, "raw_llm", w.required) if w.kind == "llm" else w for w in agent.wanted]
+        return agent
+
+    return make(func) if func is not None else make
+
+
+def prompt_rollout(
+    func: Callable[..., Any] | None = None,
+) -> FunctionalLitAgent[Any] | Callable[[Callable[..., Any]], FunctionalLitAgent[Any]]:
+    """The seed's ``@prompt_rollout``: an agent ``f(task, prompt_template[, rollout])`` whose
+    prompt template an algorithm tunes (the first prompt template resource)."""
+    return FunctionalLitAgent(func) if func is not None else FunctionalLitAgent

@@ -136,6 +136,7 @@ class Runner:
         self.store = AglStore(settings)
         self.resources = ResourcesCache(settings)
         self.tracer = AttemptTracer(self.store)
+        agent.set_runner(self)  # the seed's agent.runner / agent.tracer
 
     # -- the loop --------------------------------------------------------------------------
 

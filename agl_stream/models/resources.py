@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, TypeAlias
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 from pydantic import Field
 
@@ -54,6 +54,14 @@ class PromptTemplate(UnionMember):
     resource_type: Literal["prompt_template"] = "prompt_template"
     template: str
     engine: Literal["jinja", "f-string", "poml"]
+
+    def format(self, **values: Any) -> str:
+        """The template filled in (the ``f-string`` engine, as the seed's ``format``)."""
+        if self.engine != "f-string":
+            raise NotImplementedError(
+                f"format() fills f-string templates only; render a {self.engine} template with its own engine"
+            )
+        return self.template.format(**values)
 
 
 class ModelCheckpoint(UnionMember):

@@ -54,7 +54,7 @@ from agl_stream.span_records import span_records
 from agl_stream.store.reads import StoreReads
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.resources_cache import ResourcesCache
-from agl_stream.store.types import UNSET, AttemptedRollout, StoreCapabilities, Unset
+from agl_stream.store.types import UNSET, AttemptedRollout, EnqueueRolloutRequest, StoreCapabilities, Unset
 
 log = get_logger("agl.store")
 
@@ -345,16 +345,19 @@ class AglStore(StoreReads):
         await self._acknowledged([(rollout.rollout_id, RolloutEnqueued(rollout=rollout))])
         return rollout  # as the fold stores a new rollout
 
-    async def enqueue_many_rollouts(self, requests: Sequence[Mapping[str, Any]]) -> list[Rollout]:
+    async def enqueue_many_rollouts(
+        self, requests: Sequence[Mapping[str, Any] | EnqueueRolloutRequest]
+    ) -> list[Rollout]:
         """Enqueue several rollouts at once (keys as enqueue_rollout's arguments), pipelined:
-        one produce batch and one wait for the broker; those without ``resources_id`` pin the
+        one produce batch and one wait for their folds; those without ``resources_id`` pin the
         latest resources."""
-        pinned = {rid: await self._pinned_resources(rid) for rid in {r.get("resources_id") for r in requests}}
+        given = [dict(r) if isinstance(r, EnqueueRolloutRequest) else r for r in requests]
+        pinned = {rid: await self._pinned_resources(rid) for rid in {r.get("resources_id") for r in given}}
         rollouts = [
             self._new_rollout(
                 r["input"], r.get("mode"), pinned[r.get("resources_id")], r.get("config"), r.get("metadata")
             )
-            for r in requests
+            for r in given
         ]
         await self._acknowledged([(r.rollout_id, RolloutEnqueued(rollout=r)) for r in rollouts])
         return rollouts

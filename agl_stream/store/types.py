@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Final, TypedDict
+from typing import Any, Final, TypedDict
 
-from agl_stream.models import Attempt, Rollout
+from pydantic import BaseModel, Field
+
+from agl_stream.models import Attempt, Rollout, RolloutConfig
+from agl_stream.models.base import RolloutMode
 
 
 class Unset(Enum):
@@ -22,6 +25,34 @@ class Unset(Enum):
 
 
 UNSET: Final = Unset.UNSET
+
+
+TaskInput = Any
+"""What a rollout's ``input`` may be: any JSON value (the seed's name)."""
+
+
+class EnqueueRolloutRequest(BaseModel):
+    """One rollout to queue with ``enqueue_many_rollouts``: ``enqueue_rollout``'s arguments."""
+
+    input: TaskInput
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    config: RolloutConfig | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class Task(BaseModel):
+    """A rollout as the seed's legacy HTTP client served it to agents (kept for code that reads
+    these fields; the store's own methods return :class:`Rollout`)."""
+
+    rollout_id: str
+    input: TaskInput
+    mode: RolloutMode | None = None
+    resources_id: str | None = None
+    create_time: float | None = None
+    last_claim_time: float | None = None
+    num_claims: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 class AttemptedRollout(Rollout):
