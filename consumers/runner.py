@@ -32,7 +32,7 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from agl_stream.config import Settings
 from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
@@ -60,6 +60,10 @@ class RunnerOptions:
     heartbeat_interval_s: float = 5.0
     worker_id: str = field(default_factory=lambda: f"runner-{socket.gethostname()}-{os.getpid()}")
     max_rollouts: int | None = None  # stop claiming after this many (tests, scripted runs)
+    # "pinned": the resources the rollout names (pinned at enqueue, as the seed's runner does);
+    # "latest": the latest at claim time, whatever it names: streaming RL, where every attempt
+    # should run the newest policy (the version it ran with is recorded on the attempt).
+    resources: Literal["pinned", "latest"] = "pinned"
 
 
 @dataclass
@@ -229,9 +233,11 @@ class Runner:
         await self._hooks("on_rollout_start", agent=self.agent, runner=self, rollout=rollout)
         # The tracer numbers this attempt's spans inside a reserved block, so spans other writers
         # add meanwhile (the LLM proxy, OTLP clients) take ids after it and never collide.
-        snapshot = await self.resources.get(rollout.resources_id)
-        # The snapshot the attempt runs with is recorded on it: a rollout enqueued without
-        # resources runs with whatever is latest now, and training must know which policy that was.
+        pinned = rollout.resources_id if self.options.resources == "pinned" else None
+        snapshot = await self.resources.get(pinned)
+        # The snapshot the attempt runs with is recorded on it: with resources="latest" (or a
+        # rollout without resources) it is whatever is latest now, and training must know which
+        # policy that was.
         version = snapshot.policy_version if snapshot is not None else None
         metadata: dict[str, Any] | None = None
         if snapshot is not None:

@@ -76,6 +76,13 @@ def runner(
         int | None, typer.Option(min=1, help="Stop after claiming this many rollouts (per process).")
     ] = None,
     worker_id: Annotated[str | None, typer.Option(help="Worker id (default: runner-<host>-<pid>).")] = None,
+    resources: Annotated[
+        str,
+        typer.Option(
+            help="pinned: the resources each rollout names (fixed at enqueue, as Agent Lightning's runner); "
+            "latest: the latest at claim time (streaming RL: every attempt runs the newest policy).",
+        ),
+    ] = "pinned",
 ) -> None:
     """Run an agent on every queued rollout it claims until SIGTERM or Ctrl-C.
 
@@ -93,12 +100,19 @@ def runner(
         child_args = ["--agent", agent, "--concurrency", str(concurrency), "--grace", str(grace)]
         child_args += ["--heartbeat-interval", str(heartbeat_interval)]
         child_args += ["--max-rollouts", str(max_rollouts)] if max_rollouts else []
+        child_args += ["--resources", resources]
         _supervise_runners(settings, workers, child_args)
         return
     from consumers import runner
 
+    if resources not in ("pinned", "latest"):
+        raise typer.BadParameter(f"{resources!r}: pinned or latest", param_hint="--resources")
     options = runner.RunnerOptions(
-        concurrency=concurrency, grace_s=grace, heartbeat_interval_s=heartbeat_interval, max_rollouts=max_rollouts
+        concurrency=concurrency,
+        grace_s=grace,
+        heartbeat_interval_s=heartbeat_interval,
+        max_rollouts=max_rollouts,
+        resources="latest" if resources == "latest" else "pinned",
     )
     if worker_id:
         options.worker_id = worker_id

@@ -137,7 +137,16 @@ def running_loop(settings: Settings, console: Console) -> Iterator[Settings]:
                 name="llm-proxy",
             )
             _wait_http(f"http://127.0.0.1:{proxy_port}/health", proxy, logs / "llm-proxy.log")
-            role("runner", "--agent", "agl_stream.demo.task:digits", "--concurrency", "16", name="runner")
+            role(
+                "runner",
+                "--agent",
+                "agl_stream.demo.task:digits",
+                "--concurrency",
+                "16",
+                "--resources",
+                "latest",
+                name="runner",
+            )
         yield running
     finally:
         with console.status("stopping everything the demo started ..."):
