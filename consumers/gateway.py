@@ -59,7 +59,15 @@ from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 from agl_stream.config import Settings
 from agl_stream.errors import ConfigError, FenceTimeoutError
-from agl_stream.http_serving import BodyTooLargeError, QuietServer, allowed_hosts, guard, listen, read_body
+from agl_stream.http_serving import (
+    MAX_BODY_BYTES,
+    BodyTooLargeError,
+    QuietServer,
+    allowed_hosts,
+    guard,
+    listen,
+    read_body,
+)
 from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
@@ -74,7 +82,6 @@ from consumers.gateway_sql import (
     sql_router,
     within,
 )
-from consumers.gateway_tasks import MAX_BODY_BYTES as TASKS_MAX_BODY_BYTES
 from consumers.gateway_tasks import TaskSubmitter, tasks_router
 
 log = get_logger("agl.gateway")
@@ -248,7 +255,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         app,
         allowed_hosts(settings.gateway_host, settings.extra_hosts),
         listener_token(settings, settings.gateway_host),
-        max_body_bytes=max(otlp.MAX_BODY_BYTES, TASKS_MAX_BODY_BYTES),
+        max_body_bytes=max(otlp.MAX_BODY_BYTES, MAX_BODY_BYTES),
         media_types={"/v1/traces": frozenset({otlp.PROTOBUF})},
     )
 

@@ -32,14 +32,13 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import IngressLimits, TaskRequestError, request_from_json, rollout_id_for
 from agl_stream.errors import AglError
-from agl_stream.http_serving import BodyTooLargeError, MalformedBodyError, parse_json, read_body
+from agl_stream.http_serving import MAX_BODY_BYTES, BodyTooLargeError, MalformedBodyError, parse_json, read_body
 from agl_stream.kafka.io import make_producer
 from agl_stream.logs import get_logger
 from agl_stream.models import TaskRequest
 
 log = get_logger("agl.gateway.tasks")
 
-MAX_BODY_BYTES = 32 << 20  # the gateway listener's limit too (http_serving.MAX_BODY_BYTES)
 MAX_ITEMS = 10_000
 
 

@@ -673,17 +673,24 @@ class AglStore(StoreReads):
                 self._resources = cache
         return self._resources
 
+    async def _resources_seen(self) -> ResourcesCache:
+        """The agl.resources follower, past every snapshot this client wrote (read your writes,
+        with no broker round trip: enqueues pin the latest resources on this path). Another
+        client's snapshot shows as soon as the follower reads it; an id never seen is looked
+        up to the topic's end by the cache itself."""
+        cache = await self._resources_topic()
+        own = self._fence.get(self.settings.topic("resources"))
+        if own:
+            await cache.reach(own)
+        return cache
+
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
         """The snapshot with this id, API keys included (read from agl.resources, not ClickHouse)."""
-        cache = await self._resources_topic()
-        await cache.catch_up()  # an update of the same id written before this call
-        return await cache.get(resources_id)
+        return await (await self._resources_seen()).get(resources_id)
 
     async def get_latest_resources(self) -> ResourcesUpdate | None:
         """The latest snapshot, API keys included (read from agl.resources, not ClickHouse)."""
-        cache = await self._resources_topic()
-        await cache.catch_up()
-        return cache.latest
+        return await (await self._resources_seen()).get(None)
 
     async def _publish_resources(self, update: ResourcesUpdate) -> ResourcesUpdate:
         await self._write("resources", [(update.resources_id, update)])

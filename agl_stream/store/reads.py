@@ -63,7 +63,8 @@ class StoreReads:
         return convert(rows[0]) if rows else None
 
     async def _require_rollout(self, rollout_id: str) -> None:
-        if await self.get_rollout_by_id(rollout_id) is None:
+        # Existence only: not get_rollout_by_id, whose latest-attempt query this does not need.
+        if await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state") is None:
             raise ValueError(f"unknown rollout id {rollout_id}")
 
     # -- rollouts and attempts -------------------------------------------------------------

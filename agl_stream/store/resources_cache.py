@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -76,6 +76,16 @@ class ResourcesCache:
 
         def reached() -> bool:
             return all(self._positions.get(tp.partition, 0) >= end for tp, end in ends.items())
+
+        async with self._progress:
+            await asyncio.wait_for(self._progress.wait_for(reached), timeout)
+
+    async def reach(self, offsets: Mapping[int, int], timeout: float = 30.0) -> None:
+        """Wait until the records at ``offsets`` (partition -> offset) were read: a writer's own
+        snapshots, without asking the broker anything."""
+
+        def reached() -> bool:
+            return all(self._positions.get(partition, 0) > offset for partition, offset in offsets.items())
 
         async with self._progress:
             await asyncio.wait_for(self._progress.wait_for(reached), timeout)
