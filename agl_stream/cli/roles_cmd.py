@@ -95,6 +95,8 @@ def runner(
     Example: agl-stream runner --agent my_pkg.agents:solve --concurrency 8 --workers 2
     """
     settings = settings_of(ctx)
+    if resources not in ("pinned", "latest"):
+        raise typer.BadParameter(f"{resources!r}: pinned or latest", param_hint="--resources")
     sys.path.insert(0, os.getcwd())  # agents are usually modules of the project being run
     if workers > 1:
         child_args = ["--agent", agent, "--concurrency", str(concurrency), "--grace", str(grace)]
@@ -105,8 +107,6 @@ def runner(
         return
     from consumers import runner
 
-    if resources not in ("pinned", "latest"):
-        raise typer.BadParameter(f"{resources!r}: pinned or latest", param_hint="--resources")
     options = runner.RunnerOptions(
         concurrency=concurrency,
         grace_s=grace,

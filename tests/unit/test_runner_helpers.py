@@ -53,3 +53,18 @@ def test_check_result_accepts_what_the_runner_can_record() -> None:
     for bad, message in ((True, "not bool"), ("1.0", "not str"), ({"r": 1}, "not dict"), ([span, 3], "int")):
         with pytest.raises(TypeError, match=message.split()[-1]):
             check_result(bad)
+
+
+@pytest.mark.parametrize("workers", ["1", "3"])
+def test_an_unknown_resources_mode_is_refused_before_any_runner_starts(workers: str) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from agl_stream.cli.roles_cmd import runner
+    from agl_stream.config import Settings
+
+    app = typer.Typer()
+    app.command()(runner)
+    args = ["--agent", "tests.integration.agents:llm_like", "--workers", workers, "--resources", "newest"]
+    result = CliRunner().invoke(app, args, obj=Settings())
+    assert result.exit_code == 2 and "pinned or latest" in result.output
