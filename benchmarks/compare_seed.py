@@ -89,23 +89,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from store import step_spans  # type: ignore[import-not-found]
 
+# The seed venv helper is shared with the side-by-side tests (tests/seed_venv.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.seed_venv import SEED_CHILD_ENV, SEED_REQUIREMENTS, ensure_seed_venv
+
 HERE = Path(__file__).resolve().parent
-SEED_VENV = Path.home() / ".cache" / "agl-stream" / "seed-venv"
-SEED_REQUIREMENTS = [
-    "agentlightning==0.3.0",
-    # its OpenTelemetry packages need the 1.39.1 line (0.60b1 for the contrib ones)
-    "opentelemetry-api==1.39.1",
-    "opentelemetry-sdk==1.39.1",
-    "opentelemetry-exporter-otlp==1.39.1",
-    "opentelemetry-exporter-otlp-proto-http==1.39.1",
-    "opentelemetry-exporter-otlp-proto-grpc==1.39.1",
-    "opentelemetry-exporter-otlp-proto-common==1.39.1",
-    "opentelemetry-proto==1.39.1",
-    "opentelemetry-semantic-conventions==0.60b1",
-    "opentelemetry-instrumentation==0.60b1",
-    "openai<3",
-]
-CHILD_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONUNBUFFERED": "1"}
 console = Console(stderr=True)
 
 
@@ -224,7 +212,7 @@ async def start_child(store: Store, name: str, role_args: list[str]) -> Child:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=handle,
-            env={**os.environ, **CHILD_ENV},
+            env={**os.environ, **SEED_CHILD_ENV},
             start_new_session=True,  # a Ctrl-C reaches this script only; it stops the children
         )
     return Child(name, process, log)
@@ -405,23 +393,6 @@ async def run_workload(store: Store, work: Workload, title: str) -> dict[str, An
 # ---------------------------------------------------------------------------------------------
 
 
-def ensure_seed_venv(venv: Path = SEED_VENV) -> Path:
-    """The seed venv's python; creates the venv and installs the seed on first use (stamp file)."""
-    python = venv / "bin" / "python"
-    stamp = venv / ".agl-stream-seed-stamp"
-    wanted = "\n".join(SEED_REQUIREMENTS) + "\n"
-    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
-        return python
-    with console.status(f"installing {SEED_REQUIREMENTS[0]} into {venv} (once)"):
-        if not python.exists():
-            base = getattr(sys, "_base_executable", sys.executable)
-            subprocess.run([base, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *SEED_REQUIREMENTS], check=True)
-    stamp.write_text(wanted)
-    return python
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -452,7 +423,7 @@ def seed_store(logs: Path) -> Iterator[Store]:
             [str(python.parent / "agl"), "store", "--host", "127.0.0.1", "--port", str(port)],
             stdout=handle,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **CHILD_ENV},
+            env={**os.environ, **SEED_CHILD_ENV},
             start_new_session=True,
         )
     try:

@@ -70,3 +70,11 @@ def stack_settings(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactor
         yield stack.local_stack_settings(settings)
     finally:
         stack.down(settings)
+
+
+@pytest.fixture(scope="session")
+def seed_python() -> Path:
+    """The python of the seed's own virtualenv (Agent Lightning 0.3.0 from PyPI, cached)."""
+    from tests.seed_venv import ensure_seed_venv
+
+    return ensure_seed_venv()

@@ -1,0 +1,68 @@
+"""The seed (Agent Lightning 0.3.0 from PyPI) in its own virtualenv, for side-by-side checks.
+
+Tests and benchmarks run the seed's code in a separate interpreter: its pins (OpenTelemetry
+1.39.1, its own pydantic models) must never meet ours in one process. The virtualenv lives in
+the user cache and is created on first use; a stamp holding the requirement list makes the
+call idempotent and re-installs when the list changes. Concurrent first uses (two test
+processes) serialise on a lock file beside the venv.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["SEED_CHILD_ENV", "SEED_REQUIREMENTS", "SEED_VENV", "ensure_seed_venv", "seed_site_packages"]
+
+SEED_VENV = Path(os.environ.get("AGL_SEED_VENV", Path.home() / ".cache" / "agl-stream" / "seed-venv"))
+SEED_REQUIREMENTS = [
+    "agentlightning==0.3.0",
+    # its OpenTelemetry packages need the 1.39.1 line (0.60b1 for the contrib ones)
+    "opentelemetry-api==1.39.1",
+    "opentelemetry-sdk==1.39.1",
+    "opentelemetry-exporter-otlp==1.39.1",
+    "opentelemetry-exporter-otlp-proto-http==1.39.1",
+    "opentelemetry-exporter-otlp-proto-grpc==1.39.1",
+    "opentelemetry-exporter-otlp-proto-common==1.39.1",
+    "opentelemetry-proto==1.39.1",
+    "opentelemetry-semantic-conventions==0.60b1",
+    "opentelemetry-instrumentation==0.60b1",
+    "openai<3",
+]
+# LiteLLM (a seed dependency) fetches its cost map from the internet at import unless told not to.
+SEED_CHILD_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONUNBUFFERED": "1"}
+
+
+def ensure_seed_venv(venv: Path = SEED_VENV, *, quiet: bool = True) -> Path:
+    """The seed venv's python; creates the venv and installs the seed on first use."""
+    python = venv / "bin" / "python"
+    stamp = venv / ".agl-stream-seed-stamp"
+    wanted = "\n".join(SEED_REQUIREMENTS) + "\n"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+            return python
+        pip_quiet = ["-q"] if quiet else []
+        if not python.exists():
+            base = getattr(sys, "_base_executable", sys.executable)
+            subprocess.run([base, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", *pip_quiet, "--upgrade", "pip"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", *pip_quiet, *SEED_REQUIREMENTS], check=True)
+        stamp.write_text(wanted)
+    return python
+
+
+def seed_site_packages(python: Path) -> Path:
+    """Where the seed's sources are, to read its behaviour (never imported into this process)."""
+    out = subprocess.run(
+        [str(python), "-c", "import agentlightning, pathlib; print(pathlib.Path(agentlightning.__file__).parent)"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **SEED_CHILD_ENV},
+    )
+    return Path(out.stdout.strip())
