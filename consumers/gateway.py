@@ -21,6 +21,8 @@ HTTP API (JSON):
   tagged with ``agentlightning.rollout_id``/``agentlightning.attempt_id`` are written to agl.spans
   through the gateway's own store client (semantics in agl_stream/trace_ingest.py, shared with
   the Kafka consumer of consumers/otlp_kafka.py; decoding is agl_stream/otlp.py).
+- ``/v1/agl/...``: Agent Lightning's store REST API (the seed's ``LightningStoreClient`` works
+  against it), mapped onto that same store client (consumers/gateway_agl.py).
 
 Read-only is the engine's doing, not ours: query clients run with the ClickHouse setting
 ``readonly=1`` (``readonly=2`` on a server, where per-request settings must pass), which refuses
@@ -72,6 +74,7 @@ from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
+from consumers.gateway_agl import agl_router
 from consumers.gateway_sql import (
     FunctionPolicy,
     SqlLimits,
@@ -345,6 +348,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         return Response(otlp.export_response(rejected, message, encoding), media_type=media_type)
 
     app.include_router(tasks_router(gateway.tasks, lambda: gateway.stopping))
+    app.include_router(agl_router(gateway.traces.store, lambda: gateway.stopping))
 
     app.include_router(sql_router(settings, lambda: gateway.stopping))
     return app
