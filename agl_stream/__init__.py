@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from agl_stream.algorithm import Algorithm, Baseline, FastAlgorithm, algo
 from agl_stream.emitters import (
     emit_annotation,
     emit_exception,
@@ -56,6 +57,7 @@ from agl_stream.store.types import (
     Task,
     TaskInput,
 )
+from agl_stream.trainer import FitResult, Trainer
 
 # The seed's names for the store and its descriptions: code written against it runs as it is.
 LightningStore = AglStore
@@ -66,10 +68,14 @@ __all__ = [
     "LLM",
     "UNSET",
     "AglStore",
+    "Algorithm",
     "Attempt",
     "AttemptStatus",
     "AttemptedRollout",
+    "Baseline",
     "EnqueueRolloutRequest",
+    "FastAlgorithm",
+    "FitResult",
     "FunctionalLitAgent",
     "Hook",
     "LightningStore",
@@ -92,9 +98,11 @@ __all__ = [
     "Task",
     "TaskInput",
     "TraceStatus",
+    "Trainer",
     "Triplet",
     "Worker",
     "WorkerStatus",
+    "algo",
     "connect",
     "emit_annotation",
     "emit_exception",

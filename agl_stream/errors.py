@@ -73,3 +73,16 @@ class QueryError(ReadSideError):
 
 class GatewayUnavailableError(ReadSideError):
     """No gateway answers where one was expected; start the stack with `agl-stream up`."""
+
+
+class DatasetError(AglError, ValueError):
+    """A dataset cannot be read, or holds a task that is not JSON (tasks travel as JSON)."""
+
+
+class AlgorithmError(AglError, TypeError):
+    """Not an algorithm (or not one this call accepts), or an unknown algorithm name."""
+
+
+class TrainerError(AglError):
+    """A training run cannot go on: a runner exited, the agent cannot reach the runner processes,
+    or ``fit`` was called where it cannot run (inside a running event loop)."""

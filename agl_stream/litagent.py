@@ -82,6 +82,14 @@ class LitAgent(Generic[T]):
     def tracer(self) -> Any:
         return self.get_tracer()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A Trainer ships the agent to runner processes by pickling it: the runner and trainer
+        # it is attached to here stay here (weak references cannot be pickled anyway).
+        state = dict(vars(self))
+        state.pop("_runner_ref", None)
+        state.pop("_trainer_ref", None)
+        return state
+
     def is_async(self) -> bool:
         """Whether the runner should await the ``_async`` methods (true when any is overridden)."""
         cls = type(self)

@@ -1,13 +1,23 @@
-"""Start and stop agl-stream roles as child processes (the local stack, the demo, tests)."""
+"""Start and stop agl-stream roles as child processes (the local stack, the demo, the Trainer, tests).
+
+Concurrency model: plain functions, and :class:`RoleGroup`, which one thread uses to start and
+stop the processes of one run.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import TracebackType
+
+import httpx
 
 from agl_stream.config import SECRETS_DIR_ENV, Settings
 
@@ -53,9 +63,15 @@ def role_environment(settings: Settings, role: str | None = None) -> dict[str, s
     return env
 
 
-def start_role(settings: Settings, *args: str, log_path: Path) -> subprocess.Popen[bytes]:
-    """Start ``agl-stream <args>`` with these settings; its output goes to ``log_path``."""
-    env = role_environment(settings, args[0] if args else None)
+def start_role(
+    settings: Settings, *args: str, log_path: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``agl-stream <args>`` with these settings; its output goes to ``log_path``.
+
+    ``env``: variables set on top of :func:`role_environment` (never secrets: see there).
+    """
+    base = role_environment(settings, args[0] if args else None)
+    env = {**base, **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
@@ -85,3 +101,93 @@ def role_alive(pid: int) -> bool:
     except OSError:
         return False
     return b"agl_stream" in cmdline  # a zombie's cmdline is empty
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    """The end of a role's log (empty when it wrote none)."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+class RoleExitedError(RuntimeError):
+    """A role this group started exited while it was still needed."""
+
+
+class RoleGroup:
+    """The roles one run starts, stopped together on the way out (also on Ctrl-C or an error).
+
+    Roles stop in the reverse order of their start, so the runners (started last) finish their
+    attempts while what they call is still up; consecutive processes of one role (``n``
+    runners) are signalled together, so they drain in parallel.
+    """
+
+    def __init__(self, settings: Settings, log_dir: Path) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}  # by name, in start order
+        self.roles: dict[str, str] = {}  # name -> role (the command)
+
+    def start(self, *args: str, name: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+        if name in self.processes:
+            raise ValueError(f"a role named {name!r} was started already")
+        process = start_role(self.settings, *args, log_path=self.log_path(name), env=env)
+        self.processes[name] = process
+        self.roles[name] = args[0] if args else ""
+        return process
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def pids(self) -> dict[str, int]:
+        return {name: process.pid for name, process in self.processes.items()}
+
+    def exited(self) -> dict[str, int]:
+        """The processes that have exited, with their exit codes."""
+        codes = {name: process.poll() for name, process in self.processes.items()}
+        return {name: code for name, code in codes.items() if code is not None}
+
+    def wait_http(self, name: str, url: str, timeout: float = 120.0) -> None:
+        """Return once ``url`` answers 200; RoleExitedError if the role exits first."""
+        process = self.processes[name]
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return
+            if process.poll() is not None:
+                raise RoleExitedError(
+                    f"{name} exited with code {process.returncode}; its log ends with:\n{log_tail(self.log_path(name))}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not answer {url} within {timeout:.0f}s (log: {self.log_path(name)})")
+            time.sleep(0.2)  # another process starting up: nothing to be notified by
+
+    def stop(self, timeout: float = 30.0) -> dict[str, int]:
+        """SIGTERM each role (newest first), SIGKILL what outlives ``timeout``; the exit codes."""
+        names = list(reversed(self.processes))
+        while names:
+            role = self.roles[names[0]]
+            batch = []
+            while names and self.roles[names[0]] == role:
+                batch.append(self.processes[names.pop(0)])
+            for process in batch:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for process in batch:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        return {name: process.returncode for name, process in self.processes.items()}
+
+    def __enter__(self) -> RoleGroup:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()

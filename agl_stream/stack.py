@@ -10,14 +10,17 @@ a role again when it exits; ``stack.json`` holds the pids they started with, the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel
@@ -250,3 +253,74 @@ def status(settings: Settings) -> dict[str, str]:
     if stack.gateway_url:
         parts["gateway"] += f" at {stack.gateway_url}" if _gateway_ready(settings) else " but not answering"
     return parts
+
+
+SessionMode = Literal["auto", "attach", "start"]
+
+
+def session_plan(mode: SessionMode, *, stack_running: bool, gateway_configured: bool) -> Literal["attach", "start"]:
+    """Whether a run attaches to a running cluster or starts (and later stops) the local stack.
+
+    Attach: a stack ``up`` started for this data dir runs, or AGL_GATEWAY_URL names the read side
+    of a deployed cluster (its processor and gateway run elsewhere). Start: otherwise; the
+    broker too unless AGL_KAFKA_BOOTSTRAP names one (as ``up`` does). ``mode`` forces either.
+    """
+    if mode not in ("auto", "attach", "start"):
+        raise StackError(f"stack mode {mode!r}: auto, attach or start")
+    if mode == "start":
+        if stack_running:
+            raise StackError(
+                "a stack `agl-stream up` started runs for this data dir: attach to it, or stop it (`agl-stream down`)"
+            )
+        return "start"
+    if stack_running or gateway_configured:
+        return "attach"
+    if mode == "attach":
+        raise StackError(
+            "nothing to attach to: no stack runs for this data dir (`agl-stream up`) and AGL_GATEWAY_URL is not set"
+        )
+    return "start"
+
+
+@dataclass
+class StackSession:
+    """The stack a run uses: ``settings`` reach it; ``owned`` when the run started it (and stops it)."""
+
+    settings: Settings
+    owned: bool
+    pids: dict[str, int]  # what the run started (empty when attached); restarted roles added on close
+
+
+def open_session(
+    settings: Settings, *, mode: SessionMode = "auto", training: bool = False, timeout: float = 120.0
+) -> StackSession:
+    """Attach to the running cluster, or start the local stack (see :func:`session_plan`)."""
+    existing = read_stack(settings)
+    plan = session_plan(
+        mode, stack_running=existing is not None and _running(existing), gateway_configured=bool(settings.gateway_url)
+    )
+    if plan == "attach":
+        return StackSession(local_stack_settings(settings), owned=False, pids={})
+    info = up(settings, timeout=timeout, training=training)
+    return StackSession(local_stack_settings(settings), owned=True, pids=dict(info.pids))
+
+
+def close_session(session: StackSession, settings: Settings) -> list[str]:
+    """Stop the stack if the session started it (``settings``: those it was opened with)."""
+    if not session.owned:
+        return []
+    running = read_status(settings.run_dir)
+    session.pids.update({f"{role} (now)": state.pid for role, state in running.items() if state.pid is not None})
+    return down(settings)
+
+
+@contextlib.contextmanager
+def session(
+    settings: Settings, *, mode: SessionMode = "auto", training: bool = False, timeout: float = 120.0
+) -> Iterator[StackSession]:
+    """:func:`open_session` and, on the way out (also on Ctrl-C or an error), :func:`close_session`."""
+    opened = open_session(settings, mode=mode, training=training, timeout=timeout)
+    try:
+        yield opened
+    finally:
+        close_session(opened, settings)

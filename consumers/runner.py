@@ -27,11 +27,13 @@ import contextlib
 import functools
 import importlib
 import os
+import pickle
 import signal
 import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from agl_stream.config import Settings
@@ -94,6 +96,45 @@ def load_agent(spec: str) -> LitAgent[Any]:
     if callable(target):
         return FunctionalLitAgent(target)
     raise ValueError(f"--agent {spec} is a {type(target).__name__}, not a LitAgent, LitAgent class or function")
+
+
+AGENT_FILE_FORMAT = 1
+"""The layout of an agent file (``agl-stream runner --agent-file``), written by the Trainer
+(:mod:`agl_stream.trainer.shipping`): a pickled dict ``{"format": 1, "agent": LitAgent | None,
+"agent_spec": "pkg.module:name" | None, "hooks": [Hook, ...]}``."""
+
+
+def load_agent_file(path: Path) -> tuple[LitAgent[Any], list[Hook]]:
+    """The agent and runner hooks a Trainer wrote to ``path`` (ValueError says what is wrong).
+
+    Unpickling runs code named by the file, so a runner loads only the file its command line
+    names: one its own user's Trainer wrote (0600, in the data dir).
+    """
+    try:
+        with open(path, "rb") as file:
+            payload = pickle.load(file)
+    except OSError as error:
+        raise ValueError(f"cannot read the agent file {path}: {error}") from error
+    except Exception as error:  # unpickling imports modules and calls constructors: anything may fail
+        raise ValueError(
+            f"cannot load the agent from {path}: {type(error).__name__}: {error} (the runner imports what the "
+            "agent's code imports: run it from the same project and virtualenv as the Trainer)"
+        ) from error
+    if not isinstance(payload, dict) or payload.get("format") != AGENT_FILE_FORMAT:
+        raise ValueError(f"{path} is not an agent file of format {AGENT_FILE_FORMAT}")
+    hooks = list(payload.get("hooks") or [])
+    odd = [type(hook).__name__ for hook in hooks if not isinstance(hook, Hook)]
+    if odd:
+        raise ValueError(f"{path}: hooks must be agl_stream.Hook instances, got {odd}")
+    agent = payload.get("agent")
+    if agent is None:
+        spec = payload.get("agent_spec")
+        if not isinstance(spec, str):
+            raise ValueError(f"{path} names no agent")
+        return load_agent(spec), hooks
+    if not isinstance(agent, LitAgent):
+        raise ValueError(f"{path} holds a {type(agent).__name__}, not a LitAgent")
+    return agent, hooks
 
 
 def _final_reward(spans: list[Span]) -> float | str | None:
@@ -342,23 +383,27 @@ def _give_back_if(stop: asyncio.Event, slots: asyncio.Semaphore) -> bool:
     return False
 
 
-async def run_runner(agent: LitAgent[Any], settings: Settings, options: RunnerOptions) -> RunnerStats:
+async def run_runner(
+    agent: LitAgent[Any], settings: Settings, options: RunnerOptions, hooks: Sequence[Hook] = ()
+) -> RunnerStats:
     """Run until SIGTERM/SIGINT (or ``max_rollouts``), then drain and stop."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        return await Runner(agent, settings, options).run(stop)
+        return await Runner(agent, settings, options, hooks).run(stop)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
 
 
-def main(settings: Settings, agent_spec: str, options: RunnerOptions) -> None:
-    agent = load_agent(agent_spec)
+def main(settings: Settings, agent: str | LitAgent[Any], options: RunnerOptions, hooks: Sequence[Hook] = ()) -> None:
+    """Run ``agent`` (a LitAgent, or its ``pkg.module:name``) with ``hooks`` until SIGTERM/SIGINT."""
+    if isinstance(agent, str):
+        agent = load_agent(agent)
     log_llm_requests()
-    stats = asyncio.run(run_runner(agent, settings, options))
+    stats = asyncio.run(run_runner(agent, settings, options, hooks))
     print(
         f"runner {options.worker_id}: claimed {stats.claimed}, succeeded {stats.succeeded}, "
         f"failed {stats.failed}, released {stats.released}",

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -61,9 +62,16 @@ def processor(
 def runner(
     ctx: typer.Context,
     agent: Annotated[
-        str,
+        str | None,
         typer.Option(help="The agent as pkg.module:name (a LitAgent, LitAgent subclass or @rollout function)."),
-    ],
+    ] = None,
+    agent_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Instead of --agent: a file a Trainer wrote (the pickled agent and runner hooks); "
+            "only load files your own Trainer wrote: unpickling runs the code they name.",
+        ),
+    ] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Attempts one runner process runs at once.")] = 4,
     workers: Annotated[int, typer.Option(min=1, help="Runner processes to start (one group member each).")] = 1,
     grace: Annotated[
@@ -97,9 +105,12 @@ def runner(
     settings = settings_of(ctx)
     if resources not in ("pinned", "latest"):
         raise typer.BadParameter(f"{resources!r}: pinned or latest", param_hint="--resources")
+    if (agent is None) == (agent_file is None):
+        raise typer.BadParameter("give the agent with either --agent or --agent-file", param_hint="--agent")
     sys.path.insert(0, os.getcwd())  # agents are usually modules of the project being run
     if workers > 1:
-        child_args = ["--agent", agent, "--concurrency", str(concurrency), "--grace", str(grace)]
+        child_args = ["--agent", agent] if agent is not None else ["--agent-file", str(agent_file)]
+        child_args += ["--concurrency", str(concurrency), "--grace", str(grace)]
         child_args += ["--heartbeat-interval", str(heartbeat_interval)]
         child_args += ["--max-rollouts", str(max_rollouts)] if max_rollouts else []
         child_args += ["--resources", resources]
@@ -117,10 +128,14 @@ def runner(
     if worker_id:
         options.worker_id = worker_id
     try:
-        runner.load_agent(agent)
+        if agent_file is not None:
+            loaded, hooks = runner.load_agent_file(agent_file)
+        else:
+            assert agent is not None
+            loaded, hooks = runner.load_agent(agent), []
     except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="--agent") from error
-    runner.main(settings, agent, options)
+        raise typer.BadParameter(str(error), param_hint="--agent-file" if agent_file else "--agent") from error
+    runner.main(settings, loaded, options, hooks)
 
 
 def _supervise_runners(settings: Settings, workers: int, child_args: list[str]) -> None:

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -30,7 +27,7 @@ from agl_stream import stack
 from agl_stream.config import Settings
 from agl_stream.demo.task import PROMPTS
 from agl_stream.kafka import broker
-from agl_stream.processes import start_role, stop_role
+from agl_stream.processes import RoleGroup
 from agl_stream.store.client import AglStore
 
 GROUP = 8  # samples per task: one GRPO group
@@ -74,85 +71,67 @@ class DemoResult:
         return mean(self.versions[:window]), mean(self.versions[-window:])
 
 
-def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        if process.poll() is not None:
-            raise RuntimeError(f"{log.stem} exited; its log ends with:\n{log.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{log.stem} did not answer {url} within {timeout:.0f}s (log: {log})")
-        time.sleep(0.2)  # another process starting up
-
-
 @contextlib.contextmanager
 def running_loop(settings: Settings, console: Console) -> Iterator[Settings]:
-    """Start every role; stop them all on the way out."""
-    started: list[subprocess.Popen[bytes]] = []
-    logs = settings.data_dir / "logs"
+    """Start every role; stop them all on the way out (a stack `up` started is used, and left running)."""
     with console.status("starting the local stack (broker, topics, processor, gateway) ..."):
-        stack.up(settings, training=False)
+        opened = stack.open_session(settings)
     try:
-        running = stack.local_stack_settings(settings)
+        running = opened.settings
         model_port, proxy_port = broker.free_ports(2)
         proxy_url = f"http://127.0.0.1:{proxy_port}/v1"
-
-        def role(*args: str, name: str) -> subprocess.Popen[bytes]:
-            process = start_role(running, *args, log_path=logs / f"{name}.log")
-            started.append(process)
-            return process
-
-        with console.status("starting the triplet builder, batcher, trainer, model, proxy and runner ..."):
-            role("triplets", "--settle", "2", name="triplets")
-            role(
-                "batcher",
-                "--group-size",
-                str(GROUP),
-                "--max-rollouts",
-                str(GROUP * GROUPS_PER_ROUND),
-                "--linger",
-                "5",
-                name="batcher",
-            )
-            role(
-                "trainer",
-                "--checkpoints",
-                str(settings.data_dir / "checkpoints"),
-                "--model-name",
-                MODEL,
-                "--proxy-endpoint",
-                proxy_url,
-                name="trainer",
-            )
-            model = role("inference", "--port", str(model_port), "--model-name", MODEL, name="inference")
-            _wait_http(f"http://127.0.0.1:{model_port}/health", model, logs / "inference.log")
-            proxy = role(
-                "llm-proxy",
-                "--port",
-                str(proxy_port),
-                "--backend",
-                f"{MODEL}=http://127.0.0.1:{model_port}/v1",
-                name="llm-proxy",
-            )
-            _wait_http(f"http://127.0.0.1:{proxy_port}/health", proxy, logs / "llm-proxy.log")
-            role(
-                "runner",
-                "--agent",
-                "agl_stream.demo.task:digits",
-                "--concurrency",
-                "16",
-                "--resources",
-                "latest",
-                name="runner",
-            )
-        yield running
+        roles = RoleGroup(running, settings.data_dir / "logs")
+        try:
+            with console.status("starting the triplet builder, batcher, trainer, model, proxy and runner ..."):
+                roles.start("triplets", "--settle", "2", name="triplets")
+                roles.start(
+                    "batcher",
+                    "--group-size",
+                    str(GROUP),
+                    "--max-rollouts",
+                    str(GROUP * GROUPS_PER_ROUND),
+                    "--linger",
+                    "5",
+                    name="batcher",
+                )
+                roles.start(
+                    "trainer",
+                    "--checkpoints",
+                    str(settings.data_dir / "checkpoints"),
+                    "--model-name",
+                    MODEL,
+                    "--proxy-endpoint",
+                    proxy_url,
+                    name="trainer",
+                )
+                roles.start("inference", "--port", str(model_port), "--model-name", MODEL, name="inference")
+                roles.wait_http("inference", f"http://127.0.0.1:{model_port}/health")
+                roles.start(
+                    "llm-proxy",
+                    "--port",
+                    str(proxy_port),
+                    "--backend",
+                    f"{MODEL}=http://127.0.0.1:{model_port}/v1",
+                    name="llm-proxy",
+                )
+                roles.wait_http("llm-proxy", f"http://127.0.0.1:{proxy_port}/health")
+                roles.start(
+                    "runner",
+                    "--agent",
+                    "agl_stream.demo.task:digits",
+                    "--concurrency",
+                    "16",
+                    "--resources",
+                    "latest",
+                    name="runner",
+                )
+            yield running
+        finally:
+            with console.status("stopping everything the demo started ..."):
+                roles.stop(timeout=30)
     finally:
-        with console.status("stopping everything the demo started ..."):
-            for process in reversed(started):
-                stop_role(process, timeout=30)
-            stack.down(settings)
+        with console.status("stopping the local stack ..."):
+            stack.close_session(opened, settings)
 
 
 async def _reward_by_version(store: AglStore, settings: Settings) -> list[tuple[int, int, float]]:

@@ -13,7 +13,8 @@ from agl_stream.models import Rollout
 
 # The seed's public names for the store, agents and types (agentlightning 0.3.0, written here).
 SEED_NAMES = [
-    "Attempt", "AttemptStatus", "AttemptedRollout", "EnqueueRolloutRequest", "Hook", "LLM", "LitAgent",
+    "Algorithm", "Attempt", "AttemptStatus", "AttemptedRollout", "Baseline", "EnqueueRolloutRequest",
+    "FastAlgorithm", "Hook", "LLM", "LitAgent", "Trainer", "algo",
     "LightningStore", "LightningStoreCapabilities", "LightningStoreStatistics", "NamedResources",
     "OtelResource", "PromptTemplate", "ProxyLLM", "Resource", "ResourcesUpdate", "Rollout", "RolloutConfig",
     "RolloutMode", "RolloutStatus", "Span", "SpanContext", "StatusCode", "Task", "TaskInput", "TraceStatus",
