@@ -107,6 +107,8 @@ class AglStore(StoreReads):
         # copy has its API keys redacted (anyone with SQL access reads that table).
         self._resources: ResourcesCache | None = None
         self._reported_unknown: set[str] = set()  # ids wait_for_rollouts warned about once
+        # Workers whose empty claim this client recorded, with that record (see _mark_idle).
+        self._idle_marked: dict[str, Worker] = {}
         self._resources_started = asyncio.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -294,7 +296,8 @@ class AglStore(StoreReads):
             resources_id=resources_id,
             status="queuing",
             config=(config or RolloutConfig()).model_copy(deep=True),
-            metadata=None if metadata is None else dict(metadata),
+            # An empty mapping when none is given, as the seed's stores record it.
+            metadata={} if metadata is None else dict(metadata),
         )
 
     async def start_rollout(
@@ -324,6 +327,8 @@ class AglStore(StoreReads):
             worker_id=worker_id,
         )
         state = await self._request(rollout.rollout_id, RolloutEnqueued(rollout=rollout, attempt=attempt))
+        if worker_id is not None:
+            self._idle_marked.pop(worker_id, None)
         return _attempted(state)
 
     async def enqueue_rollout(
@@ -394,16 +399,53 @@ class AglStore(StoreReads):
                     reply.cancel()
             if answer.outcome == "applied" and answer.state is not None:
                 self._claim_partition = partition  # a processor with work: ask it first next time
+                if worker_id is not None:
+                    self._idle_marked.pop(worker_id, None)
                 return _attempted(answer.state, claim_attempt_id(request.request_id))
             covered |= {partition, *answer.covered_partitions}
             self._claim_partition = partition + 1
+        if worker_id is not None and worker_id not in self._idle_marked:
+            try:
+                await self._mark_idle(worker_id)
+            except Exception as error:  # bookkeeping: the claim's answer stands; the next empty claim retries
+                log.warning("could not record an idle worker", worker_id=worker_id, error=str(error))
         return None
 
-    async def start_attempt(self, rollout_id: str) -> AttemptedRollout:
-        """Start a new attempt of ``rollout_id`` outside the queue (a manual retry); the rollout
-        with that attempt, once folded. ValueError for an unknown or finished rollout."""
-        attempt = Attempt(rollout_id=rollout_id, attempt_id=new_attempt_id(), sequence_id=1, start_time=time.time())
+    async def _mark_idle(self, worker_id: str) -> None:
+        """A claim that found nothing leaves its worker idle, as the seed's stores record it: a
+        worker record with the claim's time, which reads prefer to the worker's attempts while
+        it is the newer (see StoreQueries.workers). Once per idle spell of this client's worker
+        (a runner's long polls would otherwise write it every poll); the next claim, start or
+        start_attempt for the worker ends the spell."""
+        current = await self.get_worker_by_id(worker_id) or Worker(worker_id=worker_id)
+        now = time.time()
+        # The rest as it stands (the seed changes status and times only: a worker idle after an
+        # empty claim still names the attempt it last ran, if it never finished).
+        idle_since = current.last_idle_time if current.status == "idle" else None
+        record = current.model_copy(
+            update={
+                "status": "idle",
+                "last_dequeue_time": now,
+                "last_idle_time": idle_since if idle_since is not None else now,
+            }
+        )
+        await self._write("workers", [(worker_id, record)])
+        self._idle_marked[worker_id] = record
+
+    async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
+        """Start a new attempt of ``rollout_id`` outside the queue (a manual retry, on a rollout
+        in any status); the rollout with that attempt, once folded. ``worker_id`` is the worker
+        that runs it (busy on that attempt from now on). ValueError for an unknown rollout."""
+        attempt = Attempt(
+            rollout_id=rollout_id,
+            attempt_id=new_attempt_id(),
+            sequence_id=1,
+            start_time=time.time(),
+            worker_id=worker_id,
+        )
         state = await self._request(rollout_id, AttemptStarted(attempt=attempt, manual=True))
+        if worker_id is not None:
+            self._idle_marked.pop(worker_id, None)
         return _attempted(state, attempt.attempt_id)
 
     async def update_rollout(
@@ -542,8 +584,9 @@ class AglStore(StoreReads):
         The contract wants a ValueError for spans of an unknown rollout or attempt. An attempt
         this client has seen in an answer (it claimed or started it, or updated it) exists, so
         its spans and heartbeats only wait for the broker, like ``export_spans``: one produce
-        round trip instead of a round trip through the processor. Spans of other attempts wait
-        for the processor's verdict on their heartbeats.
+        round trip instead of a round trip through the processor. Spans of other attempts are
+        written once the processor applied their heartbeats: a rejected one raises and none of
+        the spans is stored.
         """
         if not spans:
             return []
@@ -551,8 +594,9 @@ class AglStore(StoreReads):
         if all((rid, beat.attempt_id) in self._known_attempts for rid, beat in beats):
             await self.export_spans(spans)
         else:
-            await self._write_spans(spans)
+            # The verdict first: spans of an attempt no store knows are refused, not stored.
             await self._acknowledged(beats)
+            await self._write_spans(spans)
         return list(spans)
 
     async def export_spans(self, spans: Sequence[Span]) -> None:
@@ -586,7 +630,9 @@ class AglStore(StoreReads):
         ]
         acks = await self._send_events(beats)
         if worker_id is not None:
-            record = Worker(worker_id=worker_id, heartbeat_stats=heartbeat_stats, last_heartbeat_time=time.time())
+            update = {"heartbeat_stats": heartbeat_stats, "last_heartbeat_time": time.time()}
+            marked = self._idle_marked.get(worker_id)  # keeps the record of an empty claim
+            record = Worker(worker_id=worker_id, **update) if marked is None else marked.model_copy(update=update)
             await self._write("workers", [(worker_id, record)])
         await self._await_acks(acks)
 
@@ -721,10 +767,14 @@ class AglStore(StoreReads):
         return await self._publish_resources(update)
 
     async def update_worker(self, worker_id: str, heartbeat_stats: Any = UNSET) -> Worker:
-        """A heartbeat: stats and time. Status and assignment follow from the worker's attempts."""
+        """A heartbeat: stats and time. Status and assignment follow from the worker's attempts
+        and claims, so the record carries them over as they stand."""
         current = await self.get_worker_by_id(worker_id)
         stats = (current.heartbeat_stats if current else None) if heartbeat_stats is UNSET else heartbeat_stats
-        record = Worker(worker_id=worker_id, heartbeat_stats=stats, last_heartbeat_time=time.time())
+        base = current if current is not None else Worker(worker_id=worker_id)
+        record = base.model_copy(update={"heartbeat_stats": stats, "last_heartbeat_time": time.time()})
+        if worker_id in self._idle_marked:
+            self._idle_marked[worker_id] = record
         await self._write("workers", [(worker_id, record)])
         worker = await self.get_worker_by_id(worker_id)
         assert worker is not None

@@ -406,8 +406,11 @@ class StoreQueries:
         unresponsive|timeout -> unknown, otherwise busy (and assigned to it);
         last_dequeue_time is its latest attempt start, last_busy_time its latest activity on
         any attempt, last_idle_time the latest end of an attempt that succeeded or failed. A
-        worker without attempts is what its last heartbeat says (status "unknown" if none).
-        heartbeat_stats and last_heartbeat_time always come from the heartbeat.
+        claim that found nothing (the client writes an "idle" record with the claim's time as
+        last_dequeue_time) makes it idle, unassigned, with that record's dequeue and idle
+        times, while that claim is newer than its latest attempt's start, as the seed's stores
+        do. A worker without attempts is what its last heartbeat says (status "unknown" if
+        none). heartbeat_stats and last_heartbeat_time always come from the heartbeat.
         """
         hb_where = att_where = ""
         if worker_id is not None:
@@ -417,17 +420,19 @@ class StoreQueries:
         return f"""
 SELECT
     worker_id,
+    attempts = 0 OR (ifNull(hb_status, '') = 'idle' AND ifNull(hb_dequeue_time, 0) > at_dequeue_time) AS as_recorded,
     multiIf(attempts = 0, ifNull(hb_status, 'unknown'),
+            as_recorded, 'idle',
             latest.3 IN ('succeeded', 'failed'), 'idle',
             latest.3 IN ('unresponsive', 'timeout'), 'unknown',
             'busy') AS status,
     heartbeat_stats,
     last_heartbeat_time,
-    if(attempts = 0, hb_dequeue_time, at_dequeue_time) AS last_dequeue_time,
+    if(as_recorded, hb_dequeue_time, at_dequeue_time) AS last_dequeue_time,
     if(attempts = 0, hb_busy_time, at_busy_time) AS last_busy_time,
-    if(attempts = 0, hb_idle_time, at_idle_time) AS last_idle_time,
-    if(attempts = 0, hb_rollout_id, if(status = 'busy', latest.1, NULL)) AS current_rollout_id,
-    if(attempts = 0, hb_attempt_id, if(status = 'busy', latest.2, NULL)) AS current_attempt_id
+    if(as_recorded, hb_idle_time, at_idle_time) AS last_idle_time,
+    if(as_recorded, hb_rollout_id, if(status = 'busy', latest.1, NULL)) AS current_rollout_id,
+    if(as_recorded, hb_attempt_id, if(status = 'busy', latest.2, NULL)) AS current_attempt_id
 FROM (
     SELECT
         worker_id,

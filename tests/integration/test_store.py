@@ -344,6 +344,40 @@ async def test_workers_follow_their_attempts(store: AglStore) -> None:
     assert stats["total_rollouts"] >= 1 and stats["total_workers"] >= 1
 
 
+async def test_an_empty_claim_leaves_its_worker_idle_as_the_seed_does(store: AglStore) -> None:
+    await _drain(store)
+    fresh, worker = f"w-{uuid.uuid4().hex[:6]}", f"w-{uuid.uuid4().hex[:6]}"
+    assert await store.dequeue_rollout(worker_id=fresh) is None
+    idle = await store.get_worker_by_id(fresh)
+    assert idle is not None and idle.status == "idle" and idle.last_dequeue_time is not None
+    rollout = await store.enqueue_rollout({"idle": worker})
+    claimed = await store.dequeue_rollout(worker_id=worker)
+    assert claimed is not None and claimed.rollout_id == rollout.rollout_id
+    assert (await store.get_worker_by_id(worker)).status == "busy"  # type: ignore[union-attr]
+    # Nothing left to claim: idle, though it still names the attempt it runs (the seed's rule).
+    assert await store.dequeue_rollout(worker_id=worker) is None
+    after = await store.get_worker_by_id(worker)
+    assert after is not None and after.status == "idle"
+    assert (after.current_rollout_id, after.current_attempt_id) == (rollout.rollout_id, claimed.attempt.attempt_id)
+    beat = await store.update_worker(worker, heartbeat_stats={"load": 1})  # a heartbeat keeps it idle
+    assert beat.status == "idle" and beat.heartbeat_stats == {"load": 1}
+    again = await store.start_attempt(rollout.rollout_id, worker_id=worker)  # busy on its new attempt
+    busy = await store.get_worker_by_id(worker)
+    assert busy is not None and busy.status == "busy" and busy.current_attempt_id == again.attempt.attempt_id
+    assert busy.heartbeat_stats == {"load": 1}
+
+
+async def test_spans_of_an_unknown_attempt_are_refused_and_not_stored(store: AglStore) -> None:
+    started = await store.start_rollout({"refused": "spans"})
+    assert started.metadata == {}  # none given: an empty mapping, as the seed stores it
+    with pytest.raises(ValueError, match="attempt"):
+        await store.add_many_spans([_span(started.rollout_id, "at-00000bad", 1)])
+    await store.add_span(_span(started.rollout_id, started.attempt.attempt_id, 2))
+    assert [(s.attempt_id, s.sequence_id) for s in await store.query_spans(started.rollout_id)] == [
+        (started.attempt.attempt_id, 2)
+    ]
+
+
 async def test_add_otel_span_assigns_sequence_ids_and_spans_filter(store: AglStore) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
