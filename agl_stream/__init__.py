@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from agl_stream.algorithm import Algorithm, Baseline, FastAlgorithm, algo
+from agl_stream.algorithm import VERL, Algorithm, Baseline, FastAlgorithm, algo
 from agl_stream.emitters import (
     emit_annotation,
     emit_exception,
@@ -67,6 +67,7 @@ LightningStoreStatistics = StoreStatistics
 __all__ = [
     "LLM",
     "UNSET",
+    "VERL",
     "AglStore",
     "Algorithm",
     "Attempt",

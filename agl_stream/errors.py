@@ -86,3 +86,15 @@ class AlgorithmError(AglError, TypeError):
 class TrainerError(AglError):
     """A training run cannot go on: a runner exited, the agent cannot reach the runner processes,
     or ``fit`` was called where it cannot run (inside a running event loop)."""
+
+
+class AlgorithmConfigError(ConfigError, ValueError):
+    """An algorithm's config holds keys it cannot use: keys that do not apply here (with why),
+    unknown keys, or bad values. ``problems`` maps each such key (dotted) to what is wrong; the
+    message lists them all, so one run shows every key to fix."""
+
+    def __init__(self, algorithm: str, problems: dict[str, str]) -> None:
+        self.algorithm = algorithm
+        self.problems = dict(problems)
+        lines = "\n".join(f"  {key}: {why}" for key, why in sorted(self.problems.items()))
+        super().__init__(f"{algorithm} config: {len(self.problems)} key(s) cannot be used:\n{lines}")

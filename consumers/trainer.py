@@ -111,6 +111,35 @@ class TrainerOptions:
     max_response_length: int | None = None
     max_batches: int | None = None  # stop after training this many (tests, scripted runs)
     batches_topic: str | None = None  # full topic name; None: <prefix>.triplet-batches (live data)
+    # The policy backend's RL options (TorchBackendOptions / VerlBackendOptions fields) for a new
+    # policy; None leaves the backend's default. A resumed checkpoint keeps the options it saved.
+    adv_estimator: str | None = None
+    norm_adv_by_std_in_grpo: bool | None = None
+    clip_ratio: float | None = None
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float | None = None
+    entropy_coeff: float | None = None
+    ppo_epochs: int | None = None
+    mini_batch_size: int | None = None
+    loss_agg_mode: str | None = None
+    max_grad_norm: float | None = None
+
+
+BACKEND_OPTIONS = (
+    "adv_estimator",
+    "norm_adv_by_std_in_grpo",
+    "clip_ratio",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "entropy_coeff",
+    "ppo_epochs",
+    "mini_batch_size",
+    "loss_agg_mode",
+    "max_grad_norm",
+)
+"""TrainerOptions handed to a new policy backend as they are, when set."""
 
 
 @dataclass
@@ -354,7 +383,8 @@ def _shared_with_ranks(options: TrainerOptions, checkpoint: str | None) -> str |
 
 
 def _new_backend_options(options: TrainerOptions) -> dict[str, Any]:
-    return {"lr": options.lr, "algorithm": options.algorithm, "seed": options.seed}
+    chosen = {name: getattr(options, name) for name in BACKEND_OPTIONS if getattr(options, name) is not None}
+    return {"lr": options.lr, "algorithm": options.algorithm, "seed": options.seed, **chosen}
 
 
 def follower_main(options: TrainerOptions) -> None:

@@ -26,7 +26,9 @@ Exactly-once without transactions:
   a digest of the members); readers key on batch_id.
 
 Undecodable input goes to agl.dlq with the reason (acknowledged before its offset is
-committed), never stopping the batcher.
+committed), never stopping the batcher. Records of val and test rollouts are refused by the
+batching rules (never trained on) and counted: logged here, reported by the partition's next
+batch (``dropped_eval``).
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ class BatcherProcessor:
         now = time.time()
         rejected: list[Rejected] = []
         out: list[TripletBatch] = []
+        refused: dict[int, int] = {}  # partition -> val/test records refused in this call
         for tp, messages in batch.items():
             batcher = self.batchers.get(tp.partition)
             if batcher is None:
@@ -176,7 +179,18 @@ class BatcherProcessor:
                     batcher.skip(message.offset)
                     continue
                 self._check_key(message.key, record, tp.partition)
+                before = batcher.stats.dropped["eval"]
                 out.extend(batcher.add(record, message.offset, now))
+                if batcher.stats.dropped["eval"] > before:
+                    refused[tp.partition] = refused.get(tp.partition, 0) + 1
+        if refused:
+            # Not bad input (no DLQ): a validation rollout's record is good data for the read side.
+            # Counted here and in the next batch's dropped_eval (ClickHouse: batches.dropped_eval).
+            log.info(
+                "val/test records refused: never trained on",
+                refused=refused,
+                total=sum(b.stats.dropped["eval"] for b in self.batchers.values()),
+            )
         if rejected:
             await self._dead_letters.send_many(rejected)
         await self._send(out)
@@ -267,6 +281,7 @@ class BatcherProcessor:
                 records=len(batch.records),
                 tokens=batch.n_tokens,
                 dropped=batch.dropped_stale + batch.dropped_incomplete + batch.dropped_duplicate,
+                refused_eval=batch.dropped_eval,
             )
 
     async def recover(self, partition: int, committed: int) -> Recovery:

@@ -1,7 +1,8 @@
 """The algorithm layer: what decides which rollouts run and learns from them.
 
 ``Algorithm`` (the base), ``@algo`` (an algorithm as a function over the store), the built-ins
-by name (``ALGORITHMS``: ``Baseline``), and the datasets they run (:mod:`.datasets`). The
+by name (``ALGORITHMS``: ``Baseline``; ``VERL``, also as "grpo"), and the datasets they run
+(:mod:`.datasets`). The
 Trainer (:mod:`agl_stream.trainer`) drives an algorithm; an algorithm never drives the Trainer.
 """
 
@@ -12,9 +13,12 @@ from agl_stream.algorithm.datasets import TaskDataset, epoch_orders, load_datase
 from agl_stream.algorithm.decorator import FunctionalAlgorithm, algo
 from agl_stream.algorithm.registry import ALGORITHMS, make_algorithm, register_algorithm
 from agl_stream.algorithm.report import ModeReport, rewards_by_mode
+from agl_stream.algorithm.verl import VERL, Validation
+from agl_stream.algorithm.verl_config import VerlConfig, parse_verl_config
 
 __all__ = [
     "ALGORITHMS",
+    "VERL",
     "Algorithm",
     "Baseline",
     "BlockingStore",
@@ -25,10 +29,13 @@ __all__ = [
     "RoleSpec",
     "RunnerResources",
     "TaskDataset",
+    "Validation",
+    "VerlConfig",
     "algo",
     "epoch_orders",
     "load_dataset",
     "make_algorithm",
+    "parse_verl_config",
     "register_algorithm",
     "rewards_by_mode",
 ]

@@ -2,7 +2,8 @@
 ``Trainer(algorithm={"name": "baseline", "n_epochs": 2})``.
 
 A plain mapping of names to classes (no import strings): what is registered is what this
-package imported. Later algorithms (VERL, APO) register themselves here by name.
+package imported. ``"verl"`` and ``"grpo"`` are both :class:`VERL` (GRPO is its default
+estimator): ``Trainer(algorithm={"name": "verl", "config": {...}})``.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from typing import Any
 
 from agl_stream.algorithm.base import Algorithm
 from agl_stream.algorithm.baseline import Baseline
+from agl_stream.algorithm.verl import VERL
 from agl_stream.errors import AlgorithmError
 
 AlgorithmFactory = Callable[..., Algorithm]
 
-ALGORITHMS: dict[str, AlgorithmFactory] = {"baseline": Baseline}
+ALGORITHMS: dict[str, AlgorithmFactory] = {"baseline": Baseline, "verl": VERL, "grpo": VERL}
 """Name (lower case) -> factory taking the algorithm's keyword arguments."""
 
 

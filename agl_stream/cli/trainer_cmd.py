@@ -29,6 +29,17 @@ CONFIG_KEYS = (
     "batches_topic",
     "max_prompt_length",
     "max_response_length",
+    "adv_estimator",
+    "norm_adv_by_std_in_grpo",
+    "clip_ratio",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "entropy_coeff",
+    "ppo_epochs",
+    "mini_batch_size",
+    "loss_agg_mode",
+    "max_grad_norm",
 )
 
 
@@ -87,6 +98,24 @@ def trainer(
     max_response_length: Annotated[
         int | None, typer.Option(min=1, help="Truncate responses to this many tokens.")
     ] = None,
+    adv_estimator: Annotated[
+        str | None, typer.Option(help="VERL advantage estimator without a critic (default: the algorithm's).")
+    ] = None,
+    norm_adv_by_std_in_grpo: Annotated[
+        bool | None,
+        typer.Option("--norm-adv-by-std-in-grpo/--no-norm-adv-by-std-in-grpo", help="GRPO: divide by the group's std."),
+    ] = None,
+    clip_ratio: Annotated[float | None, typer.Option(min=0.0, help="PPO clip ratio (both sides).")] = None,
+    clip_ratio_low: Annotated[float | None, typer.Option(min=0.0, help="PPO clip ratio below 1.")] = None,
+    clip_ratio_high: Annotated[float | None, typer.Option(min=0.0, help="PPO clip ratio above 1.")] = None,
+    clip_ratio_c: Annotated[float | None, typer.Option(min=1.0, help="Dual-clip bound (negative advantages).")] = None,
+    entropy_coeff: Annotated[float | None, typer.Option(help="Weight of the entropy bonus.")] = None,
+    ppo_epochs: Annotated[int | None, typer.Option(min=1, help="Passes over each batch.")] = None,
+    mini_batch_size: Annotated[
+        int | None, typer.Option(min=1, help="Rows per optimizer step (default: the whole batch).")
+    ] = None,
+    loss_agg_mode: Annotated[str | None, typer.Option(help="VERL's loss aggregation (default token-mean).")] = None,
+    max_grad_norm: Annotated[float | None, typer.Option(min=0.0, help="Gradient norm clipping bound.")] = None,
 ) -> None:
     """Train the policy on batched triplets; publish every new version to agl.resources.
 
@@ -100,11 +129,15 @@ def trainer(
 
         torchrun --nproc-per-node 8 -m agl_stream trainer --backend verl --initial-model ./qwen --checkpoints ckpt
 
+    The RL options (--adv-estimator ... --max-grad-norm) apply to a new policy; a trainer that
+    resumes from --checkpoints keeps the options its checkpoint saved.
+
     Example config (trainer.toml):
 
         checkpoints = "ckpt"
         algorithm = "grpo"
         lr = 0.01
+        clip_ratio_high = 0.28
     """
     # By name: typer may carry its own copy of click's ParameterSource enum.
     given = {

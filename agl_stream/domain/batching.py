@@ -29,6 +29,10 @@ Rules (a :class:`BatchPolicy`):
   without a version are never stale.
 - **Duplicates.** A second record of an attempt (same rollout and attempt id) while the first
   is pending or among the recently batched ones is dropped and counted.
+- **Validation is never trained on.** A record of a ``val`` or ``test`` rollout (its ``mode``)
+  is refused on arrival and counted (``dropped_eval``), like any drop: it is good data for the
+  read side (its reward, per policy version), not bad input, so it is not dead-lettered. A
+  record without a mode (enqueued without one, or written before records carried it) trains.
 - **Counts.** Every record ends in exactly one batch or is counted as dropped: drops are
   reported (counts and offsets) by the next batch of the partition.
 - **Batch ids** are a digest of the members' (rollout_id, attempt_id) in batch order, so the
@@ -54,7 +58,11 @@ from agl_stream.models import TripletBatch, TripletRecord
 
 OnStale = Literal["drop", "keep"]
 OnGroupTimeout = Literal["flush", "drop"]
-DropReason = Literal["stale", "incomplete", "duplicate"]
+DropReason = Literal["stale", "incomplete", "duplicate", "eval"]
+
+EVAL_MODES = frozenset({"val", "test"})
+"""Rollout modes whose records the batcher refuses: validation and test rollouts measure the
+policy and must not train it."""
 
 
 @dataclass(frozen=True)
@@ -269,6 +277,9 @@ class Batcher:
             return []
         self.stats.records += 1
         self._observe_version(record.policy_version)
+        if record.mode in EVAL_MODES:
+            self._drop(offset, "eval")
+            return []
         key = (record.rollout_id, record.attempt_id)
         if key in self._pending_keys or key in self._recent:
             self._drop(offset, "duplicate")
@@ -465,6 +476,7 @@ class Batcher:
             dropped_stale=reasons["stale"],
             dropped_incomplete=reasons["incomplete"],
             dropped_duplicate=reasons["duplicate"],
+            dropped_eval=reasons["eval"],
             dropped_offsets=sorted(o for o, _ in drops),
         )
         for member in members:

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from agl_stream.models.base import AglModel, JsonObject
+from agl_stream.models.base import AglModel, JsonObject, RolloutMode
 
 
 class Triplet(AglModel):
@@ -40,6 +40,9 @@ class TripletRecord(AglModel):
     triplets: list[Triplet] = Field(default_factory=list)
     final_reward: float | None = None
     finish_time: float
+    # The rollout's mode: the batcher refuses val and test records (never trained on). None for
+    # rollouts enqueued without a mode and for records written before the field existed.
+    mode: RolloutMode | None = None
 
 
 class TripletBatch(AglModel):
@@ -65,6 +68,7 @@ class TripletBatch(AglModel):
     dropped_stale: int = 0
     dropped_incomplete: int = 0
     dropped_duplicate: int = 0
+    dropped_eval: int = 0
     dropped_offsets: list[int] = Field(default_factory=list)
 
 

@@ -6,9 +6,9 @@ A run (``fit`` or ``dev``):
 1. attaches to the running cluster (a stack ``agl-stream up`` started for the data dir, or a
    deployed one named by AGL_GATEWAY_URL), or else starts the local stack (the broker too
    unless AGL_KAFKA_BOOTSTRAP names one) and stops it at the end (:func:`agl_stream.stack.session_plan`);
-2. starts the processes the algorithm asks for (:meth:`Algorithm.roles`), then ``n_runners``
-   runner processes (``agl-stream runner``) with the agent (:mod:`agl_stream.trainer.shipping`
-   says how it gets there, and its limits);
+2. hands the algorithm its components and starts the processes it asks for
+   (:meth:`Algorithm.roles`), then ``n_runners`` runner processes (``agl-stream runner``) with
+   the agent (:mod:`agl_stream.trainer.shipping` says how it gets there, and its limits);
 3. runs the algorithm with a store of its own (:class:`RunStore`) on an event loop of its own,
    showing a live line (rollouts, reward, policy version), and watches the processes it
    started: one that exits while needed ends the run with its log's tail;
@@ -211,6 +211,8 @@ class Trainer:
     ) -> None:
         """The algorithm's roles (each ready before the next), then the runners."""
         with self._status("starting the algorithm's processes and the runners ..."):
+            if algorithm is not None:
+                self._configure(algorithm)  # roles() may depend on them (VERL: the adapter's options)
             for spec in algorithm.roles(settings) if algorithm is not None else ():
                 roles.start(*spec.args, name=spec.name)
                 if spec.health_url is not None:
@@ -273,17 +275,21 @@ class Trainer:
             log.info("no algorithm: the runners serve rollouts enqueued elsewhere until Ctrl-C")
             await asyncio.Event().wait()
             return
-        algorithm.set_trainer(self)
-        algorithm.set_adapter(self.adapter)
-        algorithm.set_llm_proxy(self.llm_proxy)
-        if self.initial_resources is not None:
-            algorithm.set_initial_resources(self.initial_resources)
+        self._configure(algorithm)
         if algorithm.is_async():
             algorithm.set_store(store)
             await algorithm.run(train_dataset=train, val_dataset=val)
             return
         algorithm.set_store(BlockingStore(store, asyncio.get_running_loop()))
         await _in_thread(lambda: algorithm.run(train_dataset=train, val_dataset=val))
+
+    def _configure(self, algorithm: Algorithm) -> None:
+        """Hand the algorithm the run's components (all but the store, which the run opens later)."""
+        algorithm.set_trainer(self)
+        algorithm.set_adapter(self.adapter)
+        algorithm.set_llm_proxy(self.llm_proxy)
+        if self.initial_resources is not None:
+            algorithm.set_initial_resources(self.initial_resources)
 
     @contextlib.contextmanager
     def _status(self, message: str) -> Iterator[None]:

@@ -238,3 +238,39 @@ async def test_partitions_move_between_live_batchers_and_from_a_dead_one(setting
         if b is not None:
             assert stop_role(b) == 0
     await check_exactly_once(settings, written, set(), complete)
+
+
+async def test_val_and_test_records_are_refused_counted_and_never_batched(settings: Settings) -> None:
+    await admin.apply(settings)
+    # Each group gets a val and a test record of its own group id between its train records: same
+    # partition, so the batch of that group reports them. Records without a mode (written before
+    # records carried it) train.
+    evaluation = [
+        member(g, k).model_copy(update={"rollout_id": f"ro-e{g:02d}{k:09x}", "mode": mode})
+        for g in range(20)
+        for k, mode in ((10, "val"), (11, "test"))
+    ]
+    train = [
+        member(g, k).model_copy(update={"mode": "train" if g % 2 else None}) for g in range(20) for k in range(GROUP)
+    ]
+    records = [r for g in range(20) for r in (*train[g * GROUP : g * GROUP + 2], *evaluation[2 * g : 2 * g + 2])]
+    records += [r for g in range(20) for r in train[g * GROUP + 2 : (g + 1) * GROUP]]
+    written = await produce(settings, records)
+    refused = {(w.partition, w.offset) for w in written if w.record.mode in ("val", "test")}
+    complete = {r.rollout_id for r in train}
+    batcher = start_batcher(settings, *OPTIONS, log_name="batcher")
+    try:
+        await wait_for_batches(settings, lambda bs: batched(bs) >= complete)
+    finally:
+        assert stop_role(batcher) == 0
+    batches = [b for _, b in await read_batches(settings)]
+    assert not batched(batches) & {r.rollout_id for r in evaluation}
+    assert {r.mode for b in batches for r in b.records} == {"train", None}
+    assert sum(b.dropped_eval for b in batches) == len(refused) == 40
+    assert {(b.source_partition, o) for b in batches for o in b.dropped_offsets} == refused
+    log = (Path(settings.data_dir) / "batcher.log").read_text(errors="replace")
+    assert "val/test records refused: never trained on" in log
+    # Decided, so committed: the group's commits reached the end of the topic.
+    ends = await end_offsets(settings, settings.topic("triplets"))
+    final = await committed_offsets(settings, group_id(settings))
+    assert {tp.partition: o for tp, o in final.items()} == {tp.partition: o for tp, o in ends.items()}

@@ -120,6 +120,34 @@ def test_triplet_records_and_batches_become_rows_and_copies_collapse(tmp_path: P
     assert empty["batch_id"] == "tb-none" and empty["mean_final_reward"] is None
 
 
+def test_the_rollouts_mode_reaches_the_rows_and_refused_val_records_are_counted(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    records = [
+        record(0, "g-a", reward=1.0).model_copy(update={"mode": "train"}),
+        record(1, "g-v", reward=0.25).model_copy(update={"mode": "val"}),
+        record(2, "g-a", reward=0.0),  # written before records carried a mode
+    ]
+    batcher = Batcher(BatchPolicy(max_rollouts=2), partition=2)
+    [batch] = [b for offset, r in enumerate(records) for b in batcher.add(r, offset, 5.0)]
+    with clickhouse(settings) as ch:
+        triplets, batches = TableSink(settings, ch, TRIPLETS), TableSink(settings, ch, TRIPLET_BATCHES)
+        triplets.prepare_tables()
+        batches.prepare_tables()
+        triplets._insert(_fetched(records), {})
+        batches._insert(_fetched([batch]), {})
+        modes = ch.query("SELECT rollout_id, mode FROM agl.triplet_records FINAL ORDER BY rollout_id").result_rows
+        triplet_modes = ch.query("SELECT DISTINCT rollout_id, mode FROM agl.triplets FINAL ORDER BY 1").result_rows
+        [row] = _rows(ch, "SELECT * FROM agl.batches FINAL")
+        view = ch.query(
+            "SELECT mode, policy_version, attempts, mean_reward FROM agl.reward_by_mode_and_version ORDER BY mode"
+        ).result_rows
+    expected = [("ro-000000000000", "train"), ("ro-000000000001", "val"), ("ro-000000000002", None)]
+    assert [tuple(m) for m in modes] == [tuple(m) for m in triplet_modes] == expected
+    assert row["rollout_ids"] == ["ro-000000000000", "ro-000000000002"]
+    assert (row["dropped_eval"], row["dropped_offsets"]) == (1, [1])
+    assert [tuple(v) for v in view] == [("train", 3, 1, 1.0), ("val", 3, 1, 0.25), (None, 3, 1, 0.0)]
+
+
 async def test_the_sinks_materialize_triplets_and_batches_from_the_topics(settings: Settings) -> None:
     await admin.apply(settings)
     records = [record(i, f"g-{i % 3}", reward=float(i)) for i in range(12)]

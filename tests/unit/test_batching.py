@@ -23,7 +23,12 @@ T0 = 1_700_000_000.0
 
 
 def rec(
-    i: int, group: str = "g", version: int | None = None, tokens: Sequence[int] = (3, 2), attempt: str | None = None
+    i: int,
+    group: str = "g",
+    version: int | None = None,
+    tokens: Sequence[int] = (3, 2),
+    attempt: str | None = None,
+    mode: Any = None,
 ) -> TripletRecord:
     """Record ``i``: one triplet per pair of (prompt, response) lengths in ``tokens``."""
     pairs = list(zip(tokens[::2], tokens[1::2], strict=True))
@@ -35,6 +40,7 @@ def rec(
         triplets=[Triplet(prompt_token_ids=[1] * p, response_token_ids=[2] * r, reward=0.5) for p, r in pairs],
         final_reward=float(i % 3),
         finish_time=T0 + i,
+        mode=mode,
     )
 
 
@@ -177,6 +183,36 @@ def test_kept_stale_records_are_counted_in_their_batch() -> None:
     assert members(batch) == [0, 1, 2] and batch.kept_stale == 1 and batch.dropped_stale == 0
 
 
+# -- validation and test records ----------------------------------------------------------------
+
+
+def test_val_and_test_records_are_refused_counted_and_reported_by_the_next_batch() -> None:
+    batcher = Batcher(BatchPolicy(max_rollouts=4, group_size=2, linger_s=None), partition=1)
+    # A val record of a group id a training group uses does not complete (or join) that group.
+    out = feed(
+        batcher,
+        [rec(0, "a", mode="train"), rec(1, "a", mode="val"), rec(2, "v", mode="test"), rec(3, "a", mode="train")],
+    )
+    assert out == [] and batcher.pending == 2
+    assert batcher.stats.dropped["eval"] == 2
+    # Refused, but held until a batch reports them, like every drop (a restart re-decides them).
+    assert batcher.pending_offsets() == [0, 1, 2, 3] and batcher.commit_offset() == 0
+    [batch] = feed(batcher, [rec(4, "b"), rec(5, "b", version=3)], start=4)  # no mode: trained on
+    assert members(batch) == [0, 3, 4, 5]
+    assert {r.mode for r in batch.records} == {"train", None}
+    assert (batch.dropped_eval, batch.dropped_offsets) == (2, [1, 2])
+    assert (batch.dropped_stale, batch.dropped_incomplete, batch.dropped_duplicate) == (0, 0, 0)
+    assert batch.newest_policy_version == 3 and batcher.commit_offset() == 6
+
+
+def test_a_val_record_still_moves_the_newest_policy_version() -> None:
+    # Its version is a fact about the newest policy, whatever the record's mode.
+    batcher = Batcher(BatchPolicy(max_rollouts=1, max_staleness=0, linger_s=None))
+    assert feed(batcher, [rec(0, version=4, mode="val"), rec(1, version=3, mode="train")]) == []
+    [batch] = feed(batcher, [rec(2, version=4, mode="train")], start=2)
+    assert members(batch) == [2] and (batch.dropped_eval, batch.dropped_stale) == (1, 1)
+
+
 # -- duplicates, ids, offsets -----------------------------------------------------------------
 
 
@@ -290,9 +326,9 @@ def _stream(seed: int, size: int) -> list[TripletRecord]:
     for i in range(size):
         version += rng.random() < 0.15
         lengths = [rng.randint(0, 6) for _ in range(2 * rng.randint(0, 2))]
-        out.append(
-            rec(i, f"g{rng.randint(0, 4)}", rng.choice([None, version, max(0, version - rng.randint(0, 3))]), lengths)
-        )
+        version_of = rng.choice([None, version, max(0, version - rng.randint(0, 3))])
+        mode = rng.choice([None, "train", "train", "val", "test"])
+        out.append(rec(i, f"g{rng.randint(0, 4)}", version_of, lengths, mode=mode))
     return out
 
 
@@ -349,6 +385,7 @@ def test_every_record_lands_in_exactly_one_batch_or_is_counted_as_dropped(
     _check_every_record_once(outcome)
     for batch in outcome.journal:
         assert batch.records, "no empty batches"
+        assert all(r.mode not in ("val", "test") for r in batch.records), "validation is never trained on"
         assert batch.n_tokens == sum(record_tokens(r) for r in batch.records)
         assert [r.rollout_id for r in batch.records] == [stream[o].rollout_id for o in batch.input_offsets]
         over = len(batch.records) > policy.max_rollouts or (

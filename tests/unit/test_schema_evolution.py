@@ -24,7 +24,7 @@ from agl_stream.contract import (
     load_definitions,
 )
 from agl_stream.errors import CodecError, SchemaCompatibilityError, UnknownFingerprintError
-from agl_stream.models import Span, Worker
+from agl_stream.models import Span, TripletBatch, TripletRecord, Worker
 from agl_stream.resources import resource_path
 
 CURRENT = Contract.load()
@@ -188,6 +188,47 @@ def test_the_bundled_codec_resolves_history_to_the_current_models() -> None:
     assert span.scope_version == ""
     assert span.attributes == {"n": 1, "f": 1.0, "b": True}
     assert [type(v) for v in span.attributes.values()] == [int, float, bool]
+
+
+# The releases before triplet records carried their rollout's mode (issue 15).
+TRIPLET_RECORD_V0 = "schemas/history/TripletRecord.ab487a7e4d054dbd.avsc"
+TRIPLET_BATCH_V0 = "schemas/history/TripletBatch.21dfbe7e152ae434.avsc"
+
+
+def _triplet_record_datum(**extra: Any) -> dict[str, Any]:
+    return {
+        "rollout_id": "ro-0123456789ab",
+        "attempt_id": "at-01234567",
+        "group_id": "g",
+        "resources_id": None,
+        "policy_version": 2,
+        "triplets": [],
+        "final_reward": 0.5,
+        "finish_time": 1.0,
+        **extra,
+    }
+
+
+def test_triplet_records_and_batches_written_before_the_mode_field_decode_without_a_mode() -> None:
+    record_v0 = json.loads(resource_path(TRIPLET_RECORD_V0).read_text())
+    batch_v0 = json.loads(resource_path(TRIPLET_BATCH_V0).read_text())
+    for old, new in ((record_v0, "TripletRecord"), (batch_v0, "TripletBatch")):
+        check_compatible(old, CURRENT.schema(new).expanded)  # both directions
+    reader = Codec.default()  # the bundled contract knows the old versions from history/
+    record = reader.decode(codec_of(record_v0).encode_dict("agl.TripletRecord", _triplet_record_datum()), TripletRecord)
+    assert record.mode is None and record.policy_version == 2  # no mode: the batcher trains on it
+    batch_datum = {"batch_id": "tb-1", "records": [_triplet_record_datum()], "created_time": 1.0}
+    batch = reader.decode(codec_of(batch_v0).encode_dict("agl.TripletBatch", batch_datum), TripletBatch)
+    assert batch.dropped_eval == 0 and [r.mode for r in batch.records] == [None]
+
+
+def test_old_readers_skip_the_mode_of_new_triplet_records() -> None:
+    record_v0 = json.loads(resource_path(TRIPLET_RECORD_V0).read_text())
+    old = codec_of(record_v0, CURRENT.schema("TripletRecord").expanded)  # the new snapshot shipped first
+    data = Codec.default().encode(TripletRecord.model_validate(_triplet_record_datum(mode="val")))
+    _, read = old.decode_dict(data)
+    assert "mode" not in read and read["rollout_id"] == "ro-0123456789ab"
+    assert Codec.default().decode(data, TripletRecord).mode == "val"
 
 
 def test_json_fields_added_later_get_their_default_as_a_value() -> None:

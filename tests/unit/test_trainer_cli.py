@@ -61,3 +61,28 @@ def test_flags_override_the_file_and_the_file_overrides_defaults(tmp_path: Path,
     assert result.exit_code != 0 and "--checkpoints" in result.output
     result = CliRunner().invoke(app, ["--checkpoints", str(tmp_path), "--initial-model", str(tmp_path)], obj=Settings())
     assert result.exit_code != 0 and "config.json" in result.output
+
+
+def test_rl_options_reach_a_new_policy_backend_and_unset_ones_keep_its_defaults(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(trainer_role, "main", lambda settings, options: seen.append(options))
+    (tmp_path / "trainer.toml").write_text("clip_ratio_high = 0.28\nppo_epochs = 2\n")
+    app = typer.Typer()
+    app.command()(trainer_cmd.trainer)
+    flags = ["--checkpoints", str(tmp_path), "--config", str(tmp_path / "trainer.toml")]
+    flags += ["--clip-ratio-low", "0.2", "--no-norm-adv-by-std-in-grpo", "--adv-estimator", "rloo"]
+    result = CliRunner().invoke(app, flags, obj=Settings())
+    assert result.exit_code == 0, result.output
+    [options] = seen
+    assert trainer_role._new_backend_options(options) == {
+        "lr": 1e-2,
+        "algorithm": "grpo",
+        "seed": 0,
+        "adv_estimator": "rloo",
+        "norm_adv_by_std_in_grpo": False,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "ppo_epochs": 2,
+    }

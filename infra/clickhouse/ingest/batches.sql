@@ -24,6 +24,7 @@ SELECT
     toUInt32(record.dropped_stale) AS dropped_stale,
     toUInt32(record.dropped_incomplete) AS dropped_incomplete,
     toUInt32(record.dropped_duplicate) AS dropped_duplicate,
+    toUInt32(record.dropped_eval) AS dropped_eval,
     arrayMap(o -> toUInt64(o), record.dropped_offsets) AS dropped_offsets,
     toUInt32(kafka_partition) AS kafka_partition,
     toUInt64(kafka_offset) AS kafka_offset

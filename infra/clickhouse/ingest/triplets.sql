@@ -21,5 +21,6 @@ SELECT
     triplet.response_extra AS response_extra,
     record.final_reward AS final_reward,
     record.finish_time AS finish_time,
+    CAST(record.mode AS Nullable(String)) AS mode,
     toUInt32(kafka_partition) AS kafka_partition,
     toUInt64(kafka_offset) AS kafka_offset
