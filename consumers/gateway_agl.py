@@ -544,10 +544,7 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
         async def work() -> Response:
             body = await _body(request, StartAttemptBody, optional=True)
             client = await store()
-            started = await client.start_attempt(rollout_id)
-            if body.worker_id is not None:
-                attempt = await client.update_attempt(rollout_id, started.attempt.attempt_id, worker_id=body.worker_id)
-                started = started.model_copy(update={"attempt": attempt})
+            started = await client.start_attempt(rollout_id, worker_id=body.worker_id)
             return _json(started, 201)
 
         return await answer(work)

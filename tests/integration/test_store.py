@@ -649,7 +649,8 @@ async def test_the_queue_contract_holds_on_every_repetition(store: AglStore) -> 
 
 async def test_a_timed_out_attempt_is_requeued_and_reclaimable_on_every_repetition(store: AglStore) -> None:
     await _drain(store)
-    config = RolloutConfig(timeout_seconds=0.2, max_attempts=2, retry_condition=["timeout"])
+    # Long enough that the second attempt outlives the reads below on a loaded machine.
+    config = RolloutConfig(timeout_seconds=1.5, max_attempts=2, retry_condition=["timeout"])
     for round_ in range(4):
         rollout = await store.enqueue_rollout({"timeout round": round_}, config=config)
         first = await store.dequeue_rollout(worker_id="w-slow")
