@@ -4,7 +4,9 @@ Writers send batches: :func:`span_records` turns the spans of a flush into one r
 (rollout, attempt), split where a record would pass a byte limit, keyed by rollout id (so the
 topic stays co-partitioned with agl.rollouts). Single-span records written before batches (or
 by other writers) stay valid: every reader takes both forms through :func:`span_dicts_of` (the
-codec's dict form, for hot loops) or :func:`spans_of` (validated models).
+codec's dict form, for hot loops) or :func:`spans_of` (validated models). Each span's body is
+written by :mod:`agl_stream.span_avro` (by hand, fastavro's bytes) where it can, by the codec
+otherwise.
 
 The ClickHouse sink does not decode spans: it hands the engine Avro bodies of ``agl.SpanBatch``
 and turns a single span's body into a one-span batch body with :func:`batch_body_of_span`,
@@ -22,6 +24,7 @@ from agl_stream.clickhouse.avro_ingest import zigzag
 from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.errors import MalformedRecordError, RecordTypeError
 from agl_stream.models import Span
+from agl_stream.span_avro import WRITTEN_FOR, span_body
 
 SPAN = "agl.Span"
 SPAN_BATCH = "agl.SpanBatch"
@@ -42,8 +45,9 @@ _END_OF_ARRAY = b"\x00"
 def span_records(
     spans: Iterable[Span], codec: Codec | None = None, *, max_bytes: int = MAX_RECORD_BYTES
 ) -> list[SpanRecord]:
-    """The agl.spans records for ``spans``: :func:`span_dict_records` of their dict forms."""
-    return span_dict_records((span.model_dump() for span in spans), codec, max_bytes=max_bytes)
+    """The agl.spans records for ``spans``: as :func:`span_dict_records` gives for their dict
+    forms, written from the models' own fields (no ``model_dump``)."""
+    return _records(spans, codec, max_bytes)
 
 
 def span_dict_records(
@@ -57,12 +61,23 @@ def span_dict_records(
     span is encoded once; a record is those bodies joined under the batch's header, which is
     byte for byte what encoding the ``SpanBatch`` would give.
     """
+    return _records(spans, codec, max_bytes)
+
+
+def _records(spans: Iterable[Span | Mapping[str, Any]], codec: Codec | None, max_bytes: int) -> list[SpanRecord]:
     codec = codec or Codec.default()
     header = codec.contract.schema(SPAN_BATCH).header
-    groups: dict[tuple[str, str], list[memoryview]] = {}
+    # The hand-written writer serves only the schema it was written for; fastavro writes
+    # whatever it declines (the same bytes, or the same error as ever).
+    by_hand = codec.fingerprint(SPAN) == WRITTEN_FOR
+    groups: dict[tuple[str, str], list[bytes | memoryview]] = {}
     for span in spans:
-        encoded = codec.encode_dict(SPAN, span)
-        groups.setdefault((span["rollout_id"], span["attempt_id"]), []).append(memoryview(encoded)[HEADER_SIZE:])
+        body: bytes | memoryview | None = span_body(span) if by_hand else None
+        if body is None:
+            datum = span.model_dump() if isinstance(span, Span) else span
+            body = memoryview(codec.encode_dict(SPAN, datum))[HEADER_SIZE:]
+        ids = (span.rollout_id, span.attempt_id) if isinstance(span, Span) else (span["rollout_id"], span["attempt_id"])
+        groups.setdefault(ids, []).append(body)
     records: list[SpanRecord] = []
     for (rollout_id, attempt_id), bodies in groups.items():
         prefix = _avro_string(rollout_id) + _avro_string(attempt_id)
@@ -72,10 +87,10 @@ def span_dict_records(
     return records
 
 
-def _chunks(bodies: Sequence[memoryview], room: int) -> list[list[memoryview]]:
+def _chunks(bodies: Sequence[bytes | memoryview], room: int) -> list[list[bytes | memoryview]]:
     """Consecutive runs of ``bodies`` whose size plus item count (an Avro long) fit ``room``."""
-    chunks: list[list[memoryview]] = []
-    current: list[memoryview] = []
+    chunks: list[list[bytes | memoryview]] = []
+    current: list[bytes | memoryview] = []
     size = 0
     for body in bodies:
         if current and size + len(body) + len(zigzag(len(current) + 1)) > room:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.errors import CodecError, MalformedRecordError, RecordTypeError
 from agl_stream.models import Span, SpanBatch, Worker
+from agl_stream.span_avro import WRITTEN_FOR, span_body
 from agl_stream.span_records import (
     MAX_RECORD_BYTES,
     SPAN,
@@ -24,6 +25,7 @@ from agl_stream.span_records import (
 )
 from consumers.clickhouse_sink import SPANS, EnvelopeBody
 from tests.unit.test_codec import span_dict
+from tests.unit.test_models import model_strategy
 
 CODEC = Codec.default()
 
@@ -197,3 +199,146 @@ def test_the_span_sink_hands_clickhouse_batch_bodies_for_both_forms() -> None:
             bodies.check(wrong)
     with pytest.raises(RecordTypeError, match=r"agl\.SpanBatch or agl\.Span"):
         bodies(CODEC.encode(Worker(worker_id="w")))
+
+
+# -- the hand-written Span writer: fastavro's bytes, or fastavro decides ----------------------
+
+
+def _fastavro_body(span: Span | dict[str, Any]) -> bytes | None:
+    """What the codec (fastavro) writes for ``span``; None where it refuses it."""
+    datum = span.model_dump() if isinstance(span, Span) else span
+    try:
+        return CODEC.encode_dict(SPAN, datum)[HEADER_SIZE:]
+    except CodecError:
+        return None
+
+
+def test_the_writer_is_for_the_current_span_schema() -> None:
+    assert CODEC.fingerprint(SPAN) == WRITTEN_FOR, (
+        "agl.Span changed: write its new layout in agl_stream/span_avro.py and set WRITTEN_FOR to "
+        f"{CODEC.fingerprint(SPAN):#018x} (until then every span is written by fastavro, slowly)"
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(span=model_strategy(Span))
+def test_the_writer_writes_fastavros_bytes_for_any_valid_span(span: Span) -> None:
+    want = _fastavro_body(span)
+    assert span_body(span) == want  # None (fastavro's to refuse) only where fastavro refuses it
+    assert span_body(span.model_dump()) == want  # the dict form alike
+    if want is not None:
+        [(_, record)] = span_records([span], CODEC)
+        assert record == CODEC.encode(SpanBatch(rollout_id=span.rollout_id, attempt_id=span.attempt_id, spans=[span]))
+
+
+def test_representative_spans_give_the_old_paths_bytes() -> None:
+    """Events, links, trace state, resource, status, parent, every attribute type and lists of
+    them: the records are what the old path (model_dump, then fastavro per span) gave."""
+    rich = span_dict(
+        attributes={
+            "text": "héllo ✓",
+            "long": "x" * 3000,
+            "int": -(2**63),
+            "max": 2**63 - 1,
+            "neg": -1,
+            "float": 0.1,
+            "nan": float("nan"),
+            "inf": float("-inf"),
+            "true": True,
+            "none": None,
+            "ints": list(range(100, 200)),
+            "floats": [0.5, -0.0],
+            "strs": ["a", "", "é"],
+            "bools": [True, False],
+            "mixed": [True, 1, 1.0, "1", None],
+            "empty": [],
+        },
+        events=[
+            {"name": "e1", "attributes": {"k": 1, "l": [1.5]}, "timestamp": 1.5},
+            {"name": "e2", "attributes": {}, "timestamp": None},
+        ],
+        parent_id="1" * 16,
+        parent={
+            "trace_id": "0af7651916cd43dd8448eb211c80319c",
+            "span_id": "1" * 16,
+            "is_remote": True,
+            "trace_state": {},
+        },
+        status={"status_code": "ERROR", "description": "boom"},
+        resource={"attributes": {"service.name": "agent", "n": 2, "ports": [80, 443]}, "schema_url": "https://s"},
+    )
+    spans = [
+        Span.model_validate(rich),
+        Span.model_validate(span_dict()),
+        Span.model_validate(
+            span_dict(sequence_id=2**40, start_time=None, end_time=None, context=None, events=[], links=[])
+        ),
+    ]
+    for span in spans:
+        assert span_body(span) is not None
+        assert span_body(span) == _fastavro_body(span)
+    batch = SpanBatch(rollout_id=spans[0].rollout_id, attempt_id=spans[0].attempt_id, spans=spans)
+    [(_, record)] = span_records(spans, CODEC)
+    assert record == CODEC.encode(batch)
+    decoded_back = CODEC.decode(record, SpanBatch)
+    assert [s.model_dump_json() for s in decoded_back.spans] == [s.model_dump_json() for s in spans]
+
+
+class _Float(float):
+    pass
+
+
+class _Text(str):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic warns when dumping what no validation saw
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"attributes": {"big": 2**64}},  # fastavro writes it as a double
+        {"attributes": {"t": (1, 2)}},
+        {"attributes": {"f": _Float(1.0)}},
+        {"attributes": {"s": _Text("x")}},
+        {"attributes": {"l": [1, _Float(2.0)]}},
+        {"attributes": {"l": [2**64]}},
+        {"attributes": {"d": {"nested": 1}}},
+        {"attributes": {"bad": "\ud800"}},  # a lone surrogate
+        {"name": _Text("n")},
+        {"name": 5},
+        {"sequence_id": 2**63},
+        {"sequence_id": True},
+        {"start_time": 5},
+        {"status": {"status_code": "NOPE", "description": None}},
+        {"context": {"trace_id": "1" * 32, "span_id": "2" * 16, "is_remote": 1, "trace_state": {}}},
+        {"context": {"trace_id": "1" * 32, "span_id": "2" * 16}},  # fastavro fills the defaults
+        {"resource": {"attributes": {}}},
+    ],
+)
+def test_what_the_writer_declines_fastavro_writes_or_refuses_as_before(change: dict[str, Any]) -> None:
+    """Values a model holds after an assignment (not validated) or a dict may hold."""
+    model = Span.model_validate(span_dict())
+    for name, value in change.items():
+        model.__dict__[name] = value  # as an unvalidated assignment leaves it
+    for span in (model, span_dict(**change)):
+        assert span_body(span) is None
+        want = _fastavro_body(span)
+        if want is None:
+            with pytest.raises(CodecError):
+                _records_of(span)
+        else:
+            [(_, record)] = _records_of(span)
+            assert record[-len(want) - 1 : -1] == want  # the batch's one span, then the array's end
+
+
+def _records_of(span: Span | dict[str, Any]) -> list[tuple[str, bytes]]:
+    return span_records([span], CODEC) if isinstance(span, Span) else span_dict_records([span], CODEC)
+
+
+def test_dicts_missing_defaulted_fields_are_left_to_fastavro() -> None:
+    span = span_dict()
+    for name in ("parent_id", "kind", "status", "attributes", "events", "links", "resource", "scope_name"):
+        del span[name]
+    [(_, record)] = span_dict_records([span], CODEC)
+    assert span_body(span) is None
+    assert CODEC.decode_dict(record)[1]["spans"][0]["kind"] == "INTERNAL"

@@ -10,8 +10,10 @@ from collections.abc import Callable, Sequence
 import pytest
 from opentelemetry import trace
 
-from agl_stream.models import Span
+from agl_stream.codec import Codec
+from agl_stream.models import Span, SpanBatch
 from agl_stream.semconv import POLICY_VERSION
+from agl_stream.span_records import span_records
 from agl_stream.tracing import (
     ATTEMPT_ID_KEY,
     ROLLOUT_ID_KEY,
@@ -159,6 +161,32 @@ async def test_spans_carry_the_policy_version_of_their_attempt() -> None:
                 pass
     assert [s.attributes.get(POLICY_VERSION) for s in versioned.spans] == [6]
     assert [s.attributes.get(POLICY_VERSION) for s in unversioned.spans] == [None]
+
+
+async def test_traced_spans_make_the_bytes_the_validated_models_make() -> None:
+    """The tracer builds its models without validation and the records are written by hand:
+    the records are byte for byte those of validated models written by fastavro (the old path)."""
+    sink = FakeSink()
+    linked = trace.SpanContext(0x1234, 0x5678, is_remote=True, trace_state=trace.TraceState([("k", "v")]))
+    async with AttemptTracer(sink, instrument_openai=False) as tracer:
+        async with tracer.attempt("ro-000000000001", "at-00000001", policy_version=6):
+            with tracer_api.start_as_current_span("agent", attributes={"ids": [1, 2, 3], "names": ["a", "é"]}):
+                with tracer_api.start_as_current_span(
+                    "llm", kind=trace.SpanKind.CLIENT, links=[trace.Link(linked, {"why": "retry"})]
+                ) as call:
+                    call.set_attributes({"prompt": "x" * 2048, "t": 0.5, "on": True, "big": 2**63 - 1})
+                    call.add_event("token", {"i": 1, "xs": (0.5, 1.5)})
+                    call.set_status(trace.Status(trace.StatusCode.ERROR, "boom"))
+                with tracer_api.start_as_current_span(SEQUENCE_ID_KEY, attributes={SEQUENCE_ID_KEY: 99}):
+                    pass  # a span that names its own sequence id: the tracer's number wins, in place
+    spans = sink.spans
+    assert [s.name for s in spans] == ["llm", SEQUENCE_ID_KEY, "agent"]
+    validated = [Span.model_validate(span.model_dump()) for span in spans]
+    assert validated == spans
+    codec = Codec.default()
+    batch = SpanBatch(rollout_id="ro-000000000001", attempt_id="at-00000001", spans=validated)
+    assert span_records(spans, codec) == [("ro-000000000001", codec.encode(batch))]
+    assert spans[1].attributes[SEQUENCE_ID_KEY] == spans[1].sequence_id == 2
 
 
 async def test_spans_outside_an_attempt_are_counted_not_exported() -> None:
