@@ -44,6 +44,8 @@ async def _phase(
     settings: Settings, inputs: list[dict[str, Any]], timeout: float, processes: dict[str, int]
 ) -> dict[str, Any]:
     async with connect(**settings.model_dump(exclude_none=True)) as store:
+        side = store.side
+        assert side is not None, "the benchmark reads through the gateway"
         cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
         started = time.perf_counter()
         made = []
@@ -51,11 +53,11 @@ async def _phase(
             made += await store.enqueue_many_rollouts([{"input": i} for i in inputs[start : start + 500]])
         finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=timeout)
         finished_at = time.perf_counter()
-        await store.side.query("SELECT 1", fence=await fence_at_end(settings, "spans"), timeout=timeout)
+        await side.query("SELECT 1", fence=await fence_at_end(settings, "spans"), timeout=timeout)
         queryable_at = time.perf_counter()
         cpu = {name: round(cpu_seconds(pid) - cpu_before[name], 2) for name, pid in processes.items()}
         table = f"{settings.clickhouse_database}.otel_traces"
-        counted = await store.side.query(
+        counted = await side.query(
             f"SELECT count() FROM {table} WHERE RolloutId IN {{ids:Array(String)}}",
             {"ids": [r.rollout_id for r in made]},
         )
@@ -74,13 +76,21 @@ async def _phase(
     }
 
 
-async def _wait_for_members(settings: Settings, count: int, timeout: float = 120.0) -> None:
-    """Start the clock only once every runner process has reported (its first worker heartbeat)."""
+async def _wait_for_members(settings: Settings, runners_pid: int, count: int, timeout: float = 120.0) -> list[int]:
+    """The pids of this phase's ``count`` runner processes, once each has reported (its first
+    worker heartbeat), so the clock starts with all of them at work. Workers of an earlier
+    phase stay in the workers table: a runner is told by the pid in its worker id
+    (``runner-<host>-<pid>``), or an earlier phase's workers would pass for this one's and the
+    runners' CPU would go uncounted."""
     from agl_stream import connect
 
     async with connect(**settings.model_dump(exclude_none=True)) as store:
         deadline = time.monotonic() + timeout
-        while len(await store.query_workers()) < count:
+        while True:
+            pids = _children(runners_pid) if count > 1 else [runners_pid]
+            reported = {worker.worker_id for worker in await store.query_workers()}
+            if len(pids) == count and all(any(w.endswith(f"-{pid}") for w in reported) for pid in pids):
+                return pids
             if time.monotonic() > deadline:
                 raise TimeoutError(f"fewer than {count} runners reported within {timeout}s")
             await asyncio.sleep(0.1)  # runners report on their own schedule: nothing to wait on
@@ -106,9 +116,9 @@ def _run_phase(
         log_path=settings.data_dir / "runners.log",
     )
     try:
-        asyncio.run(_wait_for_members(settings, workers))
+        runner_pids = asyncio.run(_wait_for_members(settings, runners.pid, workers))
         processes = dict(stack.read_stack(settings).pids)  # type: ignore[union-attr]
-        for index, pid in enumerate(_children(runners.pid) if workers > 1 else [runners.pid]):
+        for index, pid in enumerate(runner_pids):
             processes[f"runner{index}"] = pid
         if broker_pid is not None:
             processes["broker"] = broker_pid
