@@ -43,6 +43,8 @@ from aiokafka.errors import KafkaError
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig
+from agl_stream.domain.adapter.lean import lean_span
+from agl_stream.domain.adapter.wire import TripletRecordEncoder
 from agl_stream.domain.trace_collector import (
     EvictedAttempt,
     ReadyAttempt,
@@ -85,6 +87,7 @@ class TripletBuilder:
         self.adapter = adapter or AdapterConfig()
         self.settle_s, self.max_wait_s, self.max_spans = settle_s, max_wait_s, max_spans
         self.codec = Codec.default()
+        self.encoder = TripletRecordEncoder(self.codec)  # the codec's bytes, without its per-number cost
         self.spans_topic = settings.topic("spans")
         self.states_topic = settings.topic("rollout-state")
         self.collector: TraceCollector[Token] = self._new_collector()
@@ -163,8 +166,9 @@ class TripletBuilder:
         if message.value is None:  # a tombstone on the state topic: a forgotten rollout
             return [], [token]
         try:
-            if tp.topic == self.spans_topic:  # an agl.Span or an agl.SpanBatch
-                groups = spans_by_attempt(spans_of(self.codec, message.value))
+            if tp.topic == self.spans_topic:  # an agl.Span or an agl.SpanBatch, validated
+                # Held as what the adapter reads (the replay decodes the same straight from bytes).
+                groups = spans_by_attempt([lean_span(span) for span in spans_of(self.codec, message.value)])
             else:
                 return self.collector.add_state(self.codec.decode(message.value, RolloutState), token, now)
         except CodecError as error:
@@ -214,7 +218,7 @@ class TripletBuilder:
             record = await self._record(attempt)
             sends.append(
                 await self.producer.send(
-                    self.settings.topic("triplets"), self.codec.encode(record), key=record.group_id.encode()
+                    self.settings.topic("triplets"), self.encoder.encode(record), key=record.group_id.encode()
                 )
             )
         await asyncio.gather(*sends)  # acknowledged before the inputs count as done

@@ -1,13 +1,12 @@
 """Replay, the shell: read committed history from Kafka, re-derive triplet records, write them.
 
 One pass per partition of ``agl.spans`` (``agl.rollouts`` is co-partitioned with it, by rollout
-id): first the partition's rollout events are folded with the processor's pure fold (the
-history of ``agl.rollout-state`` is compacted and tombstoned, the events are kept forever),
-and every state goes into the live builder's pure :class:`TraceCollector`; then the spans in
-the range go in (a record is one agl.Span or an agl.SpanBatch, decoded in one call; ranges and
-offsets count records), and each attempt the collector hands out becomes a record through the live
-builder's pure :func:`triplet_record`. Records are written after all partitions were read, in
-canonical order (see :mod:`agl_stream.domain.replay`).
+id): the partition's rollout events, then the span records of the range (ranges and offsets
+count records), go into the pure :class:`~agl_stream.domain.replay.PartitionReplay`, which folds
+the events (the history of ``agl.rollout-state`` is compacted and tombstoned, the events are
+kept forever), collects each attempt's spans as the live builder does and derives its record.
+Records are written after all partitions were read, in canonical order (see
+:mod:`agl_stream.domain.replay`).
 
 Everything is read by manual assignment, no consumer group, ``read_committed``, up to the end
 offsets taken at the start: live traffic after that is never read, and nothing live is
@@ -17,6 +16,7 @@ disturbed (no group, no commits, no writes but the replay topic).
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import time
@@ -29,40 +29,28 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.domain.fold import fold
 from agl_stream.domain.replay import (
     HEADER_ATTEMPT,
     HEADER_SETTINGS,
     OutRecord,
+    PartitionReplay,
+    Problems,
     ReplayError,
     ReplaySettings,
-    RewardError,
-    RewardFn,
     Selection,
+    Tally,
     batches_topic_of,
     canonical,
     load_reward,
-    new_reward,
-    out_record,
     output_digest,
     replay_topic,
     resolve_ranges,
-    span_view,
-    validated_span,
-    with_reward,
-)
-from agl_stream.domain.trace_collector import (
-    ReadyAttempt,
-    TraceCollector,
-    resources_id_of,
-    spans_by_attempt,
-    triplet_record,
 )
 from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.admin import create_topic_like
 from agl_stream.kafka.io import make_consumer, make_producer
 from agl_stream.logs import get_logger
-from agl_stream.models import ResourcesUpdate, RolloutEvent, RolloutState
+from agl_stream.models import ResourcesUpdate
 from agl_stream.span_records import span_dicts_of
 from agl_stream.store.readside import read_side_for
 
@@ -75,21 +63,6 @@ _FETCH_OPTIONS: dict[str, Any] = {
     "fetch_max_wait_ms": 100,
 }
 _PARALLEL_MIN_SPANS = 20_000  # by default, below this starting worker processes costs more than it saves
-_STATE_TOKEN = -1
-_REASONS_KEPT = 5
-
-
-@dataclass
-class Problems:
-    """Bad input met on the way: counted, the first reasons kept (never dropped silently)."""
-
-    count: int = 0
-    reasons: list[str] = field(default_factory=list)
-
-    def add(self, reason: str) -> None:
-        self.count += 1
-        if len(self.reasons) < _REASONS_KEPT:
-            self.reasons.append(reason)
 
 
 @dataclass
@@ -116,17 +89,13 @@ class ReplaySummary:
     def spans_per_s(self) -> float:
         return self.spans / self.read_s if self.read_s > 0 else 0.0
 
-    def absorb(self, part: ReplaySummary) -> None:
-        """Add what a worker counted for its partitions."""
+    def absorb(self, part: Tally) -> None:
+        """Add what one partition's derivation counted."""
         for name in ("spans", "attempts", "incomplete", "incomplete_skipped", "unfinished_attempts"):
             setattr(self, name, getattr(self, name) + getattr(part, name))
-        for mine, theirs in (
-            (self.malformed_spans, part.malformed_spans),
-            (self.bad_events, part.bad_events),
-            (self.reward_errors, part.reward_errors),
-        ):
-            mine.count += theirs.count
-            mine.reasons = (mine.reasons + theirs.reasons)[:_REASONS_KEPT]
+        self.malformed_spans.absorb(part.malformed_spans)
+        self.bad_events.absorb(part.bad_events)
+        self.reward_errors.absorb(part.reward_errors)
 
 
 Progress = Callable[[int, int], None]
@@ -227,19 +196,34 @@ async def _one_partition(
     keys: Collection[bytes] | None,
     replay_settings: ReplaySettings,
     resources: dict[str, ResourcesUpdate],
-    summary: ReplaySummary,
     progress: Callable[[int], None],
-) -> list[OutRecord]:
-    codec = Codec.default()
-    reward_fn = load_reward(replay_settings.reward) if replay_settings.reward else None
-    collector: TraceCollector[int] = TraceCollector(max_spans=1 << 62, remember=1 << 62)
-    events_tp = TopicPartition(settings.topic("rollouts"), job.partition)
-    await _fold_events(consumer, events_tp, {events_tp: job.events_end}, keys, collector, summary, codec)
+) -> tuple[list[OutRecord], Tally]:
+    """Read one partition's events, then its spans range, into its pure derivation."""
     spans_tp = TopicPartition(settings.topic("spans"), job.partition)
-    return await _read_spans(
-        consumer, spans_tp, job.bounds, keys, collector, summary, codec, replay_settings, reward_fn, resources,
-        progress,
+    events_tp = TopicPartition(settings.topic("rollouts"), job.partition)
+    derivation = PartitionReplay(
+        job.partition, replay_settings, resources, Codec.default(),
+        spans_topic=spans_tp.topic, events_topic=events_tp.topic,
     )  # fmt: skip
+    async for message in _range(consumer, events_tp, 0, job.events_end):
+        if keys is None or message.key in keys:
+            derivation.add_event(message.offset, message.value or b"")
+    lo, hi = job.bounds
+    last_report = lo
+    # The folded states live until the end: frozen, the cyclic collector stops walking them
+    # on every full collection while the spans go by (~10% of the CPU of this loop).
+    gc.freeze()
+    try:
+        async for message in _range(consumer, spans_tp, lo, hi):
+            if keys is None or message.key in keys:  # other rollouts are skipped without decoding
+                derivation.add_spans(message.offset, message.value or b"")
+            if message.offset - last_report >= 5000:
+                last_report = message.offset
+                progress(message.offset - lo + 1)
+        progress(hi - lo)
+        return derivation.finish(), derivation.tally
+    finally:
+        gc.unfreeze()
 
 
 async def _in_this_process(
@@ -261,7 +245,9 @@ async def _in_this_process(
             if on_progress is not None:
                 on_progress(before + n, total)
 
-        records += await _one_partition(consumer, settings, job, keys, replay_settings, resources, summary, progress)
+        part_records, tally = await _one_partition(consumer, settings, job, keys, replay_settings, resources, progress)
+        records += part_records
+        summary.absorb(tally)
         done += job.bounds[1] - job.bounds[0]
     return records
 
@@ -273,11 +259,10 @@ def _partition_worker(
     replay_settings: ReplaySettings,
     resources: dict[str, ResourcesUpdate],
     counter: Any,
-) -> tuple[list[OutRecord], ReplaySummary]:
-    """One partition in a worker process: its records and its part of the summary."""
+) -> tuple[list[OutRecord], Tally]:
+    """One partition in a worker process: its records and its counts."""
 
-    async def run() -> tuple[list[OutRecord], ReplaySummary]:
-        summary = ReplaySummary("", "", {})
+    async def run() -> tuple[list[OutRecord], Tally]:
         consumer = make_consumer(settings, group_id=None, **_FETCH_OPTIONS)
         await consumer.start()
         try:
@@ -285,10 +270,9 @@ def _partition_worker(
             def progress(n: int) -> None:
                 counter.value = n
 
-            records = await _one_partition(consumer, settings, job, keys, replay_settings, resources, summary, progress)
+            return await _one_partition(consumer, settings, job, keys, replay_settings, resources, progress)
         finally:
             await consumer.stop()
-        return records, summary
 
     return asyncio.run(run())
 
@@ -448,115 +432,6 @@ async def _range(consumer: AIOKafkaConsumer, tp: TopicPartition, lo: int, hi: in
             if message.offset >= hi:
                 return
             yield message
-
-
-async def _fold_events(
-    consumer: AIOKafkaConsumer,
-    tp: TopicPartition,
-    ends: dict[TopicPartition, int],
-    keys: Collection[bytes] | None,
-    collector: TraceCollector[int],
-    summary: ReplaySummary,
-    codec: Codec,
-) -> None:
-    """Rebuild the partition's rollout states as the processor did, feeding each to the collector."""
-    states: dict[str, RolloutState] = {}
-    async for message in _range(consumer, tp, 0, ends[tp]):
-        if keys is not None and message.key not in keys:
-            continue
-        try:
-            event = codec.decode(message.value or b"", RolloutEvent)
-        except CodecError as error:
-            summary.bad_events.add(f"{tp.topic}[{tp.partition}]@{message.offset}: {error}")
-            continue
-        result = fold(states.get(event.rollout_id), event)
-        if result.state is None:  # rejected or ignored: the processor dead-lettered/skipped it too
-            continue
-        states[event.rollout_id] = result.state
-        collector.add_state(result.state, _STATE_TOKEN, 0.0)
-
-
-async def _read_spans(
-    consumer: AIOKafkaConsumer,
-    tp: TopicPartition,
-    bounds: tuple[int, int],
-    keys: Collection[bytes] | None,
-    collector: TraceCollector[int],
-    summary: ReplaySummary,
-    codec: Codec,
-    replay_settings: ReplaySettings,
-    reward_fn: RewardFn | None,
-    resources: dict[str, ResourcesUpdate],
-    progress: Callable[[int], None],
-) -> list[OutRecord]:
-    lo, hi = bounds
-    out: list[OutRecord] = []
-    make_span = validated_span if reward_fn is not None else span_view
-    read = 0
-    last_report = 0
-    async for message in _range(consumer, tp, lo, hi):
-        read = message.offset - lo + 1
-        if keys is not None and message.key not in keys:
-            continue
-        try:  # one agl.Span, or an agl.SpanBatch decoded in one call (good or bad as a whole)
-            spans = [make_span(datum) for datum in span_dicts_of(codec, message.value or b"")]
-        except CodecError as error:
-            summary.malformed_spans.add(f"{tp.topic}[{tp.partition}]@{message.offset}: {error}")
-            continue
-        summary.spans += len(spans)
-        for group in spans_by_attempt(spans):
-            ready, _ = collector.add_spans(group, message.offset, 0.0)
-            for attempt in ready:
-                out += _derived(
-                    tp.partition, (0, message.offset), attempt, summary, replay_settings, reward_fn, resources, codec
-                )
-        if read - last_report >= 5000:
-            last_report = read
-            progress(read)
-    progress(hi - lo)
-    # What is left: attempts whose spans did not all arrive in the range (a boundary cut
-    # through them, or spans were lost), and attempts never finished in the history read.
-    for entry in list(collector.pending.values()):
-        if not entry.spans:
-            continue  # finished, but none of its spans is in the range: not part of this replay
-        if entry.finished is None:
-            summary.unfinished_attempts += 1
-            continue
-        summary.incomplete += 1
-        if replay_settings.incomplete == "skip":
-            summary.incomplete_skipped += 1
-            continue
-        spans = sorted(entry.spans.values(), key=lambda s: (s.sequence_id, s.span_id))
-        last = max(t for t in entry.tokens if t != _STATE_TOKEN)
-        attempt = ReadyAttempt(entry.finished, spans, False, entry.tokens)
-        out += _derived(tp.partition, (1, last), attempt, summary, replay_settings, reward_fn, resources, codec)
-    return out
-
-
-def _derived(
-    partition: int,
-    position: tuple[int, int],
-    attempt: ReadyAttempt[int],
-    summary: ReplaySummary,
-    replay_settings: ReplaySettings,
-    reward_fn: RewardFn | None,
-    resources: dict[str, ResourcesUpdate],
-    codec: Codec,
-) -> list[OutRecord]:
-    if not attempt.spans:
-        return []  # finished with no spans expected: nothing of it is in any range
-    summary.attempts += 1
-    resources_id = resources_id_of(attempt.finished)
-    snapshot = resources.get(resources_id) if resources_id else None
-    record, _ = triplet_record(attempt.finished, attempt.spans, replay_settings.adapter, snapshot)
-    if reward_fn is not None:
-        try:
-            reward = new_reward(reward_fn, list(attempt.spans))
-        except RewardError as error:
-            summary.reward_errors.add(f"{record.rollout_id}/{record.attempt_id}: {error}")
-            return []
-        record = with_reward(record, reward, to_last=replay_settings.adapter.final_reward_to_last)
-    return [out_record((partition, *position), record, codec.encode(record), replay_settings.digest())]
 
 
 # -- writing ----------------------------------------------------------------------------------

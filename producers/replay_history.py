@@ -56,9 +56,11 @@ def attempt_history(
     response_tokens: int = 16,
     groups: int = 0,
     reward: float | None = None,
+    vocab: int = 64,
 ) -> AttemptHistory:
     """The ``index``-th rollout's events and spans. ``groups`` > 0 puts rollouts into that many
-    GRPO groups (``metadata["group_id"]``); the reward defaults to a seeded number in [0, 1)."""
+    GRPO groups (``metadata["group_id"]``); the reward defaults to a seeded number in [0, 1);
+    token ids are drawn from ``range(vocab)`` (a real tokenizer's ~150k make multi-byte varints)."""
     rng = random.Random(index)
     rollout_id, attempt_id = rollout_id_of(index), attempt_id_of(index)
     t0 = BASE_TIME + index * 0.05
@@ -103,8 +105,8 @@ def attempt_history(
     for call in range(calls):
         seq = call + 1  # sequence ids are taken as spans end: children before their parent
         start = t0 + 0.001 + call * 0.004
-        prompt = [rng.randrange(64) for _ in range(prompt_tokens)]
-        response = [rng.randrange(64) for _ in range(response_tokens)]
+        prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+        response = [rng.randrange(vocab) for _ in range(response_tokens)]
         logprobs = [{"token": str(t), "logprob": -round(rng.random() * 4, 4)} for t in response]
         offset = rng.randrange(len(_TEXT) - 600)
         spans.append(

@@ -1,4 +1,4 @@
-"""Replay, the functional core: ranges, settings identity, fast span views, reward overrides.
+"""Replay, the functional core: ranges, settings identity, reward overrides, one partition's derivation.
 
 No I/O here (the shell is :mod:`producers.replay`). What makes a replay deterministic
 lives here: the settings digest that names a run's records, the canonical order of records and
@@ -13,15 +13,26 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict
 
+from agl_stream.codec import Codec
 from agl_stream.domain.adapter import AdapterConfig
-from agl_stream.errors import AglError, MalformedRecordError
-from agl_stream.models import Span, TripletRecord
+from agl_stream.domain.adapter.lean import LeanSpan
+from agl_stream.domain.adapter.wire import SpanRecordDecoder, TripletRecordEncoder, span_dicts_of
+from agl_stream.domain.fold import fold
+from agl_stream.domain.trace_collector import (
+    ReadyAttempt,
+    TraceCollector,
+    resources_id_of,
+    spans_by_attempt,
+    triplet_record,
+)
+from agl_stream.errors import AglError, CodecError, MalformedRecordError
+from agl_stream.models import ResourcesUpdate, RolloutEvent, RolloutState, Span, TripletRecord
 
 RewardFn = Callable[[list[Span]], "float | None"]
 IncompletePolicy = Literal["skip", "emit"]
@@ -35,8 +46,6 @@ HEADER_ATTEMPT = "agl-replay-attempt"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,99}$")
 _OFFSETS = re.compile(r"^\s*(\d+)\s*:\s*(\d*)\s*-\s*(\d*)\s*$")
 _POSITION = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
-_TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
-_SPAN_ID = re.compile(r"^[0-9a-f]{16}$")
 
 
 class ReplayError(AglError):
@@ -182,36 +191,13 @@ class ReplaySettings(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------
-# Spans on the hot path
+# Spans for a --reward function
 # --------------------------------------------------------------------------------------------
-
-_SPAN_FIELDS = frozenset(Span.model_fields)
-
-
-def span_view(datum: dict[str, Any]) -> Span:
-    """A :class:`Span` over a decoded agl.Span dict, without pydantic validation.
-
-    The Avro schema already guarantees every type the model checks (strings, longs, doubles,
-    the attribute union); what it cannot say is checked here: the hex shape of the ids. Nested
-    records stay dicts, which the adapter never reads; a user's ``--reward`` function gets
-    validated spans instead (:func:`validated_span`).
-    """
-    trace_id, span_id = datum.get("trace_id"), datum.get("span_id")
-    if not isinstance(trace_id, str) or not _TRACE_ID.match(trace_id):
-        raise MalformedRecordError(f"agl.Span: trace_id {trace_id!r} is not 32 lower-case hex digits")
-    if not isinstance(span_id, str) or not _SPAN_ID.match(span_id):
-        raise MalformedRecordError(f"agl.Span: span_id {span_id!r} is not 16 lower-case hex digits")
-    span = Span.__new__(Span)
-    # What BaseModel.model_construct does, minus its per-field default handling (every field
-    # is present in a decoded record): ~1 us instead of ~20 us per span.
-    object.__setattr__(span, "__dict__", datum)
-    object.__setattr__(span, "__pydantic_fields_set__", set(_SPAN_FIELDS))
-    object.__setattr__(span, "__pydantic_extra__", None)
-    object.__setattr__(span, "__pydantic_private__", None)
-    return span
 
 
 def validated_span(datum: dict[str, Any]) -> Span:
+    """A user's ``--reward`` function gets validated span models (the hot path reads
+    :class:`~agl_stream.domain.adapter.lean.LeanSpan` tuples straight from the bytes)."""
     try:
         return Span.model_validate(datum)
     except ValueError as exc:
@@ -326,3 +312,147 @@ def output_digest(records: Sequence[OutRecord]) -> str:
             digest.update(len(part).to_bytes(8, "little"))
             digest.update(part)
     return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# One partition's derivation
+# --------------------------------------------------------------------------------------------
+
+_REASONS_KEPT = 5
+STATE_TOKEN = -1
+"""The collector token of rollout states (spans carry their offset)."""
+
+
+@dataclass
+class Problems:
+    """Bad input met on the way: counted, the first reasons kept (never dropped silently)."""
+
+    count: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def add(self, reason: str) -> None:
+        self.count += 1
+        if len(self.reasons) < _REASONS_KEPT:
+            self.reasons.append(reason)
+
+    def absorb(self, other: Problems) -> None:
+        self.count += other.count
+        self.reasons = (self.reasons + other.reasons)[:_REASONS_KEPT]
+
+
+@dataclass
+class Tally:
+    """What one partition's derivation counted."""
+
+    spans: int = 0
+    attempts: int = 0
+    incomplete: int = 0
+    incomplete_skipped: int = 0
+    unfinished_attempts: int = 0
+    malformed_spans: Problems = field(default_factory=Problems)  # records of agl.spans (a batch counts once)
+    bad_events: Problems = field(default_factory=Problems)
+    reward_errors: Problems = field(default_factory=Problems)
+
+
+class PartitionReplay:
+    """The pure part of replaying one partition: its rollout events are folded with the
+    processor's fold and every state goes into the live builder's :class:`TraceCollector`; then
+    the span records go in, and each attempt the collector hands out becomes an
+    :class:`OutRecord` through the live builder's :func:`triplet_record`.
+
+    The hot path never builds a span model: records are read into LeanSpans by
+    :class:`SpanRecordDecoder` (the adapter's own input) and the output is written by
+    :class:`TripletRecordEncoder` (the codec's bytes). A ``--reward`` function needs span models,
+    so with one the spans are decoded and validated by the codec instead.
+    """
+
+    def __init__(
+        self,
+        partition: int,
+        settings: ReplaySettings,
+        resources: Mapping[str, ResourcesUpdate],
+        codec: Codec,
+        *,
+        spans_topic: str = "agl.spans",
+        events_topic: str = "agl.rollouts",
+    ) -> None:
+        self.partition = partition
+        self.settings = settings
+        self.settings_digest = settings.digest()
+        self.resources = resources
+        self.codec = codec
+        self.spans_topic, self.events_topic = spans_topic, events_topic
+        self.reward_fn = load_reward(settings.reward) if settings.reward else None
+        self.decoder = SpanRecordDecoder(codec)
+        self.encoder = TripletRecordEncoder(codec)
+        self.collector: TraceCollector[int] = TraceCollector(max_spans=1 << 62, remember=1 << 62)
+        self.states: dict[str, RolloutState] = {}
+        self.tally = Tally()
+        self.records: list[OutRecord] = []
+
+    def add_event(self, offset: int, value: bytes) -> None:
+        """One record of agl.rollouts, in partition order."""
+        try:
+            event = self.codec.decode(value, RolloutEvent)
+        except CodecError as error:
+            self.tally.bad_events.add(f"{self.events_topic}[{self.partition}]@{offset}: {error}")
+            return
+        result = fold(self.states.get(event.rollout_id), event)
+        if result.state is None:  # rejected or ignored: the processor dead-lettered/skipped it too
+            return
+        self.states[event.rollout_id] = result.state
+        self.collector.add_state(result.state, STATE_TOKEN, 0.0)
+
+    def add_spans(self, offset: int, value: bytes) -> None:
+        """One record of agl.spans (an agl.Span or an agl.SpanBatch, good or bad as a whole)."""
+        spans: Sequence[Span | LeanSpan]
+        try:
+            if self.reward_fn is None:
+                spans = self.decoder.decode(value)
+            else:
+                spans = [validated_span(datum) for datum in span_dicts_of(self.codec, value)]
+        except CodecError as error:
+            self.tally.malformed_spans.add(f"{self.spans_topic}[{self.partition}]@{offset}: {error}")
+            return
+        self.tally.spans += len(spans)
+        for group in spans_by_attempt(spans):
+            ready, _ = self.collector.add_spans(group, offset, 0.0)
+            for attempt in ready:
+                self._derive((0, offset), attempt)
+
+    def finish(self) -> list[OutRecord]:
+        """The partition's records, after what is left: attempts whose spans did not all arrive
+        in the range (a boundary cut through them, or spans were lost), and attempts never
+        finished in the history read."""
+        for entry in list(self.collector.pending.values()):
+            if not entry.spans:
+                continue  # finished, but none of its spans is in the range: not part of this replay
+            if entry.finished is None:
+                self.tally.unfinished_attempts += 1
+                continue
+            self.tally.incomplete += 1
+            if self.settings.incomplete == "skip":
+                self.tally.incomplete_skipped += 1
+                continue
+            spans = sorted(entry.spans.values(), key=lambda s: (s.sequence_id, s.span_id))
+            last = max(t for t in entry.tokens if t != STATE_TOKEN)
+            self._derive((1, last), ReadyAttempt(entry.finished, spans, False, entry.tokens))
+        self.collector.pending.clear()
+        return self.records
+
+    def _derive(self, position: tuple[int, int], attempt: ReadyAttempt[int]) -> None:
+        if not attempt.spans:
+            return  # finished with no spans expected: nothing of it is in any range
+        self.tally.attempts += 1
+        resources_id = resources_id_of(attempt.finished)
+        snapshot = self.resources.get(resources_id) if resources_id else None
+        record, _ = triplet_record(attempt.finished, attempt.spans, self.settings.adapter, snapshot)
+        if self.reward_fn is not None:
+            try:
+                reward = new_reward(self.reward_fn, cast(list[Span], list(attempt.spans)))
+            except RewardError as error:
+                self.tally.reward_errors.add(f"{record.rollout_id}/{record.attempt_id}: {error}")
+                return
+            record = with_reward(record, reward, to_last=self.settings.adapter.final_reward_to_last)
+        value = self.encoder.encode(record)
+        self.records.append(out_record((self.partition, *position), record, value, self.settings_digest))

@@ -30,12 +30,16 @@ import json
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
 from agl_stream.domain.adapter import AdapterConfig, AdapterResult, extract_triplets
+from agl_stream.domain.adapter.lean import LeanSpan
 from agl_stream.models import Attempt, ResourcesUpdate, Rollout, RolloutState, Span, TripletRecord
 
 Token = TypeVar("Token")
+AnySpan: TypeAlias = Span | LeanSpan
+"""What the collector holds: span models, or the LeanSpans the adapter reads (the live builder
+and the replay both hand it LeanSpans; a replay with a ``--reward`` function, models)."""
 
 FINISHED_ATTEMPT_STATUSES = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
 
@@ -52,7 +56,7 @@ class FinishedAttempt:
 
 @dataclass
 class _Pending(Generic[Token]):
-    spans: dict[tuple[int, str], Span] = field(default_factory=dict)  # (sequence_id, span_id): dedup
+    spans: dict[tuple[int, str], AnySpan] = field(default_factory=dict)  # (sequence_id, span_id): dedup
     tokens: list[Token] = field(default_factory=list)
     last_activity: float = 0.0
     finished: FinishedAttempt | None = None
@@ -62,7 +66,7 @@ class _Pending(Generic[Token]):
 @dataclass(frozen=True)
 class ReadyAttempt(Generic[Token]):
     finished: FinishedAttempt
-    spans: list[Span]  # in sequence order
+    spans: list[AnySpan]  # in sequence order
     complete: bool  # False: settled before the expected count arrived
     tokens: list[Token]
 
@@ -100,13 +104,13 @@ class TraceCollector(Generic[Token]):
 
     # -- input ------------------------------------------------------------------------------
 
-    def add_span(self, span: Span, token: Token, now: float) -> tuple[list[ReadyAttempt[Token]], list[Token]]:
+    def add_span(self, span: AnySpan, token: Token, now: float) -> tuple[list[ReadyAttempt[Token]], list[Token]]:
         """A span arrived. Returns attempts now ready, and tokens to acknowledge at once
         (spans of attempts already handed out: late duplicates, nothing to do)."""
         return self.add_spans([span], token, now)
 
     def add_spans(
-        self, spans: Sequence[Span], token: Token, now: float
+        self, spans: Sequence[AnySpan], token: Token, now: float
     ) -> tuple[list[ReadyAttempt[Token]], list[Token]]:
         """Spans of one attempt that came in one input record (an agl.SpanBatch): like
         :meth:`add_span` for each, with the record's token held once by the attempt."""
@@ -217,10 +221,13 @@ class TraceCollector(Generic[Token]):
         return EvictedAttempt(key[0], key[1], len(entry.spans), reason, entry.tokens)
 
 
-def spans_by_attempt(spans: Iterable[Span]) -> list[list[Span]]:
+_S = TypeVar("_S", Span, LeanSpan, AnySpan)
+
+
+def spans_by_attempt(spans: Iterable[_S]) -> list[list[_S]]:
     """Spans grouped by (rollout, attempt), groups in order of first appearance, each in the
     given order: what :meth:`TraceCollector.add_spans` takes, from one input record."""
-    groups: dict[tuple[str, str], list[Span]] = {}
+    groups: dict[tuple[str, str], list[_S]] = {}
     for span in spans:
         groups.setdefault((span.rollout_id, span.attempt_id), []).append(span)
     return list(groups.values())
@@ -249,7 +256,7 @@ def resources_id_of(finished: FinishedAttempt) -> str | None:
 
 
 def triplet_record(
-    finished: FinishedAttempt, spans: Sequence[Span], adapter: AdapterConfig, snapshot: ResourcesUpdate | None
+    finished: FinishedAttempt, spans: Sequence[AnySpan], adapter: AdapterConfig, snapshot: ResourcesUpdate | None
 ) -> tuple[TripletRecord, AdapterResult]:
     """The record of one finished attempt (pure): shared by the live builder and the replay, so
     both derive the same bytes from the same spans and settings."""

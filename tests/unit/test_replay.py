@@ -9,7 +9,9 @@ import pytest
 
 from agl_stream.codec import Codec
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
+from agl_stream.domain.adapter.wire import SpanRecordDecoder
 from agl_stream.domain.replay import (
+    PartitionReplay,
     ReplayError,
     ReplaySettings,
     RewardError,
@@ -22,12 +24,12 @@ from agl_stream.domain.replay import (
     parse_time,
     replay_topic,
     resolve_ranges,
-    span_view,
     with_reward,
 )
 from agl_stream.errors import MalformedRecordError
 from agl_stream.models import Span, TripletRecord
-from producers.replay_history import attempt_history
+from agl_stream.span_records import span_dict_records
+from producers.replay_history import attempt_history, span_values
 
 
 def test_offset_ranges_parse_and_combine() -> None:
@@ -73,15 +75,57 @@ def test_settings_digest_depends_on_what_derives_records_only() -> None:
     assert a.digest() != ReplaySettings(adapter=AdapterConfig(reward_match="first_sibling")).digest()
 
 
-def test_span_views_give_the_adapter_what_validated_spans_give() -> None:
+def test_spans_read_from_bytes_give_the_adapter_what_validated_spans_give() -> None:
     codec = Codec.default()
     history = attempt_history(7)
-    dicts = [codec.decode_dict(codec.encode_dict("agl.Span", s))[1] for s in history.spans]
-    views = [span_view(dict(d)) for d in dicts]
-    spans = [Span.model_validate(d) for d in dicts]
-    assert extract_triplets(views, AdapterConfig()) == extract_triplets(spans, AdapterConfig())
-    with pytest.raises(MalformedRecordError):
-        span_view({**dicts[0], "span_id": "XYZ"})
+    [(_, record)] = span_dict_records(history.spans, codec)
+    lean = SpanRecordDecoder(codec).decode(record)
+    spans = [Span.model_validate(d) for d in history.spans]
+    assert extract_triplets(lean, AdapterConfig()) == extract_triplets(spans, AdapterConfig())
+    bad = span_dict_records([{**history.spans[0], "span_id": "XYZ"}], codec)[0][1]
+    with pytest.raises(MalformedRecordError, match="span_id 'XYZ' is not 16 lower-case hex digits"):
+        SpanRecordDecoder(codec).decode(bad)
+
+
+def test_a_partition_derives_the_records_of_the_codec_path() -> None:
+    """PartitionReplay (bytes read into LeanSpans, records written without fastavro) against
+    the same steps done with validated models and the codec, on single spans and batches."""
+    from agl_stream.domain.fold import fold
+    from agl_stream.domain.trace_collector import TraceCollector, spans_by_attempt, triplet_record
+    from agl_stream.models import RolloutEvent, RolloutState
+
+    codec = Codec.default()
+    histories = [attempt_history(i, groups=3, vocab=151_936 if i % 2 else 64) for i in range(12)]
+    events = [codec.encode(event) for h in histories for event in h.events]
+    values = [v for i, h in enumerate(histories) for v in span_values(h, codec, None if i % 3 == 0 else 4)]
+    derivation = PartitionReplay(2, ReplaySettings(), {}, codec)
+    for offset, value in enumerate(events):
+        derivation.add_event(offset, value)
+    for offset, value in enumerate(values):
+        derivation.add_spans(offset, value)
+    derivation.add_spans(len(values), b"not a span")
+    got = derivation.finish()
+    assert derivation.decoder.codec_records == 1 and derivation.decoder.fast_records == len(values)
+    assert derivation.tally.malformed_spans.count == 1 and derivation.tally.spans == 120
+
+    collector: TraceCollector[int] = TraceCollector(max_spans=1 << 62, remember=1 << 62)
+    states: dict[str, RolloutState] = {}
+    for value in events:
+        event = codec.decode(value, RolloutEvent)
+        state = fold(states.get(event.rollout_id), event).state
+        assert state is not None
+        states[event.rollout_id] = state
+        collector.add_state(state, -1, 0.0)
+    expected = []
+    for offset, value in enumerate(values):
+        name, datum = codec.decode_dict(value)
+        spans = [Span.model_validate(d) for d in (datum["spans"] if name == "agl.SpanBatch" else [datum])]
+        for group in spans_by_attempt(spans):
+            for attempt in collector.add_spans(group, offset, 0.0)[0]:
+                record, _ = triplet_record(attempt.finished, attempt.spans, AdapterConfig(), None)
+                expected.append(out_record((2, 0, offset), record, codec.encode(record), ReplaySettings().digest()))
+    assert len(got) == len(expected) == 12
+    assert output_digest(canonical(got)) == output_digest(canonical(expected))
 
 
 def _record(final: float | None, sources: list[str | None]) -> TripletRecord:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agl_stream.domain.adapter.lean import LeanSpan, lean_span
 from agl_stream.models import Span
 from agl_stream.semconv import AGL_VIRTUAL
 
@@ -43,7 +44,7 @@ class TraceNode:
     start: float
     end: float
     sequence_id: int
-    span: Span | None = None
+    span: LeanSpan | None = None
     children: list[TraceNode] = field(default_factory=list)
 
     @property
@@ -88,7 +89,7 @@ def node_key(node: TraceNode) -> tuple[float, int, str]:
     return node.start, node.sequence_id, node.id
 
 
-def _span_times(span: Span) -> tuple[float, float]:
+def _span_times(span: LeanSpan) -> tuple[float, float]:
     start = span.start_time if span.start_time is not None else span.end_time
     end = span.end_time if span.end_time is not None else span.start_time
     if start is None or end is None:
@@ -96,9 +97,9 @@ def _span_times(span: Span) -> tuple[float, float]:
     return start, end
 
 
-def _span_node(span: Span) -> TraceNode:
+def _span_node(span: LeanSpan) -> TraceNode:
     start, end = _span_times(span)
-    return TraceNode(id=span.span_id, name=span.name, start=start, end=end, sequence_id=span.sequence_id, span=span)
+    return TraceNode(span.span_id, span.name, start, end, span.sequence_id, span)
 
 
 def _virtual_node(node_id: str, children: list[TraceNode]) -> TraceNode:
@@ -116,6 +117,8 @@ def _virtual_node(node_id: str, children: list[TraceNode]) -> TraceNode:
 
 
 _AGENT_NAME_KEYS = ("agent.name", "recipient_agent_type", "langchain.chain.type", "executor.id")
+_AGENT_VALUE_KEYS = frozenset({*_AGENT_NAME_KEYS, "operation.name", "agentlightning.operation.input.name", "lc_name"})
+"""Every key :func:`agent_name_of` may return the value of."""
 
 
 def agent_name_of(node: TraceNode) -> str | None:
@@ -131,6 +134,8 @@ def agent_name_of(node: TraceNode) -> str | None:
     if node.span is None:
         return None
     attributes = node.span.attributes
+    if attributes.keys().isdisjoint(_AGENT_VALUE_KEYS):
+        return None  # most spans (LLM calls, rewards): no candidate below can be a string
     candidates: list[object] = [attributes.get("agent.name")]
     if attributes.get("agentops.span.kind") == "agent":
         candidates.append(attributes.get("operation.name"))
@@ -145,11 +150,11 @@ def agent_name_of(node: TraceNode) -> str | None:
     return None
 
 
-def _dedup_spans(spans: Sequence[Span], issues: list[str]) -> list[Span]:
+def _dedup_spans(spans: Sequence[LeanSpan], issues: list[str]) -> list[LeanSpan]:
     # The same span can arrive twice (at-least-once delivery); the lowest sequence id wins so
     # the choice does not depend on input order.
     ordered = sorted(spans, key=lambda s: (s.sequence_id, *_span_times(s), s.span_id))
-    kept: dict[str, Span] = {}
+    kept: dict[str, LeanSpan] = {}
     for span in ordered:
         if span.span_id in kept:
             label = f"span {span.span_id} ({span.name}, seq {span.sequence_id})"
@@ -185,8 +190,8 @@ def _break_cycles(nodes: dict[str, TraceNode], parent_of: dict[str, str], reache
     return detached
 
 
-def build_tree(spans: Sequence[Span]) -> TraceTree:
-    """Build the span tree of one attempt.
+def build_tree(spans: Sequence[Span | LeanSpan]) -> TraceTree:
+    """Build the span tree of one attempt (span models are read as their LeanSpans).
 
     * A span whose parent is not in the list (the top-level session span is often lost) goes
       under a virtual node named ``agentlightning.virtual`` that stands for the missing parent
@@ -204,7 +209,7 @@ def build_tree(spans: Sequence[Span]) -> TraceTree:
     if not spans:
         raise ValueError("cannot build a trace tree from no spans")
     issues: list[str] = []
-    unique = _dedup_spans(spans, issues)
+    unique = _dedup_spans([lean_span(span) for span in spans], issues)
     nodes = {span.span_id: _span_node(span) for span in unique}
     roots: list[TraceNode] = []
     orphans: dict[str, list[TraceNode]] = {}
@@ -249,18 +254,33 @@ def _repair_level(root: TraceNode) -> TraceNode:
     return root
 
 
-def _tightest_container(level: TraceNode, target: TraceNode, llm_call: re.Pattern[str] | None) -> TraceNode | None:
-    excluded = {node.id for node in target.walk()}
+_Candidate = tuple[TraceNode, float, float, bool]
+"""A node that may receive a span: (node, start, end, whether it is an LLM call)."""
+
+
+def _candidates(level: TraceNode, llm_call: re.Pattern[str] | None) -> list[_Candidate]:
+    """The nodes under ``level`` with times, in pre-order (the order that breaks ties)."""
+    return [
+        (node, node.start, node.end, llm_call is not None and llm_call.search(node.name) is not None)
+        for node in level.walk()
+        if node is not level and node.has_times
+    ]
+
+
+def _tightest_container(
+    candidates: list[_Candidate], target: TraceNode, llm_call: re.Pattern[str] | None
+) -> TraceNode | None:
+    excluded = {node.id for node in target.walk()} if target.children else {target.id}
     target_is_call = llm_call is not None and llm_call.search(target.name) is not None
+    calls_excluded = llm_call is not None and not target_is_call
+    target_start, target_end = target.start, target.end
     best: TraceNode | None = None
     best_slack = math.inf
-    for node in level.walk():
-        if node is level or node.id in excluded or not node.has_times:
+    for node, start, end, is_call in candidates:
+        if (calls_excluded and is_call) or node.id in excluded:
             continue
-        if llm_call is not None and not target_is_call and llm_call.search(node.name):
-            continue
-        if node.start <= target.start and node.end >= target.end:
-            slack = (node.end - target.end) + (target.start - node.start)
+        if start <= target_start and end >= target_end:
+            slack = (end - target_end) + (target_start - start)
             # Strictly positive: a span with the very same window is a sibling, not a parent.
             # Strictly smaller: among equal candidates the first in pre-order (the outer) wins.
             if 0 < slack < best_slack:
@@ -287,16 +307,18 @@ def repair_hierarchy(root: TraceNode, llm_call: re.Pattern[str] | None = None) -
     """
     level = _repair_level(root)
     moves: list[str] = []
+    candidates = _candidates(level, llm_call)  # read once; again only after a move changed the tree
     for child in list(level.children):
         if len(level.children) <= 1:
             break
         if not child.has_times:
             continue
-        target = _tightest_container(level, child, llm_call)
+        target = _tightest_container(candidates, child, llm_call)
         if target is None:
             continue
         level.children.remove(child)
         target.children.append(child)
         target.children.sort(key=node_key)
         moves.append(f"{child.id} ({child.name}) moved under {target.id} ({target.name})")
+        candidates = _candidates(level, llm_call)
     return moves

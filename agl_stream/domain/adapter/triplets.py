@@ -12,13 +12,14 @@ import json
 import math
 import numbers
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
+from agl_stream.domain.adapter.lean import LeanSpan
 from agl_stream.domain.adapter.tree import TraceNode, agent_name_of, build_tree, node_key, repair_hierarchy
 from agl_stream.emitters import get_reward_value
 from agl_stream.models import Span, Triplet
@@ -162,7 +163,10 @@ def _is_real(value: Any) -> bool:
 
 def _first_key(attributes: Mapping[str, Any], keys: Sequence[str]) -> str:
     """The first of ``keys`` the attributes hold (the first key when none is there)."""
-    return next((key for key in keys if attributes.get(key) is not None), keys[0])
+    for key in keys:
+        if attributes.get(key) is not None:
+            return key
+    return keys[0]
 
 
 def _token_ids(attributes: Mapping[str, Any], keys: Sequence[str]) -> tuple[list[int] | None, str | None]:
@@ -177,7 +181,7 @@ def _token_ids(attributes: Mapping[str, Any], keys: Sequence[str]) -> tuple[list
         return None, f"{key} is a {type(value).__name__}, not a list of integers"
     if not value:
         return None, f"{key} is empty"
-    if all(type(item) is int for item in value):  # decoded data: one C-speed pass (replay hot path)
+    if set(map(type, value)) == _INT_ONLY:  # decoded data: one pass in C (the hot path)
         return (list(value), None) if min(value) >= 0 else (None, f"{key} holds negative ids")
     if not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
         kinds = sorted({type(item).__name__ for item in value if not isinstance(item, int) or isinstance(item, bool)})
@@ -185,6 +189,21 @@ def _token_ids(attributes: Mapping[str, Any], keys: Sequence[str]) -> tuple[list
     if any(item < 0 for item in value):
         return None, f"{key} holds negative ids"
     return list(value), None
+
+
+_INT_ONLY = {int}
+_FLOAT_ONLY = {float}
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _json(text: str) -> Any:
+    """``json.loads(text)``; text without surrounding whitespace goes straight to the scanner
+    (json.loads adds two regex calls around it), anything else to json.loads and its errors."""
+    try:
+        value, end = _scan_json(text, 0)
+    except (StopIteration, ValueError):
+        return json.loads(text)
+    return value if end == len(text) else json.loads(text)
 
 
 def _logprobs(attributes: Mapping[str, Any], n_tokens: int) -> tuple[list[float] | None, str | None]:
@@ -195,13 +214,21 @@ def _logprobs(attributes: Mapping[str, Any], n_tokens: int) -> tuple[list[float]
     if not isinstance(raw, str):
         return None, f"{LOGPROBS_CONTENT} is a {type(raw).__name__}, not JSON text"
     try:
-        content = json.loads(raw)
+        content = _json(raw)
     except ValueError as exc:
         return None, f"{LOGPROBS_CONTENT} is not valid JSON ({exc})"
     if content is None:
         return None, None
     if not isinstance(content, list):
         return None, f"{LOGPROBS_CONTENT} is a JSON {type(content).__name__}, not a list"
+    try:  # the usual shape, in C loops: dicts with a finite float logprob each
+        fast = [entry["logprob"] for entry in content]
+    except (TypeError, KeyError):
+        fast = None
+    if fast is not None and set(map(type, fast)) <= _FLOAT_ONLY and all(map(math.isfinite, fast)):
+        if len(fast) != n_tokens:
+            return None, f"{LOGPROBS_CONTENT} has {len(fast)} entries for {n_tokens} response tokens"
+        return fast, None
     values: list[float] = []
     for index, entry in enumerate(content):
         logprob: Any = entry.get("logprob") if isinstance(entry, dict) else None
@@ -215,7 +242,7 @@ def _logprobs(attributes: Mapping[str, Any], n_tokens: int) -> tuple[list[float]
     return values, None
 
 
-def _legacy_reward_is_non_numeric(span: Span) -> bool:
+def _legacy_reward_is_non_numeric(span: LeanSpan) -> bool:
     attributes = span.attributes
     for key in _AGENTOPS_OUTPUT_KEYS:
         payload: Any = attributes.get(key)
@@ -233,7 +260,7 @@ def _legacy_reward_is_non_numeric(span: Span) -> bool:
     return False
 
 
-def _is_reward_operation(span: Span) -> bool:
+def _is_reward_operation(span: LeanSpan) -> bool:
     return span.name == AGL_OPERATION and span.attributes.get(OPERATION_NAME) == REWARD_OPERATION
 
 
@@ -241,6 +268,10 @@ def _read_rewards(nodes: Sequence[TraceNode], issues: list[str]) -> _Rewards:
     rewards = _Rewards()
     for node in nodes:
         if node.span is None:
+            continue
+        if not node.span.rewardish:  # no reward attribute: at most a reward operation (a judge's scope)
+            if _is_reward_operation(node.span):
+                rewards.scopes.add(node.id)
             continue
         try:
             value = get_reward_value(node.span)
@@ -273,8 +304,7 @@ def _one_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Scope:
+class _Scope(NamedTuple):
     """What a node inherits from its ancestors."""
 
     agent_name: str | None
@@ -283,14 +313,17 @@ class _Scope:
     llm_call: str | None  # id of the nearest enclosing kept call
 
 
-def _child_scope(node: TraceNode, scope: _Scope, config: AdapterConfig, rewards: _Rewards) -> _Scope:
-    agent_name, in_matching = scope.agent_name, scope.in_matching_agent
+def _child_scope(node: TraceNode, scope: _Scope, agent_match: re.Pattern[str] | None, rewards: _Rewards) -> _Scope:
     own_agent = agent_name_of(node)
+    in_reward = node.id in rewards.scopes
+    if own_agent is None and not in_reward:
+        return scope  # most nodes: the children inherit the very same scope
+    agent_name, in_matching = scope.agent_name, scope.in_matching_agent
     if own_agent is not None:
         # The nearest agent decides: a non-matching agent nested in a matching one is excluded.
-        in_matching = config.agent_match is None or re.search(config.agent_match, own_agent) is not None
+        in_matching = agent_match is None or agent_match.search(own_agent) is not None
         agent_name = own_agent if in_matching else None
-    reward_span = node.id if node.id in rewards.scopes else scope.reward_span
+    reward_span = node.id if in_reward else scope.reward_span
     return _Scope(agent_name, in_matching, reward_span, scope.llm_call)
 
 
@@ -336,17 +369,20 @@ def _find_calls(root: TraceNode, config: AdapterConfig, rewards: _Rewards, issue
     """Kept calls in pre-order, which decides which of two same-id spans wins (the outer, earlier one)."""
     calls: list[_Call] = []
     seen_ids: set[str] = set()
+    llm_call = re.compile(config.llm_call_match)
+    agent_match = re.compile(config.agent_match) if config.agent_match is not None else None
     start = _Scope(agent_name=None, in_matching_agent=config.agent_match is None, reward_span=None, llm_call=None)
     stack: list[tuple[TraceNode, _Scope]] = [(root, start)]
     while stack:
         node, scope = stack.pop()
-        if node.span is not None and re.search(config.llm_call_match, node.name):
+        if node.span is not None and llm_call.search(node.name):
             call = _select_call(node, scope, config, seen_ids, issues)
             if call is not None:
                 calls.append(call)
                 scope = _Scope(scope.agent_name, scope.in_matching_agent, scope.reward_span, node.id)
-        child_scope = _child_scope(node, scope, config, rewards)
-        stack.extend((child, child_scope) for child in reversed(node.children))
+        if node.children:
+            child_scope = _child_scope(node, scope, agent_match, rewards)
+            stack.extend([(child, child_scope) for child in reversed(node.children)])
     return calls
 
 
@@ -365,12 +401,12 @@ def _claim(pending: list[TraceNode], reward: TraceNode, assigned: dict[str, Trac
 
 
 def _match_first_occurrence(
-    root: TraceNode, call_ids: set[str], rewards: Mapping[str, float]
+    nodes: Sequence[TraceNode], call_ids: set[str], rewards: Mapping[str, float]
 ) -> tuple[dict[str, TraceNode], list[TraceNode]]:
     assigned: dict[str, TraceNode] = {}
     unmatched: list[TraceNode] = []
     pending: list[TraceNode] = []
-    for node in sorted(root.walk(), key=node_key):
+    for node in sorted(nodes, key=node_key):
         if node.id in call_ids:
             pending.append(node)
         if node.id in rewards and not _claim(pending, node, assigned):
@@ -395,10 +431,10 @@ def _match_first_sibling(
     return assigned, unmatched
 
 
-def _final_reward(root: TraceNode, rewards: Mapping[str, float]) -> TraceNode | None:
+def _final_reward(nodes: Sequence[TraceNode], rewards: Mapping[str, float]) -> TraceNode | None:
     # Sequence ids are taken as spans end, so the highest one is the reward emitted last: the
     # same choice as emitters.find_final_reward over spans in sequence order.
-    reward_nodes = [node for node in root.walk() if node.id in rewards]
+    reward_nodes = [node for node in nodes if node.id in rewards]
     return max(reward_nodes, key=lambda node: (node.sequence_id, node.end, node.id), default=None)
 
 
@@ -407,26 +443,45 @@ def _final_reward(root: TraceNode, rewards: Mapping[str, float]) -> TraceNode | 
 # ---------------------------------------------------------------------------------------------
 
 
+_TRIPLET_FIELDS_SET = frozenset({"prompt_token_ids", "response_token_ids", "response_logprobs", "reward", "metadata"})
+
+
 def _triplet(call: _Call, reward: float | None, reward_span: TraceNode | None, source: str | None) -> Triplet:
-    return Triplet(
-        prompt_token_ids=call.prompt_token_ids,
-        response_token_ids=call.response_token_ids,
-        response_logprobs=call.logprobs,
-        reward=reward,
-        metadata={
-            "response_id": call.response_id,
-            "span_id": call.node.id,
-            "sequence_id": call.node.sequence_id,
-            "span_name": call.node.name,
-            "agent_name": call.agent_name,
-            "reward_span_id": reward_span.id if reward_span is not None else None,
-            "reward_source": source,
+    """The Triplet that ``Triplet(prompt_token_ids=..., ..., metadata=...)`` validates to, built
+    without validation: every value here is already of its field's type (fresh lists of ints
+    and floats, a float or None, a dict of JSON scalars), and validating 100-odd numbers a call
+    cost more than the rest of the adapter (tested equal to the validated model)."""
+    triplet = Triplet.__new__(Triplet)
+    object.__setattr__(
+        triplet,
+        "__dict__",
+        {
+            "prompt_token_ids": call.prompt_token_ids,
+            "response_token_ids": call.response_token_ids,
+            "response_logprobs": call.logprobs,
+            "reward": reward,
+            "metadata": {
+                "response_id": call.response_id,
+                "span_id": call.node.id,
+                "sequence_id": call.node.sequence_id,
+                "span_name": call.node.name,
+                "agent_name": call.agent_name,
+                "reward_span_id": reward_span.id if reward_span is not None else None,
+                "reward_source": source,
+            },
+            "prompt_extra": None,
+            "response_extra": None,
         },
     )
+    object.__setattr__(triplet, "__pydantic_fields_set__", set(_TRIPLET_FIELDS_SET))
+    object.__setattr__(triplet, "__pydantic_extra__", None)
+    object.__setattr__(triplet, "__pydantic_private__", None)
+    return triplet
 
 
-def extract_triplets(spans: Sequence[Span], config: AdapterConfig | None = None) -> AdapterResult:
-    """Turn the spans of one attempt into triplets, one per kept LLM call.
+def extract_triplets(spans: Sequence[Span | LeanSpan], config: AdapterConfig | None = None) -> AdapterResult:
+    """Turn the spans of one attempt into triplets, one per kept LLM call (span models are read
+    as their :class:`~agl_stream.domain.adapter.lean.LeanSpan`, what the replay decodes directly).
 
     Steps: build the span tree (:func:`agl_stream.domain.adapter.tree.build_tree`), optionally repair
     it, read every reward span, select LLM calls (name, agent scope, not under a reward span,
@@ -441,19 +496,22 @@ def extract_triplets(spans: Sequence[Span], config: AdapterConfig | None = None)
     issues = list(tree.issues)
     if config.repair_hierarchy:
         repair_hierarchy(tree.root, re.compile(config.llm_call_match))
-    rewards = _read_rewards(tree.nodes(), issues)
+    nodes = tree.nodes()
+    rewards = _read_rewards(nodes, issues)
     calls = _find_calls(tree.root, config, rewards, issues)
 
-    call_ids = {call.node.id for call in calls}
-    if config.reward_match is RewardMatchPolicy.FIRST_SIBLING:
-        assigned, unmatched = _match_first_sibling(tree.root, call_ids, rewards.values)
-    else:
-        assigned, unmatched = _match_first_occurrence(tree.root, call_ids, rewards.values)
-    policy = config.reward_match.value
-    for node in sorted(unmatched, key=node_key):
-        issues.append(f"{node.label}: reward {rewards.values[node.id]} matched no LLM call ({policy})")
-
-    final_node = _final_reward(tree.root, rewards.values)
+    assigned: dict[str, TraceNode] = {}
+    final_node: TraceNode | None = None
+    if rewards.values:  # without reward values there is nothing to match, nor a final reward
+        call_ids = {call.node.id for call in calls}
+        if config.reward_match is RewardMatchPolicy.FIRST_SIBLING:
+            assigned, unmatched = _match_first_sibling(tree.root, call_ids, rewards.values)
+        else:
+            assigned, unmatched = _match_first_occurrence(nodes, call_ids, rewards.values)
+        policy = config.reward_match.value
+        for node in sorted(unmatched, key=node_key):
+            issues.append(f"{node.label}: reward {rewards.values[node.id]} matched no LLM call ({policy})")
+        final_node = _final_reward(nodes, rewards.values)
     final_reward = rewards.values[final_node.id] if final_node is not None else None
 
     calls.sort(key=lambda call: node_key(call.node))

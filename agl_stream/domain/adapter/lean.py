@@ -1,0 +1,116 @@
+"""The adapter's input: one lean tuple per span, holding only what the adapter reads.
+
+The adapter reads a span's ids, parent, name, times, sequence id and a known handful of
+attributes (token ids, response id, logprobs, reward and agent-name keys). Everything else of a
+span (resource, context, events, links, status, the prompt text and other attributes) is never
+looked at, so :class:`LeanSpan` does not carry it: the replay builds LeanSpans straight from
+record bytes (:mod:`agl_stream.domain.adapter.wire`) without materializing the rest, and the live
+builder converts its validated :class:`~agl_stream.models.Span` models with :func:`lean_span`.
+Both filter attributes with the same rule (:func:`is_adapter_key`), so the adapter sees the same
+input on both paths; a key the adapter starts to read must be added here, or its own tests fail
+(they go through :func:`lean_span` too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from agl_stream.models import Span
+
+__all__ = [
+    "ADAPTER_KEYS",
+    "REWARDISH_KEYS",
+    "REWARD_PREFIX",
+    "LeanSpan",
+    "is_adapter_key",
+    "lean_attributes",
+    "lean_span",
+]
+
+REWARD_PREFIX = "agentlightning.reward"
+"""``agentlightning.reward.<i>.<field>`` (emitters' reward layout; the bare prefix is an error there)."""
+
+REWARDISH_KEYS = frozenset({"agentops.task.output", "agentops.entity.output", "reward"})
+"""Legacy reward encodings (emitters ``_AGENTOPS_OUTPUT_KEYS`` and ``_LEGACY_REWARD_KEY``)."""
+
+_WEAVE_OUTPUT = "agentlightning.operation.output"
+
+ADAPTER_KEYS = frozenset(
+    {
+        # LLM calls (triplets.py): response id, token ids, logprobs
+        "gen_ai.response.id",
+        f"{_WEAVE_OUTPUT}.id",
+        "prompt_token_ids",
+        f"{_WEAVE_OUTPUT}.prompt_token_ids",
+        "response_token_ids",
+        f"{_WEAVE_OUTPUT}.response_token_ids.0",
+        f"{_WEAVE_OUTPUT}.choices.0.token_ids",
+        f"{_WEAVE_OUTPUT}.choices.0.provider_specific_fields.token_ids",
+        "logprobs.content",
+        # reward operations (triplets.py)
+        "agentlightning.operation.name",
+        # agent names (tree.agent_name_of)
+        "agent.name",
+        "agentops.span.kind",
+        "operation.name",
+        "recipient_agent_type",
+        "langchain.chain.type",
+        "executor.id",
+        "type",
+        "agentlightning.operation.input.name",
+        "lc_name",
+    }
+    | REWARDISH_KEYS
+)
+"""Every attribute key the adapter reads, besides those under :data:`REWARD_PREFIX`."""
+
+
+def is_adapter_key(key: str) -> bool:
+    return key in ADAPTER_KEYS or key.startswith(REWARD_PREFIX)
+
+
+class LeanSpan(NamedTuple):
+    """What the adapter reads of one span (a tuple: built in one C call, fields read in C).
+
+    ``attributes`` holds only the adapter's keys (:func:`is_adapter_key`), in the span's order;
+    ``rewardish`` says whether one of them can make the span a reward span (a key under
+    :data:`REWARD_PREFIX` or a legacy reward key), which spares the reward reader most spans.
+    """
+
+    rollout_id: str
+    attempt_id: str
+    sequence_id: int
+    span_id: str
+    parent_id: str | None
+    name: str
+    start_time: float | None
+    end_time: float | None
+    attributes: dict[str, Any]
+    rewardish: bool
+
+
+def lean_attributes(attributes: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """The adapter's attributes of a span (same order), and whether one is reward-like."""
+    kept = {key: value for key, value in (attributes or {}).items() if is_adapter_key(key)}
+    rewardish = any(key in REWARDISH_KEYS or key.startswith(REWARD_PREFIX) for key in kept)
+    return kept, rewardish
+
+
+def lean_span(span: Span | LeanSpan) -> LeanSpan:
+    """The LeanSpan of a span model (a LeanSpan is returned as it is)."""
+    if isinstance(span, LeanSpan):
+        return span
+    attributes, rewardish = lean_attributes(span.attributes)
+    return LeanSpan(
+        span.rollout_id,
+        span.attempt_id,
+        span.sequence_id,
+        span.span_id,
+        span.parent_id,
+        span.name,
+        span.start_time,
+        span.end_time,
+        attributes,
+        rewardish,
+    )
