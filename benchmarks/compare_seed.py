@@ -220,8 +220,10 @@ async def start_child(store: Store, name: str, role_args: list[str]) -> Child:
 
 def _cpu(processes: dict[str, int]) -> dict[str, float]:
     return {
-        # this script's own time only: its descendants are the clients, counted on their own
-        name: cpu_seconds(pid) if pid == os.getpid() else tree_cpu_seconds(pid)
+        # Own time only for this script (its descendants are the clients) and for the stack's
+        # supervisor (its descendants are the roles, each counted on its own): a tree sum would
+        # count them twice.
+        name: cpu_seconds(pid) if pid == os.getpid() or name == "supervisor" else tree_cpu_seconds(pid)
         for name, pid in processes.items()
     }
 

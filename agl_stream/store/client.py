@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -109,6 +109,8 @@ class AglStore(StoreReads):
         self._reported_unknown: set[str] = set()  # ids wait_for_rollouts warned about once
         # Workers whose empty claim this client recorded, with that record (see _mark_idle).
         self._idle_marked: dict[str, Worker] = {}
+        self._idle_marking: dict[str, asyncio.Task[None]] = {}  # records being written, by worker
+        self._claims: Counter[str] = Counter()  # attempts claimed or started per worker (ends a spell)
         self._resources_started = asyncio.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -127,6 +129,8 @@ class AglStore(StoreReads):
 
     async def close(self) -> None:
         """Disconnect; what was written and acknowledged stays written."""
+        # Idle-worker records in flight are bookkeeping of claims already answered: let them land.
+        await asyncio.gather(*self._idle_marking.values(), return_exceptions=True)
         if self._resources is not None:
             await self._resources.stop()
         await self._replies.stop()
@@ -226,7 +230,12 @@ class AglStore(StoreReads):
         """Reads of rollout state see the effect of heartbeats sent without waiting (spans'
         arrival turns a preparing attempt running): one heartbeat per such rollout, this time
         answered, raises the fence past them. The runner's usual path (spans, then finishing
-        the attempt) never gets here: finishing is answered and settles the rollout."""
+        the attempt) never gets here: finishing is answered and settles the rollout. Reads of
+        workers wait for this client's idle-worker records in flight (an empty claim answered
+        before its record was written), except inside one of those: it reads before writing."""
+        marking = self._idle_marking.values()
+        if "workers" in sources and marking and asyncio.current_task() not in marking:
+            await asyncio.gather(*marking, return_exceptions=True)
         if "rollout-state" in sources and self._unfolded:
             pending = list(self._unfolded.items())
             try:
@@ -327,8 +336,7 @@ class AglStore(StoreReads):
             worker_id=worker_id,
         )
         state = await self._request(rollout.rollout_id, RolloutEnqueued(rollout=rollout, attempt=attempt))
-        if worker_id is not None:
-            self._idle_marked.pop(worker_id, None)
+        self._busy(worker_id)
         return _attempted(state)
 
     async def enqueue_rollout(
@@ -399,26 +407,46 @@ class AglStore(StoreReads):
                     reply.cancel()
             if answer.outcome == "applied" and answer.state is not None:
                 self._claim_partition = partition  # a processor with work: ask it first next time
-                if worker_id is not None:
-                    self._idle_marked.pop(worker_id, None)
+                self._busy(worker_id)
                 return _attempted(answer.state, claim_attempt_id(request.request_id))
             covered |= {partition, *answer.covered_partitions}
             self._claim_partition = partition + 1
-        if worker_id is not None and worker_id not in self._idle_marked:
-            try:
-                await self._mark_idle(worker_id)
-            except Exception as error:  # bookkeeping: the claim's answer stands; the next empty claim retries
-                log.warning("could not record an idle worker", worker_id=worker_id, error=str(error))
+        if worker_id is not None and worker_id not in self._idle_marked and worker_id not in self._idle_marking:
+            # In the background: the record needs a fenced read of the worker, and a runner whose
+            # claim waited for it would be late for the next rollout (idle claims measured
+            # p50 82 -> 512 ms when this ran inline).
+            self._idle_marking[worker_id] = asyncio.create_task(
+                self._mark_idle(worker_id, time.time(), self._claims[worker_id]), name=f"idle {worker_id}"
+            )
         return None
 
-    async def _mark_idle(self, worker_id: str) -> None:
-        """A claim that found nothing leaves its worker idle, as the seed's stores record it: a
-        worker record with the claim's time, which reads prefer to the worker's attempts while
-        it is the newer (see StoreQueries.workers). Once per idle spell of this client's worker
-        (a runner's long polls would otherwise write it every poll); the next claim, start or
-        start_attempt for the worker ends the spell."""
-        current = await self.get_worker_by_id(worker_id) or Worker(worker_id=worker_id)
-        now = time.time()
+    def _busy(self, worker_id: str | None) -> None:
+        """``worker_id`` claimed or started an attempt: its idle spell (if any) ends here."""
+        if worker_id is not None:
+            self._claims[worker_id] += 1
+            self._idle_marked.pop(worker_id, None)
+
+    async def _mark_idle(self, worker_id: str, now: float, claims: int) -> None:
+        """A claim that found nothing (at ``now``) leaves its worker idle, as the seed's stores
+        record it: a worker record with the claim's time, which reads prefer to the worker's
+        attempts while it is the newer (see StoreQueries.workers). Once per idle spell of this
+        client's worker (a runner's long polls would otherwise write it every poll); the next
+        claim, start or start_attempt for the worker ends the spell. ``claims`` is the worker's
+        claim count when the empty claim answered: a claim since then ended the spell already,
+        and the record (older than that attempt) is written but not kept as the spell's."""
+        try:
+            current = await self.get_worker_by_id(worker_id) or Worker(worker_id=worker_id)
+            record = self._idle_record(current, now)
+            await self._write("workers", [(worker_id, record)])
+            if self._claims[worker_id] == claims:
+                self._idle_marked[worker_id] = record
+        except Exception as error:  # bookkeeping: the claim's answer stands; the next empty claim retries
+            log.warning("could not record an idle worker", worker_id=worker_id, error=str(error))
+        finally:
+            self._idle_marking.pop(worker_id, None)
+
+    @staticmethod
+    def _idle_record(current: Worker, now: float) -> Worker:
         # The rest as it stands (the seed changes status and times only: a worker idle after an
         # empty claim still names the attempt it last ran, if it never finished).
         idle_since = current.last_idle_time if current.status == "idle" else None
@@ -429,8 +457,7 @@ class AglStore(StoreReads):
                 "last_idle_time": idle_since if idle_since is not None else now,
             }
         )
-        await self._write("workers", [(worker_id, record)])
-        self._idle_marked[worker_id] = record
+        return record
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         """Start a new attempt of ``rollout_id`` outside the queue (a manual retry, on a rollout
@@ -444,8 +471,7 @@ class AglStore(StoreReads):
             worker_id=worker_id,
         )
         state = await self._request(rollout_id, AttemptStarted(attempt=attempt, manual=True))
-        if worker_id is not None:
-            self._idle_marked.pop(worker_id, None)
+        self._busy(worker_id)
         return _attempted(state, attempt.attempt_id)
 
     async def update_rollout(
