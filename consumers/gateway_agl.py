@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from aiokafka.errors import KafkaError
 from fastapi import APIRouter, Request
@@ -106,6 +106,11 @@ class _Paging(_Shape):
     offset: int = 0
     sort_by: str | None = None
     sort_order: Literal["asc", "desc"] = "asc"
+
+
+P = TypeVar("P", bound=_Paging)
+Listing: TypeAlias = Callable[[AglStore, P, Mapping[str, Any], int, int], Awaitable[Sequence[BaseModel]]]
+"""One listing's store call: (client, query, path parameters, limit, offset) -> the page."""
 
 
 class RolloutsQuery(_Paging):
@@ -429,6 +434,31 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
             log.exception("agl route failed", error=f"{type(exc).__name__}: {exc}")
             return error_response(500, "internal", f"the gateway failed this request ({type(exc).__name__})")
 
+    def listing(path: str, shape: type[P], fetch: Listing[P], *, body_required: bool = False) -> None:
+        """One paged listing, served twice as the seed serves it: ``GET path`` with the query
+        in the query string and ``POST path/search`` with it as a JSON body."""
+
+        async def run(request: Request, query: P) -> Response:
+            check_paging(query)
+            client = await store()
+            return await _paged(
+                lambda limit, offset: fetch(client, query, request.path_params, limit, offset),
+                query.limit,
+                query.offset,
+            )
+
+        async def by_query(request: Request) -> Response:
+            return await answer(lambda: run(request, _query(request, shape)))
+
+        async def by_body(request: Request) -> Response:
+            async def work() -> Response:
+                return await run(request, await _body(request, shape, optional=not body_required))
+
+            return await answer(work)
+
+        router.add_api_route(path, by_query, methods=["GET"])
+        router.add_api_route(f"{path}/search", by_body, methods=["POST"])
+
     # -- health and statistics --------------------------------------------------------------
 
     @router.get("/health")
@@ -493,34 +523,20 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
 
         return await answer(work)
 
-    async def _rollouts(query: RolloutsQuery) -> Response:
-        check_paging(query)
-        client = await store()
-
-        async def fetch(limit: int, offset: int) -> Sequence[BaseModel]:
-            return await client.query_rollouts(
-                status_in=query.status_in,
-                rollout_id_in=query.rollout_id_in,
-                rollout_id_contains=query.rollout_id_contains,
-                filter_logic=query.filter_logic,
-                sort_by=query.sort_by,
-                sort_order=query.sort_order,
-                limit=limit,
-                offset=offset,
-            )
-
-        return await _paged(fetch, query.limit, query.offset)
-
-    @router.get("/rollouts")
-    async def query_rollouts(request: Request) -> Response:
-        return await answer(lambda: _rollouts(_query(request, RolloutsQuery)))
-
-    @router.post("/rollouts/search")
-    async def search_rollouts(request: Request) -> Response:
-        async def work() -> Response:
-            return await _rollouts(await _body(request, RolloutsQuery, optional=True))
-
-        return await answer(work)
+    listing(
+        "/rollouts",
+        RolloutsQuery,
+        lambda client, query, _, limit, offset: client.query_rollouts(
+            status_in=query.status_in,
+            rollout_id_in=query.rollout_id_in,
+            rollout_id_contains=query.rollout_id_contains,
+            filter_logic=query.filter_logic,
+            sort_by=query.sort_by,
+            sort_order=query.sort_order,
+            limit=limit,
+            offset=offset,
+        ),
+    )
 
     @router.get("/rollouts/{rollout_id}")
     async def get_rollout(rollout_id: str) -> Response:
@@ -549,27 +565,13 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
 
         return await answer(work)
 
-    async def _attempts(rollout_id: str, query: AttemptsQuery) -> Response:
-        check_paging(query)
-        client = await store()
-
-        async def fetch(limit: int, offset: int) -> Sequence[BaseModel]:
-            return await client.query_attempts(
-                rollout_id, sort_by=query.sort_by, sort_order=query.sort_order, limit=limit, offset=offset
-            )
-
-        return await _paged(fetch, query.limit, query.offset)
-
-    @router.get("/rollouts/{rollout_id}/attempts")
-    async def query_attempts(rollout_id: str, request: Request) -> Response:
-        return await answer(lambda: _attempts(rollout_id, _query(request, AttemptsQuery)))
-
-    @router.post("/rollouts/{rollout_id}/attempts/search")
-    async def search_attempts(rollout_id: str, request: Request) -> Response:
-        async def work() -> Response:
-            return await _attempts(rollout_id, await _body(request, AttemptsQuery, optional=True))
-
-        return await answer(work)
+    listing(
+        "/rollouts/{rollout_id}/attempts",
+        AttemptsQuery,
+        lambda client, query, path, limit, offset: client.query_attempts(
+            path["rollout_id"], sort_by=query.sort_by, sort_order=query.sort_order, limit=limit, offset=offset
+        ),
+    )
 
     @router.get("/rollouts/{rollout_id}/attempts/latest")
     async def latest_attempt(rollout_id: str) -> Response:
@@ -588,33 +590,19 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
 
     # -- workers ----------------------------------------------------------------------------
 
-    async def _workers(query: WorkersQuery) -> Response:
-        check_paging(query)
-        client = await store()
-
-        async def fetch(limit: int, offset: int) -> Sequence[BaseModel]:
-            return await client.query_workers(
-                status_in=query.status_in,
-                worker_id_contains=query.worker_id_contains,
-                filter_logic=query.filter_logic,
-                sort_by=query.sort_by,
-                sort_order=query.sort_order,
-                limit=limit,
-                offset=offset,
-            )
-
-        return await _paged(fetch, query.limit, query.offset)
-
-    @router.get("/workers")
-    async def query_workers(request: Request) -> Response:
-        return await answer(lambda: _workers(_query(request, WorkersQuery)))
-
-    @router.post("/workers/search")
-    async def search_workers(request: Request) -> Response:
-        async def work() -> Response:
-            return await _workers(await _body(request, WorkersQuery, optional=True))
-
-        return await answer(work)
+    listing(
+        "/workers",
+        WorkersQuery,
+        lambda client, query, _, limit, offset: client.query_workers(
+            status_in=query.status_in,
+            worker_id_contains=query.worker_id_contains,
+            filter_logic=query.filter_logic,
+            sort_by=query.sort_by,
+            sort_order=query.sort_order,
+            limit=limit,
+            offset=offset,
+        ),
+    )
 
     @router.get("/workers/{worker_id}")
     async def get_worker(worker_id: str) -> Response:
@@ -704,28 +692,14 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
 
         return await answer(work)
 
-    async def _spans(query: SpansQuery) -> Response:
-        check_paging(query)
-        client = await store()
-        filters = query.filters()
-
-        async def fetch(limit: int, offset: int) -> Sequence[BaseModel]:
-            return await client.query_spans(
-                query.rollout_id, query.attempt_id, **{**filters, "limit": limit, "offset": offset}
-            )
-
-        return await _paged(fetch, query.limit, query.offset)
-
-    @router.get("/spans")
-    async def query_spans(request: Request) -> Response:
-        return await answer(lambda: _spans(_query(request, SpansQuery)))
-
-    @router.post("/spans/search")
-    async def search_spans(request: Request) -> Response:
-        async def work() -> Response:
-            return await _spans(await _body(request, SpansQuery))
-
-        return await answer(work)
+    listing(
+        "/spans",
+        SpansQuery,
+        lambda client, query, _, limit, offset: client.query_spans(
+            query.rollout_id, query.attempt_id, **{**query.filters(), "limit": limit, "offset": offset}
+        ),
+        body_required=True,
+    )
 
     @router.post("/spans/next")
     async def next_sequence_id(request: Request) -> Response:
