@@ -336,9 +336,13 @@ class _Run:
     async def last_validation(self) -> None:
         """The validation in flight ends; then one on the final policy unless it had one (the
         seed validates after its last step when test_freq is set)."""
-        if self.validation is not None:
-            await self.validation
-        await self.look()
+        while True:
+            if self.validation is not None:
+                await self.validation
+                self.validation = None
+            await self.look()  # the version may have moved past test_freq meanwhile: one starts
+            if self.validation is None:
+                break
         if self.val and self.config.test_freq > 0 and self.last_validated != self.version:
             await self.validate(self.version)
 

@@ -270,5 +270,6 @@ def triplet_record(
         triplets=result.triplets,
         final_reward=result.final_reward,
         finish_time=finished.finish_time,
+        mode=finished.rollout.mode,  # the batcher refuses val/test records: never trained on
     )
     return record, result

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from agl_stream.domain.trace_collector import TraceCollector, group_id_of, spans_by_attempt
+from agl_stream.domain.adapter import AdapterConfig
+from agl_stream.domain.trace_collector import TraceCollector, group_id_of, spans_by_attempt, triplet_record
 from agl_stream.models import Attempt, Rollout, RolloutState, Span
 
 RID = "ro-000000000001"
@@ -151,3 +152,14 @@ def test_spans_by_attempt_groups_in_first_appearance_order() -> None:
         [("ro-000000000002", "at-1", 1)],
     ]
     assert spans_by_attempt([]) == []
+
+
+@pytest.mark.parametrize("mode", ["train", "val", "test", None])
+def test_the_record_carries_its_rollouts_mode(mode: str | None) -> None:
+    """What the batcher refuses val and test records by: validation is never trained on."""
+    base = state(("at-1", "succeeded"))
+    finished_state = base.model_copy(update={"rollout": base.rollout.model_copy(update={"mode": mode})})
+    collector: TraceCollector[str] = TraceCollector()
+    [attempt], _ = collector.add_state(finished_state, "state", now=1.0)
+    record, _ = triplet_record(attempt.finished, attempt.spans, AdapterConfig(), None)
+    assert record.mode == mode and record.rollout_id == RID

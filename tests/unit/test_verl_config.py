@@ -3,6 +3,8 @@ and every key that cannot be used named with why."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from agl_stream.algorithm.verl_config import (
 )
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig
-from agl_stream.errors import AlgorithmConfigError, ConfigError
+from agl_stream.errors import AlgorithmConfigError, ConfigError, DatasetError
 
 # The seed's calc-x style config, the parts that apply here.
 NESTED: dict[str, Any] = {
@@ -373,3 +375,122 @@ def test_the_roles_arguments_parse_with_the_real_commands(tmp_path: Path, monkey
     assert (started["batcher"].group_size, started["batcher"].max_rollouts, started["batcher"].linger_s) == (3, 6, 5.0)
     assert started["triplets"]["adapter"] == adapter
     assert (started["inference"]["checkpoint"], started["inference"]["default_max_tokens"]) == (model, 16)
+
+
+# -- the run, against a store of the test's own -----------------------------------------------
+
+
+class _FakeSide:
+    def __init__(self, store: _FakeStore) -> None:
+        self.store = store
+
+    async def query(self, sql: str, parameters: Any = None, **_: Any) -> Any:
+        from agl_stream.store.readside import QueryResult
+
+        ids = list(parameters["ids"])
+        if "batches" in sql:  # every training rollout batched (one batch each), as the trainer took them
+            return QueryResult(["batch_id", "rollout_ids"], [[f"tb-{rid}", [rid]] for rid in ids])
+        versions = [self.store.ran_on[rid] for rid in ids]
+        return QueryResult(["low", "high"], [[min(versions), max(versions)]])
+
+
+class _FakeStore:
+    """Rollouts finish when waited for; every finished training round makes one policy version."""
+
+    def __init__(self, settings: Settings, proxy_url: str) -> None:
+        self.settings = settings
+        self.proxy_url = proxy_url
+        self.side = _FakeSide(self)
+        self.version = 0
+        self.modes: dict[str, str] = {}
+        self.ran_on: dict[str, int] = {}
+
+    async def enqueue_many_rollouts(self, requests: list[dict[str, Any]]) -> list[Any]:
+        from types import SimpleNamespace
+
+        made = []
+        for request in requests:
+            rid = f"ro-{len(self.modes):012x}"
+            self.modes[rid] = request["mode"]
+            self.ran_on[rid] = self.version
+            made.append(SimpleNamespace(rollout_id=rid))
+        return made
+
+    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None) -> list[str]:
+        await asyncio.sleep(0)  # other tasks run, as while real rollouts run
+        if self.modes[rollout_ids[0]] == "train":
+            self.version += 1
+        return rollout_ids
+
+    async def get_latest_resources(self) -> Any:
+        from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate
+
+        checkpoint = ModelCheckpoint(uri="/c", model="agl-tiny", policy_version=self.version)
+        policy = ProxyLLM(endpoint=self.proxy_url, model="agl-tiny")
+        resources = {"checkpoint": checkpoint, "policy": policy}
+        return ResourcesUpdate(resources_id="rs-1", create_time=0, update_time=0, version=1, resources=resources)
+
+
+async def _fake_rewards(store: _FakeStore, ids: list[str], **_: Any) -> dict[str, Any]:
+    from agl_stream.algorithm import ModeReport
+
+    reports = {}
+    for mode in {store.modes[rid] for rid in ids}:
+        n = sum(store.modes[rid] == mode for rid in ids)
+        reports[mode] = ModeReport(mode, n, n, 0, 0, n, 0.5)
+    return reports
+
+
+@pytest.mark.parametrize(("test_freq", "expected"), [(2, [0, 2, 4, 5]), (1, [0, 1, 2, 3, 4, 5]), (-1, [0])])
+def test_the_run_validates_first_every_test_freq_versions_and_on_the_final_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_freq: int, expected: list[int]
+) -> None:
+    import agl_stream.algorithm.verl as verl_module
+
+    async def no_fence(*_: Any) -> dict[str, Any]:
+        return {}
+
+    monkeypatch.setattr(verl_module, "POLL_S", 0.0)
+    monkeypatch.setattr(verl_module, "fence_at_end", no_fence)
+    monkeypatch.setattr(verl_module, "rewards_by_mode", _fake_rewards)
+    monkeypatch.setattr(verl_module, "_batches_taken", lambda _: {f"tb-ro-{i:012x}" for i in range(100)})
+    config = {"data.train_batch_size": 1, "actor_rollout_ref.rollout.n": 2, "trainer.test_freq": test_freq}
+    algorithm = VERL({**config, "data.shuffle": False})
+    algorithm.plan = PLAN
+    store = _FakeStore(Settings(data_dir=tmp_path), PLAN.proxy_url)
+    algorithm.set_store(store)
+
+    async def run() -> None:
+        await algorithm.run(train_dataset=[{"q": i} for i in range(5)], val_dataset=["v1", "v2"])
+        assert {t for t in asyncio.all_tasks() if t is not asyncio.current_task()} == set()  # nothing left running
+
+    asyncio.run(run())
+    versions = [v.policy_version for v in algorithm.validations]
+    # At most one validation in flight: a threshold crossed meanwhile starts the next when it ends,
+    # so the versions between are not always exact multiples; the first is before training, the
+    # last on the final policy (however close to the one before, as the seed does on its last step).
+    assert versions[0] == 0 and versions[-1] == (5 if test_freq > 0 else 0)
+    assert versions == sorted(set(versions)) and set(versions) <= set(expected)
+    assert all(b - a >= test_freq for a, b in itertools.pairwise(versions[:-1]))
+    assert all(v.rollouts == 2 and v.mean_reward == 0.5 for v in algorithm.validations)
+    assert algorithm.policy_version == 5 and set(algorithm.report) == {"train", "val"}
+    assert sum(mode == "train" for mode in store.modes.values()) == 10  # 5 tasks x rollout.n
+
+
+def test_the_run_needs_its_processes_and_data(tmp_path: Path) -> None:
+    algorithm = VERL()
+    algorithm.set_store(_FakeStore(Settings(data_dir=tmp_path), PLAN.proxy_url))
+    with pytest.raises(agl.algorithm.MissingComponentError, match=r"Trainer\.fit"):
+        asyncio.run(algorithm.run(train_dataset=[1]))
+    algorithm.plan = PLAN
+    with pytest.raises(DatasetError, match="train_dataset"):
+        asyncio.run(algorithm.run(train_dataset=[]))
+    with pytest.raises(DatasetError, match="val_dataset"):
+        asyncio.run(_val_only(tmp_path))
+
+
+async def _val_only(tmp_path: Path) -> None:
+    algorithm = VERL({"trainer.val_only": True})
+    algorithm.plan = PLAN
+    algorithm.set_store(_FakeStore(Settings(data_dir=tmp_path), PLAN.proxy_url))
+    await algorithm.run(train_dataset=[1], val_dataset=[])
