@@ -79,11 +79,12 @@ def _retry_round(k: str) -> list[Op]:
 def _timeout_round(k: str) -> list[Op]:
     r, once = f"{k}r", f"{k}once"
     return [
-        # Timed out with a retry left: requeued by the watchdog, claimable again.
+        # Timed out with a retry left: requeued by the watchdog, claimable again. The second
+        # attempt must outlive the three reads and the update below on a loaded machine.
         {
             "op": "enqueue_rollout",
             "input": {"timeout": k},
-            "config": {"timeout_seconds": 0.3, "max_attempts": 2, "retry_condition": ["timeout"]},
+            "config": {"timeout_seconds": 2.0, "max_attempts": 2, "retry_condition": ["timeout"]},
             "as": r,
         },
         {"op": "dequeue_rollout", "worker": "w1"},
