@@ -38,6 +38,10 @@ class ResourcesCache:
         self._positions: dict[int, int] = {}  # next offset to read, per partition
         self._progress = asyncio.Condition()
         self._consumer: AIOKafkaConsumer | None = None
+        # Topic ends are asked on a connection of their own: the broker answers one request per
+        # connection at a time, so on the follower's they waited behind its long-poll fetch
+        # (up to fetch_max_wait_ms, 500 ms: every enqueue that pinned "no resources" paid it).
+        self._ends: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self.on_update: list[Callable[[ResourcesUpdate], None]] = []
         self.undecodable = 0
@@ -58,6 +62,12 @@ class ResourcesCache:
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
         self._consumer = consumer
+        self._ends = AIOKafkaConsumer(**self.settings.kafka_client_options(), enable_auto_commit=False)
+        try:
+            await self._ends.start()
+        except BaseException:
+            await consumer.stop()
+            raise
         self._task = asyncio.create_task(self._follow(), name="agl-resources-cache")
         await self.catch_up()
 
@@ -68,11 +78,13 @@ class ResourcesCache:
                 await self._task
         if self._consumer is not None:
             await self._consumer.stop()
+        if self._ends is not None:
+            await self._ends.stop()
 
     async def catch_up(self, timeout: float = 30.0) -> None:
         """Wait until everything written to the topic before this call has been read."""
-        assert self._consumer is not None, "start() first"
-        ends = await self._consumer.end_offsets(list(self._consumer.assignment()))
+        assert self._consumer is not None and self._ends is not None, "start() first"
+        ends = await self._ends.end_offsets(list(self._consumer.assignment()))
 
         def reached() -> bool:
             return all(self._positions.get(tp.partition, 0) >= end for tp, end in ends.items())
