@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from agl_stream.algorithm import VERL, Algorithm, Baseline, FastAlgorithm, algo
+from agl_stream.algorithm import APO, VERL, Algorithm, Baseline, FastAlgorithm, algo
 from agl_stream.emitters import (
     emit_annotation,
     emit_exception,
@@ -65,6 +65,7 @@ LightningStoreCapabilities = StoreCapabilities
 LightningStoreStatistics = StoreStatistics
 
 __all__ = [
+    "APO",
     "LLM",
     "UNSET",
     "VERL",

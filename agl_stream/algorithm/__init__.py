@@ -1,11 +1,12 @@
 """The algorithm layer: what decides which rollouts run and learns from them.
 
 ``Algorithm`` (the base), ``@algo`` (an algorithm as a function over the store), the built-ins
-by name (``ALGORITHMS``: ``Baseline``; ``VERL``, also as "grpo"), and the datasets they run
+by name (``ALGORITHMS``: ``Baseline``; ``VERL``, also as "grpo"; ``APO``), and the datasets they run
 (:mod:`.datasets`). The
 Trainer (:mod:`agl_stream.trainer`) drives an algorithm; an algorithm never drives the Trainer.
 """
 
+from agl_stream.algorithm.apo import APO, ModelEndpointError, PromptScore
 from agl_stream.algorithm.base import Algorithm, FastAlgorithm, MissingComponentError, RoleSpec, RunnerResources
 from agl_stream.algorithm.baseline import Baseline
 from agl_stream.algorithm.blocking import BlockingStore
@@ -18,6 +19,7 @@ from agl_stream.algorithm.verl_config import VerlConfig, parse_verl_config
 
 __all__ = [
     "ALGORITHMS",
+    "APO",
     "VERL",
     "Algorithm",
     "Baseline",
@@ -26,6 +28,8 @@ __all__ = [
     "FunctionalAlgorithm",
     "MissingComponentError",
     "ModeReport",
+    "ModelEndpointError",
+    "PromptScore",
     "RoleSpec",
     "RunnerResources",
     "TaskDataset",

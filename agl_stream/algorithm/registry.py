@@ -3,7 +3,8 @@
 
 A plain mapping of names to classes (no import strings): what is registered is what this
 package imported. ``"verl"`` and ``"grpo"`` are both :class:`VERL` (GRPO is its default
-estimator): ``Trainer(algorithm={"name": "verl", "config": {...}})``.
+estimator): ``Trainer(algorithm={"name": "verl", "config": {...}})``. ``"apo"`` is :class:`APO`:
+``Trainer(algorithm={"name": "apo", "gradient_model": ..., "beam_rounds": 2})``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from agl_stream.algorithm.apo import APO
 from agl_stream.algorithm.base import Algorithm
 from agl_stream.algorithm.baseline import Baseline
 from agl_stream.algorithm.verl import VERL
@@ -18,7 +20,7 @@ from agl_stream.errors import AlgorithmError
 
 AlgorithmFactory = Callable[..., Algorithm]
 
-ALGORITHMS: dict[str, AlgorithmFactory] = {"baseline": Baseline, "verl": VERL, "grpo": VERL}
+ALGORITHMS: dict[str, AlgorithmFactory] = {"baseline": Baseline, "verl": VERL, "grpo": VERL, "apo": APO}
 """Name (lower case) -> factory taking the algorithm's keyword arguments."""
 
 

@@ -236,7 +236,7 @@ def test_built_ins_are_found_by_name_and_mapping() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("verl-nope", r"no algorithm named 'verl-nope'; registered: \['baseline'"),
+        ("verl-nope", r"no algorithm named 'verl-nope'; registered: \['apo', 'baseline'"),
         ({"n_epochs": 2}, "names its algorithm with 'name'"),
         ({"name": "baseline", "epochs": 2}, "does not take these arguments"),
         (lambda store: None, "decorate it with @agl.algo"),
