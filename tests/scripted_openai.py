@@ -24,12 +24,21 @@ from aiohttp import web
 Reply = Callable[[dict[str, Any]], str | dict[str, Any]]
 """The request body -> the assistant's content (a string) or a whole message (``tool_calls``)."""
 
+TokenIds = Callable[[dict[str, Any], dict[str, Any]], tuple[list[int], list[int]]]
+"""The request body and the answer's message -> (prompt token ids, response token ids)."""
+
 
 class ScriptedOpenAI:
-    """Answers ``POST /v1/chat/completions`` with ``reply(body)``; records every request body."""
+    """Answers ``POST /v1/chat/completions`` with ``reply(body)``; records every request body.
 
-    def __init__(self, reply: Reply) -> None:
+    With ``token_ids``, answers also carry token ids the way vLLM returns them
+    (``prompt_token_ids`` at the top, ``token_ids`` in the choice), so that calls through the
+    LLM proxy become triplets a trainer can train on (ids valid for its policy's vocabulary).
+    """
+
+    def __init__(self, reply: Reply, token_ids: TokenIds | None = None) -> None:
         self.reply = reply
+        self.token_ids = token_ids
         self.requests: list[dict[str, Any]] = []
         self.base_url = ""
         self._ids = itertools.count()
@@ -40,19 +49,29 @@ class ScriptedOpenAI:
         message = {"role": "assistant", **({"content": answer} if isinstance(answer, str) else answer)}
         prompt_tokens = sum(len(str(m.get("content") or "").split()) for m in body.get("messages", []))
         completion_tokens = len(str(message.get("content") or "").split()) + 1
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
+        }
+        extra: dict[str, Any] = {}
+        if self.token_ids is not None:
+            prompt_ids, response_ids = self.token_ids(body, message)
+            choice["token_ids"] = response_ids
+            extra["prompt_token_ids"] = prompt_ids
+            prompt_tokens, completion_tokens = len(prompt_ids), len(response_ids)
         return {
             "id": f"chatcmpl-{next(self._ids)}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model", "scripted"),
-            "choices": [
-                {"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}
-            ],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             },
+            **extra,
         }
 
 
@@ -62,9 +81,9 @@ def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
 
 
 @contextmanager
-def scripted_openai(reply: Reply) -> Iterator[ScriptedOpenAI]:
+def scripted_openai(reply: Reply, token_ids: TokenIds | None = None) -> Iterator[ScriptedOpenAI]:
     """Serve ``reply`` on 127.0.0.1 (a free port) for the ``with`` block; ``.base_url`` ends in ``/v1``."""
-    server = ScriptedOpenAI(reply)
+    server = ScriptedOpenAI(reply, token_ids)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     runner_box: list[web.AppRunner] = []
