@@ -38,6 +38,7 @@ from typing import Any
 from agl_stream.algorithm.base import Algorithm, MissingComponentError, RoleSpec, RunnerResources
 from agl_stream.algorithm.report import ModeReport, rewards_by_mode
 from agl_stream.algorithm.verl_config import (
+    InferenceEngine,
     RolePlan,
     TrainerBackend,
     VerlConfig,
@@ -100,6 +101,9 @@ class VERL(Algorithm):
         trainer_cls, daemon_cls: the seed's experimental overrides; only None is accepted.
         backend: the trainer role's policy backend, "torch" (one process, CPU or one GPU) or
             "verl" (VERL's FSDP engine).
+        inference_engine: "cpu" (the inference role's own server) or "vllm" (vLLM's OpenAI server,
+            restarted on every published policy version; needs ``actor_rollout_ref.model.path``).
+        vllm_args: more arguments for vLLM's server (``"--gpu-memory-utilization=0.5"`` ...).
         model_name: the name the policy is served and published under (default: the model
             folder's name, or "agl-tiny" for the built-in tiny policy).
         linger_s: seconds the batcher waits before a short batch goes out (the run's last one).
@@ -123,6 +127,8 @@ class VERL(Algorithm):
         daemon_cls: Any = None,
         *,
         backend: TrainerBackend = "torch",
+        inference_engine: InferenceEngine = "cpu",
+        vllm_args: Sequence[str] = (),
         model_name: str | None = None,
         linger_s: float = 30.0,
         settle_s: float = 2.0,
@@ -137,6 +143,8 @@ class VERL(Algorithm):
             )
         if backend not in ("torch", "verl"):
             raise ConfigError(f"backend must be 'torch' or 'verl', not {backend!r}")
+        if inference_engine not in ("cpu", "vllm"):
+            raise ConfigError(f"inference_engine must be 'cpu' or 'vllm', not {inference_engine!r}")
         if rounds_in_flight < 1:
             raise ConfigError(f"rounds_in_flight must be at least 1, got {rounds_in_flight}")
         for name, value in (("linger_s", linger_s), ("settle_s", settle_s), ("drain_timeout_s", drain_timeout_s)):
@@ -144,6 +152,8 @@ class VERL(Algorithm):
                 raise ConfigError(f"{name} must not be negative, got {value}")
         self.config: VerlConfig = parse_verl_config(config)
         self.backend: TrainerBackend = backend
+        self.inference_engine: InferenceEngine = inference_engine
+        self.vllm_args = tuple(vllm_args)
         self.model_name = model_name
         self.linger_s = linger_s
         self.settle_s = settle_s
@@ -186,6 +196,8 @@ class VERL(Algorithm):
             backend=self.backend,
             linger_s=self.linger_s,
             settle_s=self.settle_s,
+            inference_engine=self.inference_engine,
+            vllm_args=self.vllm_args,
         )
         adapter = self._adapter if self._adapter is not None else AdapterConfig()
         return verl_roles(config, self.plan, adapter)

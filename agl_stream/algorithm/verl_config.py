@@ -54,6 +54,7 @@ from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.errors import AlgorithmConfigError, ConfigError
 
 TrainerBackend = Literal["torch", "verl"]
+InferenceEngine = Literal["cpu", "vllm"]
 
 CRITIC_FREE_ESTIMATORS = frozenset(
     {
@@ -409,6 +410,8 @@ class RolePlan:
     backend: TrainerBackend = "torch"
     linger_s: float = 30.0
     settle_s: float = 2.0
+    inference_engine: InferenceEngine = "cpu"  # vllm: vLLM's server, restarted on each published version
+    vllm_args: tuple[str, ...] = ()  # more arguments for vLLM's server (--gpu-memory-utilization=0.5 ...)
 
     @property
     def proxy_url(self) -> str:
@@ -465,7 +468,11 @@ def verl_roles(config: VerlConfig, plan: RolePlan, adapter: AdapterConfig) -> li
             trainer += [_flag(option), str(value)]
     inference = ["inference", "--port", str(plan.inference_port), "--model-name", plan.model_name]
     if config.model_path is not None:
-        inference += ["--checkpoint", config.model_path]
+        inference += ["--model", config.model_path]
+    if plan.inference_engine == "vllm":
+        if config.model_path is None:
+            raise ConfigError("inference_engine='vllm' needs actor_rollout_ref.model.path (vLLM serves a model folder)")
+        inference += ["--engine", "vllm", *(f"--vllm-arg={arg}" for arg in plan.vllm_args)]
     if config.max_response_length is not None:
         # Agents that set no max_tokens get responses the trainer keeps whole.
         inference += ["--default-max-tokens", str(config.max_response_length)]

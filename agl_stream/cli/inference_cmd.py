@@ -1,4 +1,5 @@
-"""``agl-stream inference``: the tiny policy behind an OpenAI-compatible (vLLM-shaped) API.
+"""``agl-stream inference``: the policy behind an OpenAI-compatible (vLLM-shaped) API, served on
+the CPU (the tiny policy or an HF model folder) or by vLLM as a managed child (``--engine vllm``).
 
 The role lives in ``consumers.inference``, imported when the command runs (its libraries load only then).
 The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md, the layers).
@@ -19,7 +20,10 @@ def inference(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind, 0 for a free one.")] = 8000,
     model_name: Annotated[
-        str, typer.Option(help="Model name served (and matched against ModelCheckpoint.model).")
+        str,
+        typer.Option(
+            "--model-name", "--served-model-name", help="Model name served (and matched against ModelCheckpoint.model)."
+        ),
     ] = "agl-tiny",
     seed: Annotated[int, typer.Option(help="Seed of the initial random weights.")] = 0,
     follow: Annotated[
@@ -27,7 +31,13 @@ def inference(
     ] = True,
     checkpoint: Annotated[
         Optional[Path],  # noqa: UP045
-        typer.Option(exists=True, file_okay=False, help="Start from this checkpoint directory, not random weights."),
+        typer.Option(
+            "--model",
+            "--checkpoint",
+            exists=True,
+            file_okay=False,
+            help="Hugging Face causal LM folder (or trainer checkpoint) to serve first; default: the tiny policy.",
+        ),
     ] = None,
     policy_version: Annotated[int, typer.Option(min=0, help="Policy version of the initial weights.")] = 0,
     max_batch_rows: Annotated[int, typer.Option(min=1, help="Most sequences generated in one batch.")] = 64,
@@ -35,6 +45,20 @@ def inference(
         int, typer.Option(min=1, help="Completion length when a request sets no max_tokens.")
     ] = 256,
     torch_threads: Annotated[int, typer.Option(min=1, help="CPU threads torch may use.")] = 1,
+    engine: Annotated[
+        str, typer.Option(help="cpu: serve in this process (torch); vllm: run vLLM's OpenAI server as a child.")
+    ] = "cpu",
+    vllm_command: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="--engine vllm: the server command, split like a shell (default: python -m vllm's server)."),
+    ] = None,
+    vllm_arg: Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option(help="--engine vllm: one more argument for the server, repeatable (--vllm-arg=--enforce-eager)."),
+    ] = None,
+    ready_timeout: Annotated[
+        float, typer.Option(min=1.0, help="--engine vllm: seconds a (re)started server may take to answer /health.")
+    ] = 900.0,
 ) -> None:
     """Serve the policy model: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
@@ -42,9 +66,42 @@ def inference(
     token ids) and raw logprobs. With --follow (the default) the server reads agl.resources
     and swaps in every newer ModelCheckpoint published for --model-name.
 
+    With --engine vllm, vLLM's OpenAI server runs as a child on --host/--port with --model and
+    --served-model-name; each newer published checkpoint restarts it on that folder (a managed
+    restart, waiting for /health); the responses are vLLM's own.
+
     Example: agl-stream inference --port 8000 --model-name agl-tiny
+    Example: agl-stream inference --engine vllm --model ./qwen --model-name qwen --vllm-arg=--gpu-memory-utilization=0.5
     """
     settings = settings_of(ctx)
+    if engine not in ("cpu", "vllm"):
+        raise typer.BadParameter(f"unknown engine {engine!r}: cpu or vllm", param_hint="--engine")
+    if engine == "vllm":
+        if port == 0:
+            raise typer.BadParameter(
+                "--engine vllm needs a fixed port (the server restarts on it)", param_hint="--port"
+            )
+        if checkpoint is not None and not (checkpoint / "config.json").is_file():
+            raise typer.BadParameter(
+                f"{checkpoint} is not a Hugging Face model folder (no config.json)", param_hint="--model"
+            )
+        from consumers import vllm_server
+
+        vllm_server.main(
+            settings if follow else None,
+            vllm_server.VllmOptions(
+                model_name=model_name,
+                model=checkpoint.resolve() if checkpoint is not None else None,
+                host=host,
+                port=port,
+                follow=follow,
+                policy_version=policy_version,
+                command=vllm_server.parse_command(vllm_command),
+                extra_args=tuple(vllm_arg or ()),
+                ready_timeout_s=ready_timeout,
+            ),
+        )
+        return
     from consumers import inference
 
     inference.main(

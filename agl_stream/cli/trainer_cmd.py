@@ -78,7 +78,11 @@ def trainer(
     ] = "torch",
     initial_model: Annotated[
         Path | None,
-        typer.Option(help="HF model folder to start from when there is no checkpoint yet (default: the tiny policy)."),
+        typer.Option(
+            "--initial-model",
+            "--model",
+            help="HF causal LM folder to start from when there is no checkpoint yet (default: the tiny policy).",
+        ),
     ] = None,
     model_name: Annotated[str, typer.Option(help="Model name the checkpoints are published under.")] = "agl-tiny",
     proxy_endpoint: Annotated[

@@ -25,7 +25,15 @@ from typing import Any, Literal
 import torch
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import WordLevel
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<|im_end|>"  # ChatML's end of turn doubles as end of sequence
@@ -142,13 +150,49 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def load_checkpoint(directory: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Load what :func:`save_checkpoint` wrote (any local HF causal-LM folder works)."""
+    """Load what :func:`save_checkpoint` wrote, or any local Hugging Face causal-LM folder
+    (``AutoModelForCausalLM`` in float32; the tokenizer from its ``tokenizer.json``, else
+    ``AutoTokenizer``; nothing is downloaded).
+
+    The tokenizer must be a fast one (every current chat model ships a ``tokenizer.json``),
+    since the inference server decodes token by token with it. A tokenizer without a pad token
+    (Llama's, for one) gets eos as its pad token, as VERL and TRL do: padding is always masked,
+    so the id only has to exist. Chat requests need the tokenizer's chat template; without one
+    only completions work (the inference server says so when it loads the folder).
+    """
     path = Path(directory)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no checkpoint in {path} (config.json missing)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    if (path / "tokenizer.json").is_file():
+        # The saved pipeline exactly as written: AutoTokenizer would pick the class of the
+        # config's model type, which may rebuild the pre-tokenizer and normalizer its own way
+        # (it does for the tiny policy's character tokenizer, a Qwen2 model type).
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:  # only a slow tokenizer's files: transformers converts it
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=True)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ValueError(
+            f"{path}: the tokenizer {type(tokenizer).__name__} is not a fast tokenizer (no tokenizer.json)"
+        )
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The tokens that end a response: the tokenizer's eos and the model's generation config's
+    (chat models list their end-of-turn token there, as vLLM reads it)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config = getattr(model, "generation_config", None)
+    configured = getattr(config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, (list, tuple)):
+        ids.update(int(t) for t in configured)
+    return ids
 
 
 @dataclass(frozen=True)
@@ -283,11 +327,14 @@ def generate(
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
     rows = [_Row(list(p), g) for p, g in zip(prompt_token_ids, _generators(seed, len(prompt_token_ids)), strict=True)]
-    eos_ids = {tokenizer.eos_token_id, *stop_token_ids} - {None}
+    model_eos = eos_token_ids(model, tokenizer)
+    eos_ids = model_eos | set(stop_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     want_text = bool(stop) or on_step is not None
     if suppress_token_ids is None:
-        suppress_token_ids = [t for t in (tokenizer.pad_token_id, tokenizer.unk_token_id) if t is not None]
+        # A pad token that is also eos (a model without a pad token of its own) must stay sampleable.
+        defaults = (tokenizer.pad_token_id, tokenizer.unk_token_id)
+        suppress_token_ids = [t for t in defaults if t is not None and t not in model_eos]
     suppressed = torch.tensor(sorted({t for t in suppress_token_ids if 0 <= t < vocab_size}), dtype=torch.long)
 
     width = max(len(r.prompt) for r in rows)
@@ -314,7 +361,7 @@ def generate(
             )
             if token in eos_ids:
                 row.finish_reason = "stop"
-                row.stop_reason = None if token == tokenizer.eos_token_id else token
+                row.stop_reason = None if token in model_eos else token
             if want_text and row.stop_reason is None:
                 before = len(row.text)
                 text = str(tokenizer.decode(row.tokens, skip_special_tokens=True))

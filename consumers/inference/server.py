@@ -1,4 +1,5 @@
-"""The inference server: the tiny policy behind an OpenAI-compatible HTTP API, vLLM-shaped.
+"""The inference server: the tiny policy, or any Hugging Face causal LM folder (CPU, float32),
+behind an OpenAI-compatible HTTP API, vLLM-shaped.
 
 Runners' agents reach it through the LLM proxy; the trainer publishes new weights as
 ``ModelCheckpoint`` resources and this server picks them up.
@@ -44,7 +45,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 import torch
 import uvicorn
@@ -55,6 +55,7 @@ from transformers.utils import logging as hf_logging
 
 from agl_stream.auth import listener_token
 from agl_stream.config import Settings
+from agl_stream.domain.checkpoints import choose_checkpoint, local_checkpoint_path
 from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
@@ -123,6 +124,11 @@ class InferenceServer:
     def _initial_policy(self) -> Policy:
         if self.options.checkpoint is not None:
             model, tokenizer = load_checkpoint(self.options.checkpoint)
+            if tokenizer.chat_template is None:
+                log.warning(
+                    "the tokenizer has no chat template: /v1/chat/completions will refuse requests",
+                    checkpoint=str(self.options.checkpoint),
+                )
             return Policy(model, tokenizer, self.options.policy_version, str(self.options.checkpoint))
         return Policy(
             build_model(self.options.seed),
@@ -139,16 +145,17 @@ class InferenceServer:
 
     def _on_resources(self, update: ResourcesUpdate) -> None:
         """ResourcesCache callback (event loop): remember the newest checkpoint of our model."""
-        for resource in update.resources.values():
-            if not isinstance(resource, ModelCheckpoint) or resource.model != self.options.model_name:
-                continue
-            newest = max(self.policy.version, self._wanted.policy_version if self._wanted else -1)
-            if resource.policy_version <= newest or resource.policy_version in self._failed:
-                continue
-            if resource.format != "hf":
-                log.warning("checkpoint format not supported", format=resource.format, version=resource.policy_version)
-                continue
-            self._wanted = resource
+        choice = choose_checkpoint(
+            update.resources.values(),
+            model=self.options.model_name,
+            loaded_version=self.policy.version,
+            chosen=self._wanted,
+            failed=self._failed,
+        )
+        for refused, why in choice.refused:
+            log.warning("checkpoint not loaded", version=refused.policy_version, reason=why)
+        if choice.checkpoint is not None and choice.checkpoint is not self._wanted:
+            self._wanted = choice.checkpoint
             self._reload.set()
 
     async def _load_wanted(self) -> None:
@@ -156,7 +163,7 @@ class InferenceServer:
         if wanted is None or wanted.policy_version <= self.policy.version:
             return
         try:
-            path = _local_path(wanted.uri)
+            path = local_checkpoint_path(wanted.uri)
             model, tokenizer = await asyncio.to_thread(load_checkpoint, path)
         except Exception as error:  # a bad checkpoint must not take the server down
             self._failed.add(wanted.policy_version)
@@ -244,13 +251,6 @@ class InferenceServer:
             if sock is not None:
                 sock.close()
         log.info("inference server stopped")
-
-
-def _local_path(uri: str) -> Path:
-    parsed = urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        return Path(parsed.path if parsed.scheme else uri)
-    raise ValueError(f"only local checkpoint directories are supported, got {uri!r}")
 
 
 # -- request handling -----------------------------------------------------------------------

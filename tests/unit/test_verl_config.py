@@ -130,7 +130,7 @@ def test_a_model_path_is_the_trainers_initial_model_and_the_served_one() -> None
     config = parse_verl_config({"actor_rollout_ref.model.path": "/models/qwen", "algorithm.adv_estimator": "rloo"})
     args = {r.name: list(r.args) for r in verl_roles(config, PLAN, AdapterConfig())}
     assert args["trainer"][-4:] == ["--initial-model", "/models/qwen", "--adv-estimator", "rloo"]
-    assert args["inference"][-2:] == ["--checkpoint", "/models/qwen"]
+    assert args["inference"][-2:] == ["--model", "/models/qwen"]
 
 
 def test_every_key_that_cannot_be_used_is_named_at_once_with_why() -> None:
