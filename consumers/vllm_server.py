@@ -187,6 +187,7 @@ class VllmManager:
         self._stop = asyncio.Event()
         self._served = asyncio.Condition()
         self._cache: ResourcesCache | None = None
+        self._loading: int | None = None  # the version a restart is bringing up
 
     # -- which version ------------------------------------------------------------------------
 
@@ -195,10 +196,16 @@ class VllmManager:
         self._consider(update.resources.values())
 
     def _consider(self, resources: Iterable[object]) -> None:
+        # Versions at or below the one served, or the one a restart is bringing up, are not news
+        # (the trainer publishes its last version again when it starts). Before the first start,
+        # --model is --policy-version (the trainer's v0 of the same folder is not news either).
+        served = self.version
+        if served is None:
+            served = self.options.policy_version if self.options.model is not None else -1
         choice = choose_checkpoint(
             resources,
             model=self.options.model_name,
-            loaded_version=self.version if self.version is not None else -1,
+            loaded_version=max(served, self._loading if self._loading is not None else -1),
             chosen=self._wanted,
             failed=self.failed,
         )
@@ -281,6 +288,15 @@ class VllmManager:
     async def _switch(self, client: httpx.AsyncClient, checkpoint: ModelCheckpoint) -> None:
         """Restart the child on ``checkpoint``'s folder; on failure, serve the previous one again."""
         self._wanted = None
+        self._loading = checkpoint.policy_version
+        try:
+            served = await self._restart_on(client, checkpoint)
+        finally:
+            self._loading = None
+        if served:
+            await self._served_now(checkpoint.policy_version)
+
+    async def _restart_on(self, client: httpx.AsyncClient, checkpoint: ModelCheckpoint) -> bool:
         previous = self.server.model
         try:
             folder = local_checkpoint_path(checkpoint.uri)
@@ -299,9 +315,9 @@ class VllmManager:
                 await self.server.stop()
                 await self.server.start(previous)
                 await self.server.wait_ready(client)  # the folder that served before: it must come back
-            return
+            return False
         log.info("policy version served", version=checkpoint.policy_version, model=str(folder))
-        await self._served_now(checkpoint.policy_version)
+        return True
 
     async def _revive(self, client: httpx.AsyncClient) -> None:
         code = self.server.process.returncode if self.server.process is not None else None

@@ -83,6 +83,17 @@ async def test_the_manager_wants_only_newer_versions_of_its_model() -> None:
         VllmManager(None, VllmOptions(model_name="m"))
 
 
+async def test_before_the_first_start_model_is_its_version_and_a_restart_in_progress_counts() -> None:
+    manager = VllmManager(None, VllmOptions(model_name="m", model=Path("/m"), follow=False))
+    manager.offer(ckpt(0))  # the trainer's v0 of the folder being served: not news
+    assert manager._wanted is None
+    manager._loading = 3  # a restart bringing up v3: the trainer publishing v3 again is not news
+    manager.offer(ckpt(3))
+    assert manager._wanted is None
+    manager.offer(ckpt(4))
+    assert manager._wanted == ckpt(4)
+
+
 PLAN = RolePlan(checkpoints=Path("/ckpt"), model_name="qwen", inference_port=9001, proxy_port=9002)
 
 
