@@ -35,9 +35,9 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import openai
 
@@ -65,6 +65,7 @@ from agl_stream.models import PromptTemplate
 log = get_logger("agl.algorithm.apo")
 
 Role = Literal["critique", "edit"]
+T = TypeVar("T")
 
 
 class ModelEndpointError(AglError):
@@ -297,6 +298,19 @@ class APO(Algorithm):
         return found
 
 
+async def _all(calls: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Await every call concurrently; when one raises, the others are cancelled (and awaited)
+    before the error goes on, so none of them outlives the run's model clients."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def _as_prompt(value: Any) -> PromptTemplate | None:
     if isinstance(value, PromptTemplate):
         return value
@@ -350,7 +364,7 @@ class _Search:
                 for parent in parents
                 for _ in range(algorithm.branch_factor)
             ]
-            made = await asyncio.gather(*(self.branch(parent, tasks, number) for parent, tasks in branches))
+            made = await _all([self.branch(parent, tasks, number) for parent, tasks in branches])
             children = [child for child in made if child is not None]
             batch = tuple(sorted(next(self.val_batches)))
             pool = [*beam, *children]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 from itertools import islice
@@ -296,3 +297,28 @@ async def test_endpoints_are_made_per_base_url_and_closed_by_the_run() -> None:
     for made in (endpoints, same):
         for endpoint in made.values():
             await endpoint.client.close()
+
+
+async def test_a_failing_branch_cancels_the_others_before_the_error_goes_on() -> None:
+    from agl_stream.algorithm.apo import _all
+
+    cancelled: list[str] = []
+
+    async def slow() -> int:
+        try:
+            await asyncio.Event().wait()  # never set: only cancellation ends it
+        except asyncio.CancelledError:
+            cancelled.append("slow")
+            raise
+        return 0
+
+    async def failing() -> int:
+        raise ModelEndpointError("critique", "m", "http://x/v1", RuntimeError("down"))
+
+    async def fine() -> int:
+        return 1
+
+    with pytest.raises(ModelEndpointError):
+        await _all([slow(), failing()])
+    assert cancelled == ["slow"]
+    assert await _all([fine(), fine()]) == [1, 1]
