@@ -322,3 +322,18 @@ async def test_a_failing_branch_cancels_the_others_before_the_error_goes_on() ->
         await _all([slow(), failing()])
     assert cancelled == ["slow"]
     assert await _all([fine(), fine()]) == [1, 1]
+
+
+async def test_an_endpoint_nobody_serves_is_named_with_the_settings_to_check() -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    apo = APO(gradient_model="critic", gradient_base_url=f"http://127.0.0.1:{port}/v1", request_timeout=5.0)
+    search = _Search(apo, None, [{"x": 1}], [{"x": 2}], "p", {})
+    try:
+        with pytest.raises(ModelEndpointError, match=rf"critique model 'critic' at http://127.0.0.1:{port}/v1/ failed"):
+            await search.chat("critique", [{"role": "user", "content": "hi"}])
+    finally:
+        await search.close()
