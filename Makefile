@@ -21,12 +21,14 @@ jars: venv
 	$(AGL) kafka jars
 
 # The test suite starts its own broker on free ports in a temporary folder and stops it
-# (tests/conftest.py); set AGL_KAFKA_BOOTSTRAP to run it against an existing cluster.
+# (tests/conftest.py); set AGL_KAFKA_BOOTSTRAP to run it against an existing cluster. Two
+# workers (pytest-xdist, one module per worker at a time, each with its own broker): the
+# integration tests mostly wait on brokers and processes, so two overlap well on two cores.
 test: venv jars
 	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 lint: venv
 	$(BIN)/ruff check .

@@ -19,6 +19,14 @@ from agl_stream.config import Settings
 from agl_stream.kafka import broker
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that run the seed's own python (`-m seed` selects them, `-m "not seed"` skips the
+    # seed's virtualenv install).
+    for item in items:
+        if "seed_python" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.seed)
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Bootstrap servers of the broker the tests use (started here unless given)."""
