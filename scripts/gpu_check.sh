@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Check the policy backends on CUDA and print tokens/s (see scripts/gpu_check.py --help):
 #   torch: one process on one GPU;
-#   verl:  VERL's FSDP engine under torchrun, one process per GPU ($NPROC, default: every GPU torch sees).
-# --backend torch|verl runs only that one; --dry-run runs both on the CPU with a tiny model (verl on
-# 2 CPU ranks, or $NPROC): no GPU needed. Other arguments go to gpu_check.py (--steps 10 --json out.json ...).
-# Python: $PYTHON, else the repo's .venv, else python3; it needs torch, transformers and verl.
+#   verl:  VERL's FSDP engine under torchrun, one process per GPU ($NPROC, default: every GPU torch sees);
+#   vllm:  every policy version reaches vLLM's server (scripts/gpu_check_vllm.py: trains on the GPU,
+#          publishes HF folders, the vLLM manager restarts the server on each); skipped, and said so,
+#          when vllm is not installed.
+# --backend torch|verl|vllm runs only that one; --dry-run runs them all on the CPU with a tiny model
+# (verl on 2 CPU ranks, or $NPROC; vllm with agl-stream inference standing in for vLLM): no GPU
+# needed. Other arguments go to gpu_check.py (--steps 10 --json out.json ...); --json also reaches
+# gpu_check_vllm.py. Python: $PYTHON, else the repo's .venv, else python3; it needs torch,
+# transformers and verl (and vllm for the vllm check).
 # Exit status: 0 all OK, 1 a check failed, 2 no CUDA device (and not --dry-run); the first non-zero wins.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,14 +19,17 @@ if [[ -z "$python" ]]; then
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-backends=(torch verl)
+backends=(torch verl vllm)
 dry_run=0
 args=()
+vllm_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --backend) backends=("$2"); shift 2 ;;
     --backend=*) backends=("${1#--backend=}"); shift ;;
-    --dry-run) dry_run=1; args+=("$1"); shift ;;
+    --dry-run) dry_run=1; args+=("$1"); vllm_args+=("$1"); shift ;;
+    --json) args+=("$1" "$2"); vllm_args+=("$1" "$2"); shift 2 ;;
+    --json=*) args+=("$1"); vllm_args+=("$1"); shift ;;
     *) args+=("$1"); shift ;;
   esac
 done
@@ -50,8 +58,15 @@ for backend in "${backends[@]}"; do
         "$python" "$root/scripts/gpu_check.py" --backend verl ${args[@]+"${args[@]}"} || rc=$?
       fi
       ;;
+    vllm)
+      if [[ $dry_run == 1 ]] || "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
+        "$python" "$root/scripts/gpu_check_vllm.py" ${vllm_args[@]+"${vllm_args[@]}"} || rc=$?
+      else
+        echo "gpu_check (vllm): vllm is not installed for $python; skipped (pip install vllm to check it)"
+      fi
+      ;;
     *)
-      echo "gpu_check.sh: unknown backend '$backend' (torch or verl)" >&2
+      echo "gpu_check.sh: unknown backend '$backend' (torch, verl or vllm)" >&2
       rc=2
       ;;
   esac
