@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+from typing import cast
 
 import pytest
 
@@ -61,7 +62,7 @@ async def test_kill_9_halfway_loses_nothing_and_duplicates_nothing(settings: Set
     with clickhouse(settings) as ch:
         query = f"SELECT uniqExact(KafkaPartition, KafkaOffset) FROM {settings.clickhouse_database}.otel_traces"
         records_after_kill = ch.command(query)
-    assert int(records_after_kill) >= at_kill
+    assert int(str(records_after_kill)) >= at_kill
 
     sink = start_role(settings, "sink", "--batch-size", batch_size, "--flush-ms", "50", log_name="sink2")
     try:
@@ -71,12 +72,13 @@ async def test_kill_9_halfway_loses_nothing_and_duplicates_nothing(settings: Set
 
     with clickhouse(settings) as ch:
         db = settings.clickhouse_database
-        assert int(ch.command(f"SELECT count() FROM {db}.otel_traces")) == TOTAL
-        assert int(ch.command(f"SELECT uniqExact(KafkaPartition, KafkaOffset) FROM {db}.otel_traces")) == records
-        assert int(ch.command(f"SELECT uniqExact(RolloutId, SequenceId) FROM {db}.otel_traces")) == TOTAL
-        applied = dict(
-            ch.query(f"SELECT Partition, max(NextOffset) FROM {db}.sink_offsets FINAL GROUP BY Partition").result_rows
-        )
+        assert int(str(ch.command(f"SELECT count() FROM {db}.otel_traces"))) == TOTAL
+        assert int(str(ch.command(f"SELECT uniqExact(KafkaPartition, KafkaOffset) FROM {db}.otel_traces"))) == records
+        assert int(str(ch.command(f"SELECT uniqExact(RolloutId, SequenceId) FROM {db}.otel_traces"))) == TOTAL
+        rows = ch.query(
+            f"SELECT Partition, max(NextOffset) FROM {db}.sink_offsets FINAL GROUP BY Partition"
+        ).result_rows
+        applied = {partition: offset for partition, offset in rows}
     assert {tp.partition: end for tp, end in ends.items()} == applied
 
 
@@ -194,6 +196,8 @@ async def test_bad_span_batches_are_dead_lettered_whole_beside_good_batches_and_
     assert "DateTime64" in next(d.reason for d in dead if d.error_type == "EngineRefusedError")
     with clickhouse(settings) as ch:
         rows = ch.query(f"SELECT SpanId, KafkaOffset FROM {settings.clickhouse_database}.otel_traces").result_rows
+    # The driver types result rows as Sequence[Any]; this query's are (SpanId, KafkaOffset) tuples.
+    span_offsets = cast("list[tuple[str, int]]", rows)
     kept = [s["span_id"] for i, s in enumerate(spans) if i in (0, 1, 2, 6, 7)]
     offsets = [sent[0].offset, sent[1].offset, sent[1].offset, sent[4].offset, sent[4].offset]
-    assert sorted(rows) == sorted(zip(kept, offsets, strict=True))
+    assert sorted(span_offsets) == sorted(zip(kept, offsets, strict=True))
