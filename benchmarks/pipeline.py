@@ -187,7 +187,7 @@ async def _sink(settings: Settings, count: int, records: int, span_json: bool) -
     first = last - (time.monotonic() - (sink.stats.first_record_at or time.monotonic()))
     sink.stop()
     await task
-    rows = int(client.command(f"SELECT count() FROM {settings.clickhouse_database}.otel_traces"))
+    rows = int(str(client.command(f"SELECT count() FROM {settings.clickhouse_database}.otel_traces")))
     SIZES.update(_table_sizes(client, settings.clickhouse_database))
     client.close()
     if rows != count:

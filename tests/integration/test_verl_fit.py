@@ -67,12 +67,11 @@ def test_verl_fit_trains_validates_and_never_trains_on_validation(kafka_bootstra
     batches = [b for b in asyncio.run(_topic(settings, "triplet-batches", TripletBatch)) if isinstance(b, TripletBatch)]
     db = settings.clickhouse_database
     with clickhouse(settings) as client:
-        modes = dict(
-            client.query(
-                f"SELECT rollout_id, mode FROM {db}.rollouts FINAL WHERE rollout_id IN {{ids:Array(String)}}",
-                parameters={"ids": result.rollout_ids},
-            ).result_rows
-        )
+        mode_rows = client.query(
+            f"SELECT rollout_id, mode FROM {db}.rollouts FINAL WHERE rollout_id IN {{ids:Array(String)}}",
+            parameters={"ids": result.rollout_ids},
+        ).result_rows
+        modes = {rollout_id: mode for rollout_id, mode in mode_rows}
         val_rows = client.query(
             f"SELECT policy_version, attempts, mean_reward FROM {db}.reward_by_mode_and_version WHERE mode = 'val'"
         ).result_rows
