@@ -140,6 +140,7 @@ async def test_store_runner_and_sinks_work_through_sasl_ssl(secured: Settings) -
         assert [(r.rollout_id, r.status) for r in finished] == [(i, "succeeded") for i in ids]
 
         # Both rollouts' spans are in ClickHouse: the gateway's sink consumed them through SASL_SSL.
+        assert store.side is not None
         await store.side.query("SELECT 1", fence=await fence_at_end(secured, "spans"))
         assert [s.name for s in await store.query_spans(by_hand.rollout_id, "latest")] == ["secured.step"]
         names = {s.name for s in await store.query_spans(by_runner.rollout_id, "latest")}

@@ -95,6 +95,7 @@ async def test_an_agents_model_calls_become_exact_triplets(training_stack: Setti
                 r.rollout_id: r for r in await _records_covering(training_stack, {r.rollout_id for r in made}, 120)
             }
             tokenizer = build_tokenizer()
+            assert store.side is not None
             await store.side.query("SELECT 1", fence=await fence_at_end(training_stack, "spans"))  # spans are queryable
             for rollout in made:
                 record = records[rollout.rollout_id]
@@ -103,6 +104,7 @@ async def test_an_agents_model_calls_become_exact_triplets(training_stack: Setti
                 expected_prompt = tokenizer.apply_chat_template(
                     [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
                 )
+                assert not isinstance(expected_prompt, str)  # tokenize=True
                 if not isinstance(expected_prompt, list):  # transformers 5 returns a BatchEncoding
                     expected_prompt = list(expected_prompt["input_ids"])
                 assert triplet.prompt_token_ids == expected_prompt

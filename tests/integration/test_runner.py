@@ -66,6 +66,7 @@ async def test_500_rollouts_across_4_runner_processes(own_stack: Settings) -> No
             assert len(finished) == 500
             assert {r.status for r in finished} == {"succeeded"}
             table = f"{own_stack.clickhouse_database}.otel_traces"
+            assert store.side is not None
             result = await store.side.query(
                 "SELECT RolloutId, AttemptId, groupArray(SequenceId) AS seqs, groupArray(SpanName) AS names, "
                 f"count() AS n FROM {table} WHERE RolloutId IN {{ids:Array(String)}} GROUP BY RolloutId, AttemptId",
@@ -104,6 +105,7 @@ async def test_an_agent_that_raises_fails_the_attempt_and_is_retried(own_stack: 
             attempts = await store.query_attempts(rollout.rollout_id)
             assert [(a.sequence_id, a.status) for a in attempts] == [(1, "failed"), (2, "failed")]
             fence = await fence_at_end(own_stack, "spans")
+            assert store.side is not None
             for attempt in attempts:
                 await store.side.query("SELECT 1", fence=fence)
                 spans = await store.query_spans(rollout.rollout_id, attempt.attempt_id)
@@ -184,6 +186,7 @@ async def test_a_sync_agent_runs_in_a_thread_and_is_traced(own_stack: Settings) 
             rollouts = await store.enqueue_many_rollouts([{"input": {"n": n}} for n in range(6)])
             finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in rollouts], timeout=60)
             assert [r.status for r in finished] == ["succeeded"] * 6
+            assert store.side is not None
             await store.side.query("SELECT 1", fence=await fence_at_end(own_stack, "spans"))
             spans = await store.query_spans(rollouts[0].rollout_id, "latest")
             assert [s.name for s in spans] == ["sync.step", "agentlightning.annotation"]
@@ -210,6 +213,7 @@ async def test_resources_come_from_the_rollouts_snapshot_or_the_latest(own_stack
             latest = await store.enqueue_rollout({"expected_model": "v2"})
             finished = await store.wait_for_rollouts(rollout_ids=[pinned.rollout_id, latest.rollout_id], timeout=60)
             assert [r.status for r in finished] == ["succeeded", "succeeded"]
+            assert store.side is not None
             await store.side.query("SELECT 1", fence=await fence_at_end(own_stack, "spans"))
             messages = {}
             for rollout in finished:

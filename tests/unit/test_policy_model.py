@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import BatchEncoding, PreTrainedModel, PreTrainedTokenizerFast
 
 from agl_stream.policy import (
     ALPHABET,
@@ -72,6 +72,7 @@ def test_chat_template_is_chatml_and_role_names_are_plain_text(tokenizer: PreTra
     assert tokenizer.decode(ids) == text
     # transformers 5 returns a BatchEncoding when tokenizing: the same ids.
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert isinstance(encoded, BatchEncoding)
     assert list(encoded["input_ids"]) == ids
 
 
@@ -168,7 +169,7 @@ def test_stop_strings_and_stop_token_ids(model: PreTrainedModel, tokenizer: PreT
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.index(stop)]
     # The ids run up to the token that completed the stop string; the text leaves the stop string out.
-    assert tokenizer.decode(cut.response_token_ids, skip_special_tokens=True).endswith(stop)
+    assert str(tokenizer.decode(cut.response_token_ids, skip_special_tokens=True)).endswith(stop)
     stop_id = free.response_token_ids[1]
     [by_id] = generate(model, tokenizer, [prompt], 24, 0.0, 1.0, stop_token_ids=[stop_id])
     assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
