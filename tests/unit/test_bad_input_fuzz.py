@@ -37,7 +37,7 @@ import re
 import types
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, cast, get_args, get_origin
 
 import annotated_types
 import fastavro
@@ -132,10 +132,11 @@ def _constraints(metadata: list[Any]) -> list[Any]:
 
 def _scalar(annotation: Any, metadata: list[Any], rng: random.Random) -> Any:
     flat = _constraints(metadata)
-    lows = [m.ge for m in flat if isinstance(m, annotated_types.Ge)] + [
+    # The bounds of an int or a float field: numbers (annotated_types types them as protocols).
+    lows: list[Any] = [m.ge for m in flat if isinstance(m, annotated_types.Ge)] + [
         m.gt for m in flat if isinstance(m, annotated_types.Gt)
     ]
-    highs = [m.le for m in flat if isinstance(m, annotated_types.Le)]
+    highs: list[Any] = [m.le for m in flat if isinstance(m, annotated_types.Le)]
     if annotation is bool:
         return rng.random() < 0.5
     if annotation is int:
@@ -1006,7 +1007,7 @@ def test_a_single_span_becomes_a_batch_body_or_a_malformed_record(body: bytes) -
 
 @settings(FUZZ, max_examples=15)
 @given(spans=st.lists(records_of(Span), min_size=1, max_size=8), max_bytes=st.integers(200, 3000))
-def test_span_batches_carry_every_span_in_order(spans: list[AglModel], max_bytes: int) -> None:
+def test_span_batches_carry_every_span_in_order(spans: list[Span], max_bytes: int) -> None:
     records = span_dict_records([s.model_dump() for s in spans], CODEC, max_bytes=max_bytes)
     read = [span for _, data in records for span in spans_of(CODEC, data)]
     by_attempt = sorted(read, key=lambda s: (s.rollout_id, s.attempt_id))
@@ -1040,7 +1041,11 @@ def test_replies_spliced_from_state_bytes_read_back_or_fail_as_malformed(
 ) -> None:
     encoded_state = None if state is None else CODEC.encode(state)
     state_body = None if encoded_state is None else REPLIES.state_body(encoded_state)
-    fields = {"state_partition": state_partition, "state_offset": state_offset, "covered_partitions": covered}
+    fields: dict[str, Any] = {
+        "state_partition": state_partition,
+        "state_offset": state_offset,
+        "covered_partitions": covered,
+    }
     reply = REPLIES.encode(request_id, outcome, state_body=state_body, error=error, **fields)
     decoded = CODEC.decode(reply, Reply)
     expected = Reply(request_id=request_id, outcome=outcome, state=state, error=error, **fields)
@@ -1060,7 +1065,7 @@ def test_sink_containers_hold_exactly_their_rows(rows: list[tuple[int, int, byte
     schema = {"type": "record", "name": "Raw", "fields": [{"name": "b", "type": "bytes"}]}
     header = container_header(schema)
     bodies = [(p, o, _avro_string(data)) for p, o, data in rows]
-    read = list(fastavro.reader(io.BytesIO(container(header, bodies))))
+    read = cast("list[dict[str, Any]]", list(fastavro.reader(io.BytesIO(container(header, bodies)))))  # envelope records
     assert [(r["kafka_partition"], r["kafka_offset"], r["record"]["b"]) for r in read] == rows
 
 
