@@ -27,7 +27,7 @@ import typing
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from agl_stream.models import LLM, PromptTemplate, ProxyLLM, Rollout
 
@@ -301,6 +301,12 @@ def rollout(func: Callable[..., Any]) -> FunctionalLitAgent[Any]:
     return FunctionalLitAgent(func)
 
 
+@overload
+def llm_rollout(func: Callable[..., Any], *, strip_proxy: bool = True) -> FunctionalLitAgent[Any]: ...
+@overload
+def llm_rollout(
+    func: None = None, *, strip_proxy: bool = True
+) -> Callable[[Callable[..., Any]], FunctionalLitAgent[Any]]: ...
 def llm_rollout(
     func: Callable[..., Any] | None = None, *, strip_proxy: bool = True
 ) -> FunctionalLitAgent[Any] | Callable[[Callable[..., Any]], FunctionalLitAgent[Any]]:
@@ -317,6 +323,10 @@ def llm_rollout(
     return make(func) if func is not None else make
 
 
+@overload
+def prompt_rollout(func: Callable[..., Any]) -> FunctionalLitAgent[Any]: ...
+@overload
+def prompt_rollout(func: None = None) -> Callable[[Callable[..., Any]], FunctionalLitAgent[Any]]: ...
 def prompt_rollout(
     func: Callable[..., Any] | None = None,
 ) -> FunctionalLitAgent[Any] | Callable[[Callable[..., Any]], FunctionalLitAgent[Any]]:

@@ -7,7 +7,7 @@ import random
 from collections import Counter
 from itertools import islice
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -271,7 +271,10 @@ def test_template_checks_keep_the_placeholders_of_the_parent() -> None:
 
 async def test_a_failing_endpoint_raises_an_error_naming_it_and_what_to_do() -> None:
     async def refuse(**_: Any) -> Any:
-        raise openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+        # openai types the request as the httpx it uses (httpx2 in recent releases, httpx in older
+        # ones, both allowed by pyproject): any Request does here, the error only keeps it.
+        request = cast(Any, httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+        raise openai.APIConnectionError(request=request)
 
     client = SimpleNamespace(
         chat=SimpleNamespace(completions=SimpleNamespace(create=refuse)), base_url="http://127.0.0.1:9/v1"

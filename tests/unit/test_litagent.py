@@ -132,4 +132,5 @@ def test_litagent_modes_and_async_detection() -> None:
     assert Plain().validation_rollout("t", {}, _rollout("val")) == 0.25
     assert asyncio.run(Async().validation_rollout_async("t", {}, _rollout())) == 0.5
     with pytest.raises(NotImplementedError, match="rollout"):
-        LitAgent().rollout("t", {}, _rollout())
+        agent: LitAgent[str] = LitAgent()
+        agent.rollout("t", {}, _rollout())
