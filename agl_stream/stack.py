@@ -128,6 +128,15 @@ def _ready_or_failed(settings: Settings, role: str, ready: Any) -> Any:
     return None
 
 
+DASHBOARD_PATH = "/dashboard/"
+
+
+def dashboard_url(settings: Settings) -> str | None:
+    """The web dashboard of the gateway this data dir's stack runs, or None when none answers."""
+    url = _gateway_ready(settings)
+    return f"{url}{DASHBOARD_PATH}" if url else None
+
+
 def _gateway_ready(settings: Settings) -> str | None:
     path = settings.run_dir / "gateway.json"
     if not path.exists():

@@ -21,6 +21,8 @@ HTTP API (JSON):
   tagged with ``agentlightning.rollout_id``/``agentlightning.attempt_id`` are written to agl.spans
   through the gateway's own store client (semantics in agl_stream/trace_ingest.py, shared with
   the Kafka consumer of consumers/otlp_kafka.py; decoding is agl_stream/otlp.py).
+- ``/dashboard/`` and ``/v1/dashboard/...``: the web dashboard and the fixed read-only queries
+  it runs on the query clients below (consumers/dashboard.py).
 - ``/v1/agl/...``: Agent Lightning's store REST API (the seed's ``LightningStoreClient`` works
   against it), mapped onto that same store client (consumers/gateway_agl.py).
 
@@ -74,6 +76,7 @@ from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
+from consumers.dashboard import dashboard_router
 from consumers.gateway_agl import agl_router
 from consumers.gateway_sql import (
     FunctionPolicy,
@@ -200,29 +203,34 @@ class QueryRunner:
             raise ConfigError("the engine did not accept readonly for the query clients; refusing to serve queries")
         return client
 
-    async def run(self, sql: str, parameters: Mapping[str, Any]) -> bytes:
-        """The JSON response body. Built in the query's thread: the sinks share the event loop."""
+    async def run(self, sql: str, parameters: Mapping[str, Any], *, checked: bool = True) -> bytes:
+        """The JSON response body. Built in the query's thread: the sinks share the event loop.
+
+        ``checked=False`` skips the analytics policy (still read-only, under the same limits):
+        only for SQL written in this code base that reads a system table on purpose (the
+        dashboard's schema of the agl database), never for SQL a caller sent."""
         client = await self._idle.get()
         try:
             loop = asyncio.get_running_loop()
-            work = loop.run_in_executor(self._executor, self._query, client, sql, dict(parameters))
+            work = loop.run_in_executor(self._executor, self._query, client, sql, dict(parameters), checked)
         except BaseException:
             self._idle.put_nowait(client)
             raise
         work.add_done_callback(lambda _: self._idle.put_nowait(client))  # an abandoned query holds it
         return await within(work, self.time_limit_s)
 
-    def _query(self, client: Client, sql: str, parameters: dict[str, Any]) -> bytes:
+    def _query(self, client: Client, sql: str, parameters: dict[str, Any], checked: bool = True) -> bytes:
         # The engine's parser first: only one SELECT parses as a subquery (chDB writes INTO
         # OUTFILE even under readonly=1), and this endpoint takes SQL from its caller, so the
         # analytics policy applies: allowed functions, tables of the agl database only (query
         # parameters are substituted by the parser, so an Identifier parameter is checked too).
-        ast = client.query(f"EXPLAIN AST SELECT * FROM (\n{sql}\n)", parameters=parameters or None).result_rows
-        if self._policy is None:
-            self._policy = load_function_policy(client)
-        refused = ast_refusal([str(row[0]) for row in ast], self._policy, self.settings.clickhouse_database)
-        if refused is not None:
-            raise SqlRefusedError(refused[1], kind=refused[0])
+        if checked:
+            ast = client.query(f"EXPLAIN AST SELECT * FROM (\n{sql}\n)", parameters=parameters or None).result_rows
+            if self._policy is None:
+                self._policy = load_function_policy(client)
+            refused = ast_refusal([str(row[0]) for row in ast], self._policy, self.settings.clickhouse_database)
+            if refused is not None:
+                raise SqlRefusedError(refused[1], kind=refused[0])
         result = client.query(sql, parameters=parameters or None)
         body = {
             "columns": list(result.column_names),
@@ -351,6 +359,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(agl_router(gateway.traces.store, lambda: gateway.stopping))
 
     app.include_router(sql_router(settings, lambda: gateway.stopping))
+    app.include_router(dashboard_router(gateway.queries, settings.clickhouse_database, lambda: gateway.stopping))
     return app
 
 

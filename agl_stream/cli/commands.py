@@ -25,12 +25,13 @@ def register(app: typer.Typer) -> None:
     app.add_typer(schemas_app, name="schemas", help="Snapshot schema versions; check compatibility")
 
     from agl_stream.cli.roles_cmd import processor, runner, triplets
-    from agl_stream.cli.stack_cmd import down, status, supervise, up
+    from agl_stream.cli.stack_cmd import dashboard, down, status, supervise, up
     from agl_stream.cli.trainer_cmd import trainer
 
     app.command("up")(up)
     app.command("status")(status)
     app.command("down")(down)
+    app.command("dashboard")(dashboard)
     app.command("supervise")(supervise)
     app.command("processor")(processor)
     app.command("runner")(runner)

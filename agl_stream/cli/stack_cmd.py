@@ -45,6 +45,9 @@ def up(
     with console.status("starting the local stack ..."):
         info = stack.up(settings, timeout=timeout, training=training)
     _show(settings)
+    url = stack.dashboard_url(settings)
+    if url:
+        console.print(f"dashboard: [bold]{url}[/]")
     console.print(
         f"connect with [bold]agl_stream.connect(data_dir={str(settings.data_dir)!r})[/] or the same AGL_DATA_DIR"
     )
@@ -86,3 +89,20 @@ def down(ctx: typer.Context) -> None:
     """Stop what `agl-stream up` started."""
     stopped = stack.down(settings_of(ctx))
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+def dashboard(
+    ctx: typer.Context,
+    open_: Annotated[bool, typer.Option("--open", help="Open it in the default web browser.")] = False,
+) -> None:
+    """Print the URL of the web dashboard of the running stack (served by its gateway)."""
+    url = stack.dashboard_url(settings_of(ctx))
+    if url is None:
+        console.print("no gateway answers for this data dir; start the stack with `agl-stream up`")
+        raise typer.Exit(1)
+    print(url)  # plain: `open "$(agl-stream dashboard)"` works
+    if open_:
+        import webbrowser
+
+        if not webbrowser.open(url):
+            console.print("no web browser could be started here; open the URL above yourself")

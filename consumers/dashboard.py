@@ -1,0 +1,216 @@
+"""The dashboard: a static page (``/dashboard/``) and the JSON endpoints it reads (``/v1/dashboard/...``).
+
+The page is plain HTML and ES modules (consumers/dashboard_static/, vendored uPlot for charts):
+nothing to build. Its data comes from fixed, parameterised SQL (consumers/dashboard_sql.py) run
+on the gateway's read-only query clients, the ones ``POST /v1/query`` uses: the same
+``readonly=1``, limits and analytics policy (functions, agl tables only); its SQL console posts
+to ``/v1/sql`` like any other client. Errors are the gateway's typed JSON (``{"error",
+"message"}``), which the page shows as text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from clickhouse_connect.driver.exceptions import DatabaseError
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from agl_stream.errors import QueryError
+from agl_stream.resources import resource_path
+from consumers import dashboard_sql as dsql
+from consumers.gateway_sql import SqlRefusedError
+
+STATIC = Path(__file__).resolve().parent / "dashboard_static"
+_MEDIA = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
+# The page loads nothing from elsewhere and runs no inline script: a span's text that smuggles
+# markup in is inert even if some value escaped escaping.
+_CSP = "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; object-src 'none'"
+
+
+class Runs(Protocol):
+    """The gateway's read-only query pool (consumers.gateway.QueryRunner)."""
+
+    async def run(self, sql: str, parameters: Mapping[str, Any], *, checked: bool = True) -> bytes: ...
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": kind, "message": message}, status_code=status)
+
+
+def _invalid(exc: ValidationError) -> JSONResponse:
+    parts = [f"{'.'.join(str(p) for p in e['loc']) or 'query'}: {e['msg']}" for e in exc.errors()]
+    return _error(400, "bad_request", "; ".join(parts))
+
+
+class DashboardQueries:
+    """Runs the dashboard's statements and shapes their answers."""
+
+    def __init__(self, runner: Runs, database: str) -> None:
+        self.runner = runner
+        self.database = database
+
+    async def rows(self, query: dsql.Query, *, checked: bool = True) -> list[dict[str, Any]]:
+        body = json.loads(await self.runner.run(query.sql, query.parameters, checked=checked))
+        return dsql.records(body["columns"], body["rows"])
+
+    async def many(self, queries: Mapping[str, dsql.Query]) -> dict[str, list[dict[str, Any]]]:
+        # In parallel: the pool has several clients, and the overview is seven small reads.
+        names = list(queries)
+        answers = await asyncio.gather(*(self.rows(queries[n]) for n in names))
+        return dict(zip(names, answers, strict=True))
+
+    async def overview(self, window: int) -> dict[str, Any]:
+        got = await self.many(dsql.overview(self.database, window))
+        totals = got["totals"][0] if got["totals"] else {}
+        steps = list(reversed(got["steps"]))  # oldest first, for the charts
+        return {
+            "window": window,
+            "bucket_s": dsql.bucket_seconds(window),
+            "status": {r["status"]: r["n"] for r in got["status"]},
+            "rates": {
+                name: dsql.series([(r["t"], r["n"]) for r in got[name]], window)
+                for name in ("rollouts", "spans", "triplets")
+            },
+            "totals": totals,
+            "policy_version": _first_not_none(totals.get("trained_version"), totals.get("rollout_version")),
+            "rewards": got["rewards"],
+            "steps": steps,
+        }
+
+    async def rollouts(self, f: dsql.RolloutFilter) -> dict[str, Any]:
+        page, count = dsql.rollouts_page(self.database, f)
+        rows, total = await asyncio.gather(self.rows(page), self.rows(count))
+        return {"rows": rows, "total": total[0]["n"] if total else 0, "limit": f.limit, "offset": f.offset}
+
+    async def rollout(self, rollout_id: str) -> dict[str, Any] | None:
+        got = await self.many(dsql.rollout_detail(self.database, rollout_id))
+        if not got["rollout"]:
+            return None
+        return {"rollout": got["rollout"][0], "attempts": got["attempts"], "triplets": got["triplets"]}
+
+    async def spans(self, rollout_id: str, attempt_id: str) -> dict[str, Any]:
+        rows = await self.rows(dsql.attempt_spans(self.database, rollout_id, attempt_id))
+        cut = len(rows) > dsql.MAX_SPANS
+        rows = rows[: dsql.MAX_SPANS]
+        layout = dsql.waterfall(dsql.span_rows(rows))
+        details = {
+            str(r["SpanId"]): {
+                "attributes": r["SpanAttributes"],
+                "status_message": r["StatusMessage"],
+                "events": [
+                    {"name": n, "attributes": a}
+                    for n, a in zip(r["event_names"] or [], r["event_attributes"] or [], strict=False)
+                ],
+            }
+            for r in rows
+        }
+        return {"spans": [{**bar, **details[bar["span_id"]]} for bar in layout], "cut": cut}
+
+    async def schema(self) -> dict[str, Any]:
+        rows = await self.rows(dsql.schema(self.database), checked=False)
+        tables = dsql.schema_tables((r["table"], r["name"], r["type"]) for r in rows)
+        return {"database": self.database, "tables": tables}
+
+
+def _first_not_none(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _cookbook() -> list[dict[str, str]]:
+    try:
+        return dsql.cookbook(resource_path("docs/sql.md").read_text())
+    except FileNotFoundError:
+        return []
+
+
+def dashboard_router(runner: Runs, database: str, stopping: Callable[[], bool]) -> APIRouter:
+    """The page and its endpoints for a gateway whose query pool is ``runner``."""
+    router = APIRouter()
+    queries = DashboardQueries(runner, database)
+    cookbook = _cookbook()
+
+    async def answer(work: Callable[[], Any]) -> Response:
+        if stopping():
+            return _error(503, "stopping", "the gateway is shutting down")
+        try:
+            result = await work()
+        except SqlRefusedError as exc:
+            return _error(403, exc.kind, str(exc))
+        except (DatabaseError, QueryError) as exc:
+            return _error(400, "query_error", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+        if result is None:
+            return _error(404, "not_found", "no such rollout")
+        return JSONResponse(result)
+
+    def parsed(model: type[BaseModel], request: Request) -> Any:
+        return model.model_validate(dict(request.query_params))
+
+    @router.get("/dashboard", include_in_schema=False)
+    async def page_redirect() -> Response:
+        return RedirectResponse("/dashboard/")
+
+    @router.get("/dashboard/", include_in_schema=False)
+    async def page() -> Response:
+        return _static("index.html")
+
+    @router.get("/dashboard/static/{name:path}", include_in_schema=False)
+    async def static(name: str) -> Response:
+        return _static(name)
+
+    @router.get("/v1/dashboard/overview")
+    async def overview(request: Request) -> Response:
+        try:
+            params = parsed(dsql.OverviewParams, request)
+        except ValidationError as exc:
+            return _invalid(exc)
+        return await answer(lambda: queries.overview(params.window))
+
+    @router.get("/v1/dashboard/rollouts")
+    async def rollouts(request: Request) -> Response:
+        try:
+            f = parsed(dsql.RolloutFilter, request)
+        except ValidationError as exc:
+            return _invalid(exc)
+        return await answer(lambda: queries.rollouts(f))
+
+    @router.get("/v1/dashboard/rollouts/{rollout_id}")
+    async def rollout(rollout_id: str) -> Response:
+        return await answer(lambda: queries.rollout(rollout_id))
+
+    @router.get("/v1/dashboard/rollouts/{rollout_id}/attempts/{attempt_id}/spans")
+    async def spans(rollout_id: str, attempt_id: str) -> Response:
+        return await answer(lambda: queries.spans(rollout_id, attempt_id))
+
+    @router.get("/v1/dashboard/resources")
+    async def resources() -> Response:
+        return await answer(lambda: queries.rows(dsql.resources(database)))
+
+    @router.get("/v1/dashboard/workers")
+    async def workers() -> Response:
+        return await answer(lambda: queries.rows(dsql.workers(database)))
+
+    @router.get("/v1/dashboard/schema")
+    async def schema() -> Response:
+        return await answer(queries.schema)
+
+    @router.get("/v1/dashboard/cookbook")
+    async def cookbook_queries() -> Response:
+        return JSONResponse(cookbook)
+
+    return router
+
+
+def _static(name: str) -> Response:
+    path = (STATIC / name).resolve()
+    # Only files inside the static folder: `..` and absolute names end up outside and are 404.
+    if not path.is_file() or STATIC not in path.parents:
+        return _error(404, "not_found", f"no dashboard file {name!r}")
+    media = _MEDIA.get(path.suffix, "application/octet-stream")
+    headers = {"content-security-policy": _CSP, "x-content-type-options": "nosniff", "cache-control": "no-cache"}
+    return FileResponse(path, media_type=media, headers=headers)

@@ -1,0 +1,381 @@
+"""The dashboard's pure core: the fixed SQL it runs, its filters, and the span waterfall layout.
+
+No I/O here (consumers/dashboard.py runs what this builds). Every value a visitor types reaches
+ClickHouse as a bound query parameter (``{name:Type}``), never pasted into the SQL text; the only
+text pasted in is the database name, a setting of the gateway. Filters are pydantic models, so a
+bad value is a typed 400 before any SQL is built.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agl_stream.models.base import RolloutStatus
+
+MAX_PAGE = 500
+"""Rows of one rollouts page: a page is read by a person."""
+
+MAX_SPANS = 5000
+"""Spans one waterfall draws; an attempt with more is cut (the page says so)."""
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _db(database: str) -> str:
+    # The database name is a setting, not input; still, nothing but an identifier is pasted in.
+    if not _IDENT.match(database):
+        raise ValueError(f"not a database name: {database!r}")
+    return database
+
+
+@dataclass(frozen=True)
+class Query:
+    """One statement with its bound parameters."""
+
+    sql: str
+    parameters: dict[str, Any]
+
+
+# -- rollouts: filters and paging -------------------------------------------------------------
+
+
+class RolloutFilter(BaseModel):
+    """The rollouts table's filters, as the page sends them in its query string."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: RolloutStatus | None = None
+    mode: str | None = Field(None, min_length=1, max_length=64)
+    policy_version: int | None = Field(None, ge=-1, le=2**62)
+    group_id: str | None = Field(None, min_length=1, max_length=256)
+    since: float | None = Field(None, ge=0, description="Enqueued at or after (Unix seconds).")
+    until: float | None = Field(None, ge=0, description="Enqueued before (Unix seconds).")
+    limit: int = Field(50, ge=1, le=MAX_PAGE)
+    offset: int = Field(0, ge=0, le=10**9)
+
+    @field_validator("mode", "group_id", "status", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
+
+
+def rollout_conditions(f: RolloutFilter) -> tuple[list[str], dict[str, Any]]:
+    """The WHERE conditions of ``f`` and their parameters (values are bound, never pasted)."""
+    where: list[str] = []
+    params: dict[str, Any] = {}
+    if f.status is not None:
+        where.append("status = {status:String}")
+        params["status"] = f.status
+    if f.mode is not None:
+        where.append("mode = {mode:String}")
+        params["mode"] = f.mode
+    if f.policy_version is not None:
+        where.append("policy_version = {policy_version:Int64}")
+        params["policy_version"] = f.policy_version
+    if f.group_id is not None:
+        # The group id is the task's metadata (GRPO groups); the rollout id is tried as well so
+        # that one box finds a rollout by id.
+        where.append(
+            "(JSONExtractString(ifNull(metadata, ''), 'group_id') = {group_id:String}"
+            " OR rollout_id = {group_id:String})"
+        )
+        params["group_id"] = f.group_id
+    if f.since is not None:
+        where.append("start_time >= {since:Float64}")
+        params["since"] = f.since
+    if f.until is not None:
+        where.append("start_time < {until:Float64}")
+        params["until"] = f.until
+    return where, params
+
+
+def rollouts_page(database: str, f: RolloutFilter) -> tuple[Query, Query]:
+    """The page of rollouts ``f`` asks for (newest first) and the count of all that match."""
+    db = _db(database)
+    where, params = rollout_conditions(f)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    page = Query(
+        "SELECT rollout_id, status, mode, policy_version, start_time, end_time, "
+        "JSONExtractString(ifNull(metadata, ''), 'group_id') AS group_id, substring(input, 1, 160) AS input "
+        f"FROM {db}.rollouts FINAL {clause} "
+        "ORDER BY start_time DESC, rollout_id DESC LIMIT {limit:UInt32} OFFSET {offset:UInt64}",
+        {**params, "limit": f.limit, "offset": f.offset},
+    )
+    count = Query(f"SELECT count() AS n FROM {db}.rollouts FINAL {clause}", dict(params))
+    return page, count
+
+
+# -- one rollout -------------------------------------------------------------------------------
+
+
+def rollout_detail(database: str, rollout_id: str) -> dict[str, Query]:
+    """The rollout, its attempts (with their final reward and span counts) and its triplets."""
+    db = _db(database)
+    p = {"rollout_id": rollout_id}
+    return {
+        "rollout": Query(
+            "SELECT rollout_id, status, mode, policy_version, resources_id, start_time, end_time, input, config, "
+            f"metadata FROM {db}.rollouts FINAL WHERE rollout_id = {{rollout_id:String}}",
+            p,
+        ),
+        "attempts": Query(
+            "SELECT a.attempt_id AS attempt_id, a.sequence_id AS sequence_id, a.status AS status, "
+            "a.worker_id AS worker_id, a.policy_version AS policy_version, a.start_time AS start_time, "
+            "a.end_time AS end_time, tr.final_reward AS final_reward, tr.n_triplets AS n_triplets, "
+            "s.spans AS spans, s.errors AS errors "
+            f"FROM (SELECT * FROM {db}.attempts FINAL WHERE rollout_id = {{rollout_id:String}}) AS a "
+            "LEFT JOIN (SELECT attempt_id, final_reward, n_triplets "
+            f"FROM {db}.triplet_records FINAL WHERE rollout_id = {{rollout_id:String}}) AS tr "
+            "ON tr.attempt_id = a.attempt_id "
+            "LEFT JOIN (SELECT AttemptId, count() AS spans, countIf(IsError = 1) AS errors "
+            f"FROM {db}.span_facts FINAL WHERE RolloutId = {{rollout_id:String}} GROUP BY AttemptId) AS s "
+            "ON s.AttemptId = a.attempt_id ORDER BY sequence_id",
+            p,
+        ),
+        "triplets": Query(
+            "SELECT attempt_id, triplet_index, prompt_tokens, response_tokens, reward, final_reward, mode, "
+            f"policy_version FROM {db}.triplets FINAL WHERE rollout_id = {{rollout_id:String}} "
+            "ORDER BY attempt_id, triplet_index",
+            p,
+        ),
+    }
+
+
+def attempt_spans(database: str, rollout_id: str, attempt_id: str) -> Query:
+    """An attempt's spans (the table's sort key starts with these two columns: a range read)."""
+    db = _db(database)
+    return Query(
+        "SELECT SpanId, ParentSpanId, SpanName, toUnixTimestamp64Nano(Timestamp) AS start_ns, Duration, "
+        "StatusCode, StatusMessage, SpanAttributes, Events.Name AS event_names, "
+        "Events.Attributes AS event_attributes "
+        f"FROM {db}.otel_traces FINAL "
+        "WHERE RolloutId = {rollout_id:String} AND AttemptId = {attempt_id:String} "
+        f"ORDER BY Timestamp, SequenceId LIMIT {MAX_SPANS + 1}",
+        {"rollout_id": rollout_id, "attempt_id": attempt_id},
+    )
+
+
+@dataclass(frozen=True)
+class SpanRow:
+    span_id: str
+    parent_id: str
+    name: str
+    start_ns: int
+    duration_ns: int
+    status: str = ""
+
+
+def waterfall(spans: Sequence[SpanRow]) -> list[dict[str, Any]]:
+    """The spans in tree order (each after its parent, siblings by start time) with their depth
+    and bar position: ``left`` and ``width`` as fractions of the attempt's time span.
+
+    A span whose parent is not among ``spans`` (the parent was never sent, or belongs to another
+    service) is a root; a parent cycle (bad data) cannot loop: every span is placed once.
+    """
+    if not spans:
+        return []
+    ids = {s.span_id for s in spans}
+    children: dict[str, list[SpanRow]] = {}
+    roots: list[SpanRow] = []
+    for span in spans:
+        if span.parent_id and span.parent_id in ids and span.parent_id != span.span_id:
+            children.setdefault(span.parent_id, []).append(span)
+        else:
+            roots.append(span)
+    start = min(s.start_ns for s in spans)
+    end = max(s.start_ns + s.duration_ns for s in spans)
+    total = max(end - start, 1)
+    placed: list[dict[str, Any]] = []
+    seen: set[str] = set()
+
+    def order(rows: Iterable[SpanRow]) -> list[SpanRow]:
+        return sorted(rows, key=lambda s: (s.start_ns, s.name, s.span_id))
+
+    stack: list[tuple[SpanRow, int]] = [(s, 0) for s in reversed(order(roots))]
+    while stack:
+        span, depth = stack.pop()
+        if span.span_id in seen:
+            continue
+        seen.add(span.span_id)
+        placed.append(_bar(span, depth, start, total))
+        stack.extend((c, depth + 1) for c in reversed(order(children.get(span.span_id, ()))))
+    # Spans only reachable through a cycle were never pushed: place them as roots, in time order.
+    for span in order(s for s in spans if s.span_id not in seen):
+        seen.add(span.span_id)
+        placed.append(_bar(span, 0, start, total))
+    return placed
+
+
+def _bar(span: SpanRow, depth: int, start: int, total: int) -> dict[str, Any]:
+    return {
+        "span_id": span.span_id,
+        "parent_id": span.parent_id,
+        "name": span.name,
+        "depth": depth,
+        "start_ms": (span.start_ns - start) / 1e6,
+        "duration_ms": span.duration_ns / 1e6,
+        "left": (span.start_ns - start) / total,
+        "width": span.duration_ns / total,
+        "status": span.status,
+    }
+
+
+# -- the overview -------------------------------------------------------------------------------
+
+
+class OverviewParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    window: int = Field(600, ge=60, le=7 * 86400, description="Seconds of history, ending at the newest record.")
+
+
+POINTS = 60
+"""Buckets per throughput chart."""
+
+
+def bucket_seconds(window: int) -> int:
+    return max(1, -(-window // POINTS))
+
+
+def overview(database: str, window: int) -> dict[str, Query]:
+    """Rollouts by status, throughput series, the live policy version, rewards, trainer steps.
+
+    The throughput window ends at each table's newest row, not at the clock: a stack looked at
+    after its run still shows what it did.
+    """
+    db = _db(database)
+    step = bucket_seconds(window)
+    p = {"window": window, "step": step}
+    return {
+        "status": Query(f"SELECT status, count() AS n FROM {db}.rollouts FINAL GROUP BY status ORDER BY status", {}),
+        "rollouts": Query(
+            "SELECT intDiv(toUInt64(start_time), {step:UInt32}) * {step:UInt32} AS t, count() AS n "
+            f"FROM {db}.rollouts FINAL "
+            f"WHERE start_time >= (SELECT max(start_time) FROM {db}.rollouts) - {{window:UInt32}} "
+            "GROUP BY t ORDER BY t",
+            p,
+        ),
+        "spans": Query(
+            "SELECT intDiv(toUInt64(toUnixTimestamp(Timestamp)), {step:UInt32}) * {step:UInt32} AS t, count() AS n "
+            f"FROM {db}.span_facts FINAL "
+            f"WHERE Timestamp >= (SELECT max(Timestamp) FROM {db}.span_facts) - toIntervalSecond({{window:UInt32}}) "
+            "GROUP BY t ORDER BY t",
+            p,
+        ),
+        "triplets": Query(
+            "SELECT intDiv(toUInt64(finish_time), {step:UInt32}) * {step:UInt32} AS t, count() AS n "
+            f"FROM {db}.triplets FINAL "
+            f"WHERE finish_time >= (SELECT max(finish_time) FROM {db}.triplets) - {{window:UInt32}} "
+            "GROUP BY t ORDER BY t",
+            p,
+        ),
+        "totals": Query(
+            f"SELECT (SELECT count() FROM {db}.rollouts FINAL) AS rollouts, "
+            f"(SELECT count() FROM {db}.span_facts FINAL) AS spans, "
+            f"(SELECT count() FROM {db}.triplets FINAL) AS triplets, "
+            f"(SELECT max(policy_version) FROM {db}.trainer_steps FINAL) AS trained_version, "
+            f"(SELECT max(policy_version) FROM {db}.rollouts FINAL) AS rollout_version",
+            {},
+        ),
+        "rewards": Query(
+            "SELECT ifNull(mode, '') AS mode, policy_version, attempts, rewarded, mean_reward "
+            f"FROM {db}.reward_by_mode_and_version ORDER BY policy_version, mode",
+            {},
+        ),
+        "steps": Query(
+            "SELECT policy_version, step_time, step_seconds, idle_seconds, samples, tokens, staleness, "
+            "metrics['loss'] AS loss, metrics['reward_mean'] AS reward, "
+            "idle_seconds / greatest(step_seconds + idle_seconds, 1e-9) AS idle_fraction "
+            f"FROM {db}.trainer_steps FINAL ORDER BY step_time DESC LIMIT 500",
+            {},
+        ),
+    }
+
+
+def series(rows: Sequence[Sequence[Any]], window: int) -> list[list[float]]:
+    """``(bucket start, count)`` rows as ``[[t...], [per second...]]`` for a chart, with empty
+    buckets filled with zero (a gap is no traffic, not missing data)."""
+    if not rows:
+        return [[], []]
+    step = bucket_seconds(window)
+    counts = {int(t): int(n) for t, n in rows}
+    first, last = min(counts), max(counts)
+    ts = list(range(first, last + step, step))
+    return [[float(t) for t in ts], [counts.get(t, 0) / step for t in ts]]
+
+
+# -- resources, workers, schema, cookbook ---------------------------------------------------------
+
+
+def resources(database: str) -> Query:
+    db = _db(database)
+    return Query(
+        "SELECT resources_id, version, create_time, update_time, resources "
+        f"FROM {db}.resources FINAL ORDER BY update_time DESC LIMIT 200",
+        {},
+    )
+
+
+def workers(database: str) -> Query:
+    db = _db(database)
+    return Query(
+        "SELECT worker_id, status, last_heartbeat_time, last_dequeue_time, current_rollout_id, current_attempt_id, "
+        f"heartbeat_stats FROM {db}.workers FINAL ORDER BY worker_id LIMIT 1000",
+        {},
+    )
+
+
+def schema(database: str) -> Query:
+    """The agl database's tables and columns: fixed SQL on ``system.columns``, bound to that
+    database only. This is the one statement the dashboard runs that the analytics policy would
+    refuse (it reads a system table), so it never carries anything a visitor typed."""
+    return Query(
+        "SELECT table, name, type FROM system.columns WHERE database = {database:String} "
+        "AND table NOT LIKE '.inner%' ORDER BY table, position",
+        {"database": _db(database)},
+    )
+
+
+def schema_tables(rows: Iterable[Sequence[Any]]) -> dict[str, list[list[str]]]:
+    tables: dict[str, list[list[str]]] = {}
+    for table, name, type_ in rows:
+        tables.setdefault(str(table), []).append([str(name), str(type_)])
+    return tables
+
+
+_COOKBOOK = re.compile(r"^### (.+?)\n+(.*?)```sql\n(.*?)```", re.S | re.M)
+
+
+def cookbook(markdown: str) -> list[dict[str, str]]:
+    """The cookbook queries of docs/sql.md: ``{"title", "description", "sql"}`` each."""
+    start, end = markdown.find("## The cookbook"), markdown.find("## Limits")
+    if start < 0:
+        return []
+    section = markdown[start : end if end > start else len(markdown)]
+    return [
+        {"title": m.group(1).strip(), "description": " ".join(m.group(2).split()), "sql": m.group(3).strip()}
+        for m in _COOKBOOK.finditer(section)
+    ]
+
+
+def records(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
+    return [dict(zip(columns, row, strict=True)) for row in rows]
+
+
+def span_rows(rows: Iterable[Mapping[str, Any]]) -> list[SpanRow]:
+    return [
+        SpanRow(
+            span_id=str(r["SpanId"]),
+            parent_id=str(r["ParentSpanId"] or ""),
+            name=str(r["SpanName"]),
+            start_ns=int(r["start_ns"]),
+            duration_ns=int(r["Duration"]),
+            status=str(r["StatusCode"] or ""),
+        )
+        for r in rows
+    ]
