@@ -26,6 +26,8 @@ _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 class FunctionalAlgorithm(Algorithm):
     """An :class:`Algorithm` made of one function by :func:`algo`."""
 
+    __name__: str  # the function's, as its other attributes (functools.update_wrapper)
+
     def __init__(self, func: Callable[..., Any]) -> None:
         if not callable(func):
             raise AlgorithmError(f"@algo decorates a function, not a {type(func).__name__}")
