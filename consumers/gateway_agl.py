@@ -226,7 +226,7 @@ class Refusal(Exception):
         self.status = status
         self.kind = kind
         self.message = message
-        self.detail = message if detail is None else detail
+        self.detail: Any = message if detail is None else detail  # the message, or a JSON value
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.kind, self.message, self.detail)
