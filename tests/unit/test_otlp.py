@@ -16,7 +16,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, InstrumentationScope, KeyValue, KeyValueList
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource as OtlpResource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, SpanFlags, Status
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 from opentelemetry.sdk.resources import Resource
@@ -138,9 +139,9 @@ def full_request() -> ExportTraceServiceRequest:
     return ExportTraceServiceRequest(
         resource_spans=[
             ResourceSpans(
-                resource={"attributes": attrs({**IDS, "service.name": "agent"})},
+                resource=OtlpResource(attributes=attrs({**IDS, "service.name": "agent"})),
                 schema_url="https://opentelemetry.io/schemas/1.26.0",
-                scope_spans=[ScopeSpans(scope={"name": "my.lib", "version": "2.0"}, spans=[span])],
+                scope_spans=[ScopeSpans(scope=InstrumentationScope(name="my.lib", version="2.0"), spans=[span])],
             )
         ]
     )
@@ -294,7 +295,7 @@ def request_with(
     return ExportTraceServiceRequest(
         resource_spans=[
             ResourceSpans(
-                resource={"attributes": attrs(IDS if resource_attributes is None else resource_attributes)},
+                resource=OtlpResource(attributes=attrs(IDS if resource_attributes is None else resource_attributes)),
                 scope_spans=[ScopeSpans(spans=[span])],
             )
         ]
