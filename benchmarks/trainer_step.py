@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -64,6 +64,14 @@ def synthetic_batch(
     return TripletBatch(batch_id="tb-bench", records=records, created_time=time.time())
 
 
+class Setting(TypedDict):
+    """The keyword arguments of one ``measure`` run."""
+
+    threads: int
+    micro: int
+    logprobs: bool
+
+
 def measure(args: argparse.Namespace, *, threads: int, micro: int, logprobs: bool) -> dict[str, Any]:
     torch.set_num_threads(threads)
     tokenizer = build_tokenizer()
@@ -104,7 +112,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "trainer_step.json")
     args = parser.parse_args()
 
-    settings = [
+    settings: list[Setting] = [
         {"threads": 2, "micro": 64, "logprobs": True},
         {"threads": 2, "micro": 64, "logprobs": False},
         {"threads": 2, "micro": 16, "logprobs": True},

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def _backend(tokenizer: PreTrainedTokenizerFast, **options: object) -> TorchPoli
     return TorchPolicyBackend(build_model(seed=0), tokenizer, **options)  # type: ignore[arg-type]
 
 
-def _data(groups: list[list[tuple[list[int], list[int], float, list[float] | None]]]) -> DataProto:
+def _data(groups: Sequence[Sequence[tuple[list[int], list[int], float, list[float] | None]]]) -> DataProto:
     """One record per (prompt, response, reward, logprobs), grouped as given."""
     records = [
         TripletRecord(
@@ -132,11 +133,10 @@ def test_micro_batches_add_up_to_the_whole_batch(tokenizer: PreTrainedTokenizerF
     grads: dict[str, list[torch.Tensor]] = {}
     for name, backend in (("whole", whole), ("pieces", pieces)):
         # Compared before AdamW, which turns float noise in near-zero gradients into full-size steps.
-        backend.optimizer.register_step_pre_hook(
-            lambda opt, args, kwargs, name=name: grads.__setitem__(
-                name, [p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]
-            )
-        )
+        def keep_grads(opt: torch.optim.Optimizer, args: Any, kwargs: Any, name: str = name) -> None:
+            grads[name] = [p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+        backend.optimizer.register_step_pre_hook(keep_grads)
     m_whole, m_pieces = whole.step(data), pieces.step(data)
     assert m_whole["loss"] == pytest.approx(m_pieces["loss"], abs=1e-6)
     assert m_whole["grad_norm"] == pytest.approx(m_pieces["grad_norm"], rel=1e-5)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: PreTrainedTo
     return folder
 
 
-def _verl(policy_dir: Path, **options: object) -> VerlFSDPBackend:
+def _verl(policy_dir: Path, **options: Any) -> VerlFSDPBackend:
     options.setdefault("lr", 3e-3)
     return VerlFSDPBackend(policy_dir, device="cpu", **options)
 
