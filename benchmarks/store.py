@@ -149,12 +149,12 @@ async def run(
         await asyncio.gather(*tasks, return_exceptions=True)
         rss.append((finished, _rss_mb(processor_pid)))
         # Read-after-write: a fenced read right after a write sees it.
-        probe = await stores[0].enqueue_rollout({"probe": True})
+        written = await stores[0].enqueue_rollout({"probe": True})
         raw: list[float] = []
         for i in range(200):
-            await stores[0].update_rollout(probe.rollout_id, metadata={"i": i})
+            await stores[0].update_rollout(written.rollout_id, metadata={"i": i})
             t0 = time.perf_counter()
-            seen = await stores[0].get_rollout_by_id(probe.rollout_id)
+            seen = await stores[0].get_rollout_by_id(written.rollout_id)
             raw.append(time.perf_counter() - t0)
             assert seen is not None and seen.metadata == {"i": i}, "a fenced read missed its write"
     finally:
