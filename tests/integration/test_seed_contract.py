@@ -18,7 +18,7 @@ import json
 import os
 import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -464,10 +464,10 @@ def seed_run(seed_python: Path) -> Any:
 class AglBackend:
     """agl-stream's types for the interpreter."""
 
-    def config(self, spec: dict[str, Any]) -> RolloutConfig:
+    def config(self, spec: Mapping[str, Any]) -> RolloutConfig:
         return RolloutConfig(**spec)
 
-    def resources(self, spec: dict[str, Any]) -> dict[str, LLM]:
+    def resources(self, spec: Mapping[str, Any]) -> dict[str, LLM]:
         return {
             name: LLM(resource_type="llm", endpoint="http://127.0.0.1:1/v1", model=r["model"], sampling_parameters={})
             for name, r in spec.items()
@@ -486,7 +486,7 @@ class AglBackend:
             end_time=2.0,
         )
 
-    def enqueue_request(self, fields: dict[str, Any]) -> EnqueueRolloutRequest:
+    def enqueue_request(self, fields: Mapping[str, Any]) -> EnqueueRolloutRequest:
         return EnqueueRolloutRequest(**fields)
 
     async def dequeue_within(self, store: AglStore, worker_id: str | None, seconds: float) -> Any:

@@ -185,7 +185,7 @@ async def test_an_unmodified_seed_runner_completes_rollouts(
         for n, rid in zip((1, 2, 3), ids, strict=True):
             spans = await wait_until(
                 functools.partial(store.query_spans, rid),
-                lambda found: find_final_reward(found) is not None and _named(found, "agentlightning.message"),
+                lambda found: find_final_reward(found) is not None and bool(_named(found, "agentlightning.message")),
                 what=f"the reward and message spans of {rid}",
             )
             assert find_final_reward(spans) == pytest.approx(n / 10)
