@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from agl_stream.config import Settings
 from agl_stream.ids import new_resources_id
@@ -32,7 +33,7 @@ from consumers.inference import VERSION_HEADER, Engine, InferenceOptions, Infere
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm"
 MODEL = "agl-tiny"
-MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is 2+2?"}]
 
 
 def recorded(name: str) -> Any:
@@ -127,7 +128,7 @@ async def test_chat_completion_is_vllm_shaped_with_token_ids_and_logprobs(
 ) -> None:
     raw = await client.chat.completions.with_raw_response.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=12,
         seed=11,
         logprobs=True,
@@ -169,7 +170,7 @@ async def test_chat_without_return_token_ids_has_null_ids_and_is_seeded(client: 
     async def ask(seed: int) -> Any:
         raw = await client.chat.completions.with_raw_response.create(
             model=MODEL,
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_completion_tokens=10,
             n=3,
             seed=seed,
@@ -237,7 +238,7 @@ async def test_chat_streaming_sends_vllm_chunks_and_matches_the_full_answer(
     # And through the openai client's own SSE reader.
     stream = await client.chat.completions.create(
         model=MODEL,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=10,
         seed=3,
         stream=True,
@@ -324,10 +325,10 @@ async def test_completion_streaming_with_a_stop_string(server: InferenceServer, 
 async def test_bad_requests_get_openai_style_errors(server: InferenceServer, client: AsyncOpenAI) -> None:
     assert server.url is not None
     with pytest.raises(openai.NotFoundError) as not_found:
-        await client.chat.completions.create(model="gpt-4", messages=MESSAGES)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="gpt-4", messages=MESSAGES)
     assert not_found.value.status_code == 404 and "gpt-4" in not_found.value.message
     with pytest.raises(openai.BadRequestError) as too_long:
-        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5000)  # type: ignore[arg-type]
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5000)
     assert "maximum context length" in too_long.value.message
 
     bad_bodies: list[tuple[str, Any]] = [
@@ -412,7 +413,7 @@ async def test_concurrent_requests_get_the_answers_they_get_alone(client: AsyncO
     async def ask(seed: int) -> list[int]:
         raw = await client.chat.completions.with_raw_response.create(
             model=MODEL,
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=8,
             seed=seed,
             extra_body={"return_token_ids": True},

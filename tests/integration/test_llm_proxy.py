@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionMessageToolCallParam
 
 from agl_stream import AglStore, connect, span_records
 from agl_stream.codec import Codec
@@ -177,7 +178,11 @@ async def _completions(fake: FakeVLLM, request: web.Request) -> web.StreamRespon
     fake.requests.append(body)
     n = next(fake.counter)
     first, second = fake.response_ids(n)
-    legacy = {"tokens": ["hel", "lo"], "token_logprobs": [-0.25 - n / 1000, -0.5], "top_logprobs": [None, None]}
+    legacy: dict[str, Any] = {
+        "tokens": ["hel", "lo"],
+        "token_logprobs": [-0.25 - n / 1000, -0.5],
+        "top_logprobs": [None, None],
+    }
     if not body.get("stream"):
         return web.json_response(
             {
@@ -314,21 +319,25 @@ async def test_every_call_is_one_span_with_the_backend_token_ids(
     started = await store.start_rollout({"proxy": "calls"})
     rid, aid = started.rollout_id, started.attempt.attempt_id
     client = client_for(proxy, rid, aid)
-    call = {"id": "call-1", "type": "function", "function": {"name": "greet", "arguments": "{}"}}
-    messages = [
+    call: ChatCompletionMessageToolCallParam = {
+        "id": "call-1",
+        "type": "function",
+        "function": {"name": "greet", "arguments": "{}"},
+    }
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "say hello"},
         {"role": "assistant", "content": None, "tool_calls": [call]},  # LiteLLM alone would drop the None
         {"role": "tool", "tool_call_id": "call-1", "content": "greeted"},
     ]
     reservations = proxy.blocks.reservations if proxy.blocks else 0
 
-    chat = await client.chat.completions.create(model="policy", messages=messages, temperature=0.7)  # type: ignore[arg-type]
+    chat = await client.chat.completions.create(model="policy", messages=messages, temperature=0.7)
     # The ordering rule: the span is in Kafka before the agent has its answer.
     assert [s.attributes["gen_ai.response.id"] for s in await spans_in_kafka(stack_settings, rid)] == [chat.id]
     assert chat.choices[0].message.content == "hello"
     assert chat.model_extra and chat.model_extra["prompt_token_ids"] == FakeVLLM.prompt_ids(1)  # passed through
 
-    streamed = await client.chat.completions.create(model="policy", messages=messages, stream=True)  # type: ignore[arg-type]
+    streamed = await client.chat.completions.create(model="policy", messages=messages, stream=True)
     pieces = [chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices]
     assert "".join(pieces) == "hello"
 
@@ -385,10 +394,10 @@ async def test_backend_errors_reach_the_agent_in_openai_shape_and_as_error_spans
     started = await store.start_rollout({"proxy": "errors"})
     rid, aid = started.rollout_id, started.attempt.attempt_id
     client = client_for(proxy, rid, aid)
-    messages = [{"role": "user", "content": "hi"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
     with pytest.raises(openai.InternalServerError) as server_error:
-        await client.chat.completions.create(model="broken", messages=messages)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="broken", messages=messages)
     assert server_error.value.status_code == 500
     assert server_error.value.body == {
         "message": "CUDA out of memory",
@@ -397,10 +406,10 @@ async def test_backend_errors_reach_the_agent_in_openai_shape_and_as_error_spans
         "code": 500,
     }
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        await client.chat.completions.create(model="rejecting", messages=messages, stream=True)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="rejecting", messages=messages, stream=True)
     with pytest.raises(openai.NotFoundError, match="not served by this proxy"):
-        await client.chat.completions.create(model="gpt-unknown", messages=messages)  # type: ignore[arg-type]
-    stream = await client.chat.completions.create(model="flaky", messages=messages, stream=True)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="gpt-unknown", messages=messages)
+    stream = await client.chat.completions.create(model="flaky", messages=messages, stream=True)
     with pytest.raises(openai.APIError, match="engine died mid-stream"):
         async for _ in stream:
             pass
@@ -424,8 +433,8 @@ async def test_a_client_leaving_mid_stream_stops_the_backend_and_is_recorded(
     started = await store.start_rollout({"proxy": "disconnect"})
     rid, aid = started.rollout_id, started.attempt.attempt_id
     client = client_for(proxy, rid, aid)
-    messages = [{"role": "user", "content": "write a long story"}]
-    stream = await client.chat.completions.create(model="slow", messages=messages, stream=True)  # type: ignore[arg-type]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "write a long story"}]
+    stream = await client.chat.completions.create(model="slow", messages=messages, stream=True)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             break
@@ -442,16 +451,16 @@ async def test_a_client_leaving_mid_stream_stops_the_backend_and_is_recorded(
 async def test_unknown_attempts_and_plain_v1_calls_are_answered_not_recorded(proxy: LLMProxy) -> None:
     before = proxy.stats.unknown_attempts
     client = client_for(proxy, "ro-00000000dead", "at-0000dead")
-    messages = [{"role": "user", "content": "hi"}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
     for _ in range(2):
-        answer = await client.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+        answer = await client.chat.completions.create(model="policy", messages=messages)
         assert answer.choices[0].message.content == "hello"
     assert proxy.stats.unknown_attempts == before + 2
 
     assert proxy.url is not None
     plain = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="none", max_retries=0)
     before = proxy.stats.unattributed
-    answer = await plain.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+    answer = await plain.chat.completions.create(model="policy", messages=messages)
     assert answer.choices[0].message.content == "hello"
     assert proxy.stats.unattributed == before + 1
     assert [m.id async for m in plain.models.list()] == ["broken", "flaky", "policy", "rejecting", "slow"]
