@@ -1065,7 +1065,8 @@ def test_sink_containers_hold_exactly_their_rows(rows: list[tuple[int, int, byte
     schema = {"type": "record", "name": "Raw", "fields": [{"name": "b", "type": "bytes"}]}
     header = container_header(schema)
     bodies = [(p, o, _avro_string(data)) for p, o, data in rows]
-    read = cast("list[dict[str, Any]]", list(fastavro.reader(io.BytesIO(container(header, bodies)))))  # envelope records
+    # fastavro types a record as any Avro value; these are the envelope schema's records.
+    read = cast("list[dict[str, Any]]", list(fastavro.reader(io.BytesIO(container(header, bodies)))))
     assert [(r["kafka_partition"], r["kafka_offset"], r["record"]["b"]) for r in read] == rows
 
 
