@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 AGL := $(BIN)/agl-stream
 
-.PHONY: venv jars test lint typecheck demo bench clean
+.PHONY: venv jars browser test lint typecheck demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,17 @@ jars: venv
 # (tests/conftest.py); set AGL_KAFKA_BOOTSTRAP to run it against an existing cluster. Two
 # workers (pytest-xdist, one module per worker at a time, each with its own broker): the
 # integration tests mostly wait on brokers and processes, so two overlap well on two cores.
-test: venv jars
+# The dashboard's browser tests (tests/integration/test_dashboard.py) drive Debian's chromium:
+# installed here when /usr/bin/chromium is missing (as root, or with sudo); the tests never
+# download a browser, and fail saying so when there is none.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+	  || echo "could not install chromium: the dashboard's browser tests will fail"; \
+	fi
+
+test: venv jars browser
 	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports

@@ -48,8 +48,10 @@ async def measure(settings: Settings, runs: int) -> list[dict[str, Any]]:
             "rollouts: status=failed, mode=train, page 3",
             lambda: queries.rollouts(dsql.RolloutFilter(status="failed", mode="train", offset=100)),
         ),
-        ("rollouts: time window, 200 rows", lambda: queries.rollouts(
-            dsql.RolloutFilter(since=1767225600 + 1000, until=1767225600 + 1200, limit=200))),
+        (
+            "rollouts: time window, 200 rows",
+            lambda: queries.rollouts(dsql.RolloutFilter(since=1767225600 + 1000, until=1767225600 + 1200, limit=200)),
+        ),
         ("rollouts: deep page (offset 40,000)", lambda: queries.rollouts(dsql.RolloutFilter(offset=40_000))),
         ("one rollout (rollout, attempts, triplets)", lambda: queries.rollout(rollout_id)),
         ("one attempt's spans and waterfall", lambda: queries.spans(rollout_id, attempt_id)),

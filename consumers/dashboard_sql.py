@@ -278,8 +278,9 @@ def overview(database: str, window: int) -> dict[str, Query]:
             f"SELECT (SELECT count() FROM {db}.rollouts FINAL) AS rollouts, "
             f"(SELECT count() FROM {db}.span_facts FINAL) AS spans, "
             f"(SELECT count() FROM {db}.triplets FINAL) AS triplets, "
-            f"(SELECT max(policy_version) FROM {db}.trainer_steps FINAL) AS trained_version, "
-            f"(SELECT max(policy_version) FROM {db}.rollouts FINAL) AS rollout_version",
+            # maxOrNull: max() of no rows is 0 for a non-nullable column, a version nobody trained.
+            f"(SELECT maxOrNull(policy_version) FROM {db}.trainer_steps FINAL) AS trained_version, "
+            f"(SELECT maxOrNull(policy_version) FROM {db}.rollouts FINAL) AS rollout_version",
             {},
         ),
         "rewards": Query(
@@ -375,7 +376,8 @@ def span_rows(rows: Iterable[Mapping[str, Any]]) -> list[SpanRow]:
             name=str(r["SpanName"]),
             start_ns=int(r["start_ns"]),
             duration_ns=int(r["Duration"]),
-            status=str(r["StatusCode"] or ""),
+            # The collector exporter's schema spells it STATUS_CODE_ERROR; the page wants ERROR.
+            status=str(r["StatusCode"] or "").removeprefix("STATUS_CODE_"),
         )
         for r in rows
     ]

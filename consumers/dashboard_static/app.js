@@ -53,11 +53,12 @@ async function overview(view, { params }) {
     h("h2", {}, "Trainer steps"),
     stepsView(data.steps),
   );
-  for (const [name, label] of [["rollouts", "rollouts/s"], ["spans", "spans/s"], ["triplets", "triplets/s"]]) {
-    const box = h("div", { class: "panel", "data-testid": `chart-${name}` });
-    charts.append(box);
-    lineChart(box, label, data.rates[name], [label]);
-  }
+  // All three boxes first, then the charts: each measures its box, and the grid sizes a box
+  // by how many there are.
+  const rates = [["rollouts", "rollouts/s"], ["spans", "spans/s"], ["triplets", "triplets/s"]];
+  const boxes = rates.map(([name]) => h("div", { class: "panel", "data-testid": `chart-${name}` }));
+  charts.append(...boxes);
+  rates.forEach(([name, label], i) => lineChart(boxes[i], label, data.rates[name], [label]));
 }
 
 function rewardsView(rewards) {
@@ -116,7 +117,7 @@ async function rollouts(view, { params }) {
   const pager = h("div", { class: "pager" },
     h("button", { disabled: offset === 0, onclick: () => go("rollouts", { ...pageParams, offset: Math.max(0, offset - data.limit) }) }, "‹ newer"),
     h("span", { "data-testid": "rollouts-range" },
-      `${data.total ? offset + 1 : 0}–${offset + data.rows.length} of ${data.total.toLocaleString("en-US")}`),
+      `${data.total ? offset + 1 : 0}-${offset + data.rows.length} of ${data.total.toLocaleString("en-US")}`),
     h("button", { disabled: offset + data.rows.length >= data.total, onclick: () => go("rollouts", { ...pageParams, offset: offset + data.limit }) }, "older ›"),
   );
   view.replaceChildren(form, pager, table(data.rows, [

@@ -21,6 +21,12 @@ export function lineChart(container, title, data, names, { xTime = true, xLabel 
         points: { show: data[0].length < 40 }, spanGaps: false })),
     ],
   };
+  const xs = data[0].filter((x) => x !== null);
+  if (xs.length && Math.min(...xs) === Math.max(...xs)) {
+    // One x value leaves uPlot no range (it spans years on a time axis): a fixed one around it.
+    const pad = xTime ? 60 : 1;
+    opts.scales.x = { time: xTime, auto: false, range: [xs[0] - pad, xs[0] + pad] };
+  }
   if (!data[0].length) {
     container.append(Object.assign(document.createElement("p"), { className: "muted", textContent: `${title}: no data yet` }));
     return null;

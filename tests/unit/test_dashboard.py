@@ -173,3 +173,11 @@ def test_static_files_are_served_from_their_folder_only() -> None:
     for name in ("../dashboard.py", "/etc/passwd", "vendor/../../gateway.py", "missing.js"):
         assert _static(name).status_code == 404, name
     assert (STATIC / "vendor" / "uPlot.LICENSE.txt").is_file()  # the vendored library carries its licence
+
+
+def test_span_rows_read_the_exporters_status_codes() -> None:
+    row = {
+        "SpanId": "s", "ParentSpanId": "", "SpanName": "n", "start_ns": 5, "Duration": 7,
+        "StatusCode": "STATUS_CODE_ERROR",
+    }  # fmt: skip
+    assert dsql.span_rows([row]) == [dsql.SpanRow("s", "", "n", 5, 7, "ERROR")]

@@ -1,0 +1,326 @@
+"""The dashboard in a real headless browser (Debian's chromium, driven by Playwright).
+
+One module-scoped stack on the session broker (processor, gateway, ingress, triplet builder,
+batcher) and a runner with :func:`dashboard_agent`: an agent step with an LLM-call span whose
+prompt is hostile HTML, a tool span, a reward; one task raises. Every page is loaded and what
+it shows is compared with SQL on the same data; a rollout's waterfall is opened, a cookbook
+query runs in the console, bad input gets a message, and the overview refreshes by itself.
+Screenshots of each page go to the test's temp dir (printed).
+
+The browser is /usr/bin/chromium (`make test` installs Debian's package when it is missing); it
+is never downloaded here. Without it the module fails and says how to install it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import httpx
+import pytest
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from agl_stream import connect, stack
+from agl_stream.config import Settings
+from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.litagent import rollout
+from agl_stream.models import PromptTemplate, Rollout
+from tests.integration.helpers import start_role, stop_role
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = Path("/usr/bin/chromium")
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b>bold?</b>"
+
+
+@rollout
+async def dashboard_agent(task: dict[str, Any], rollout: Rollout) -> float:
+    tracer = trace.get_tracer("tests.dashboard")
+    with tracer.start_as_current_span("agent.step"):
+        with tracer.start_as_current_span("chat tiny") as llm:
+            llm.set_attribute("gen_ai.request.model", "tiny")
+            llm.set_attribute("gen_ai.prompt.0.role", "user")
+            llm.set_attribute("gen_ai.prompt.0.content", f"{task['question']} {HOSTILE}")
+            llm.set_attribute("gen_ai.completion.0.role", "assistant")
+            llm.set_attribute("gen_ai.completion.0.content", "forty-two")
+            llm.set_attribute("gen_ai.usage.input_tokens", 17)
+            llm.set_attribute("gen_ai.usage.output_tokens", 3)
+        with tracer.start_as_current_span("execute_tool calculator") as tool:
+            tool.set_attribute("gen_ai.tool.name", "calculator")
+            if task.get("broken"):
+                tool.set_status(Status(StatusCode.ERROR, "the calculator broke"))
+                raise ValueError(f"the task is broken {HOSTILE}")
+    return float(task["reward"])
+
+
+@dataclass
+class Dash:
+    settings: Settings
+    url: str
+    ids: dict[str, str]
+    shots: Path
+
+    def rows(self, query: str) -> list[dict[str, Any]]:
+        response = httpx.post(f"{self.url}/v1/sql", json={"query": query}, timeout=60)
+        assert response.status_code == 200, response.text
+        payload = response.json()
+        return [dict(zip(payload["columns"], row, strict=True)) for row in payload["rows"]]
+
+    def value(self, query: str) -> Any:
+        [row] = self.rows(query)
+        return next(iter(row.values()))
+
+
+TASKS: dict[str, dict[str, Any]] = {
+    "t1": {"input": {"question": "one", "reward": 0.25}, "mode": "train"},
+    "t2": {"input": {"question": "two", "reward": 0.75}, "mode": "train"},
+    "v1": {"input": {"question": "three", "reward": 1.0}, "mode": "val"},
+    "broken": {"input": {"question": "four", "reward": 0.0, "broken": True}, "mode": "train"},
+}
+
+
+async def _produce(settings: Settings, names: list[str]) -> dict[str, str]:
+    async with connect(**settings.model_dump(exclude_none=True)) as store:
+        if "t2" in names:
+            await store.add_resources(
+                {"prompt": PromptTemplate(template=f"Answer {{question}} {HOSTILE}", engine="f-string")}
+            )
+        made = await store.enqueue_many_rollouts([TASKS[n] for n in names])
+        ids = {name: r.rollout_id for name, r in zip(names, made, strict=True)}
+        await store.wait_for_rollouts(rollout_ids=list(ids.values()), timeout=120)
+        # Every span and state the runner wrote is in ClickHouse behind these fences.
+        fence = {**await fence_at_end(settings, "spans"), **await fence_at_end(settings, "rollout-state")}
+        assert store.side is not None
+        await store.side.query("SELECT 1", fence=fence, timeout=60)
+    return ids
+
+
+def _wait_sql(dash: Dash, query: str, expected: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := dash.value(query)) != expected:
+        assert time.monotonic() < deadline, f"{query} is {got}, not {expected}"
+        time.sleep(0.2)  # another process's progress: there is nothing to be notified by
+
+
+@pytest.fixture(scope="module")
+def dash(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dash]:
+    settings = Settings(
+        kafka_bootstrap=kafka_bootstrap,
+        data_dir=tmp_path_factory.mktemp("dashboard"),
+        topic_prefix=f"d{uuid4().hex[:10]}",
+        gateway_port=0,
+    )
+    stack.up(settings, timeout=120, training=True)
+    settings = stack.local_stack_settings(settings)
+    runner: subprocess.Popen[bytes] | None = None
+    try:
+        runner = start_role(
+            settings,
+            *("runner", "--agent", "tests.integration.test_dashboard:dashboard_agent", "--concurrency", "4"),
+            log_name="runner",
+        )
+        ids = asyncio.run(_produce(settings, list(TASKS)))
+        url = stack.dashboard_url(settings)
+        assert url is not None and url.endswith("/dashboard/")
+        dash = Dash(settings, url.removesuffix("/dashboard/"), ids, tmp_path_factory.mktemp("screenshots"))
+        # the triplet builder writes one record per finished attempt (4)
+        _wait_sql(dash, "SELECT count() FROM agl.triplet_records FINAL", 4)
+        print(f"\ndashboard screenshots: {dash.shots}")
+        yield dash
+    finally:
+        if runner is not None:
+            stop_role(runner, timeout=30)
+        stack.down(settings)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: install Debian's chromium (`apt-get install -y chromium`; `make test` does "
+            "it when it can). The dashboard tests need a real browser and never download one."
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        # --no-sandbox: CI runs as root, where chromium's sandbox refuses to start.
+        launched = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+@pytest.fixture
+def page(browser: Any, dash: Dash) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    tab.set_default_timeout(20_000)
+    try:
+        yield tab
+    finally:
+        context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def _shot(page: Any, dash: Dash, name: str) -> None:
+    path = dash.shots / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    print(f"screenshot: {path}")
+
+
+def _cells(page: Any, testid: str, column: str) -> list[str]:
+    return [c.strip() for c in page.locator(f'[data-testid="{testid}"] td[data-col="{column}"]').all_inner_texts()]
+
+
+def test_cli_prints_the_dashboard_url(dash: Dash) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agl_stream", "--data-dir", str(dash.settings.data_dir), "dashboard"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{dash.url}/dashboard/"
+
+
+def test_overview_shows_what_sql_says_and_refreshes_by_itself(page: Any, dash: Dash) -> None:
+    page.goto(f"{dash.url}/dashboard/#/overview")
+    total = dash.value("SELECT count() FROM agl.rollouts FINAL")
+    page.wait_for_function(
+        "n => document.querySelector('[data-testid=total-rollouts]')?.textContent === String(n)", arg=total
+    )
+    spans = dash.value("SELECT count() FROM agl.span_facts FINAL")
+    assert page.inner_text('[data-testid="total-spans"]') == f"{spans:,}"
+    assert page.inner_text('[data-testid="policy-version"]') == "—"  # nothing trained: no version
+    statuses = {
+        r["status"]: r["n"] for r in dash.rows("SELECT status, count() AS n FROM agl.rollouts FINAL GROUP BY status")
+    }
+    shown = dict(zip(_cells(page, "status-table", "status"), _cells(page, "status-table", "rollouts"), strict=True))
+    assert shown == {s: str(n) for s, n in statuses.items()} and statuses == {"succeeded": 3, "failed": 1}
+    rewards = dash.rows("SELECT ifNull(mode, '') AS mode, mean_reward FROM agl.reward_by_mode_and_version")
+    assert {r["mode"]: r["mean_reward"] for r in rewards} == {"train": 0.5, "val": 1.0}  # the broken one: no reward
+    modes = _cells(page, "rewards-table", "mode")
+    means = [float(v) for v in _cells(page, "rewards-table", "mean_reward")]
+    assert dict(zip(modes, means, strict=True)) == {"train": 0.5, "val": 1.0}
+    assert page.locator('[data-testid="chart-spans"] canvas').count() == 1  # a uPlot chart was drawn
+    _shot(page, dash, "overview")
+    # Live: a new rollout shows up without a reload. (In a thread: Playwright's sync API runs
+    # an event loop in this one.)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: asyncio.run(_produce(dash.settings, ["t1"]))).result(timeout=180)
+    page.wait_for_function(
+        "n => document.querySelector('[data-testid=total-rollouts]')?.textContent === String(n)",
+        arg=total + 1,
+        timeout=30_000,
+    )
+
+
+def test_rollouts_table_filters_pages_and_refuses_bad_input(page: Any, dash: Dash) -> None:
+    total = dash.value("SELECT count() FROM agl.rollouts FINAL")
+    page.goto(f"{dash.url}/dashboard/#/rollouts?limit=25")
+    page.wait_for_selector('[data-testid="rollouts-table"]')
+    assert page.inner_text('[data-testid="rollouts-range"]') == f"1-{total} of {total}"
+    newest_first = [
+        r["rollout_id"]
+        for r in dash.rows("SELECT rollout_id FROM agl.rollouts FINAL ORDER BY start_time DESC, rollout_id DESC")
+    ]
+    assert _cells(page, "rollouts-table", "rollout_id") == newest_first
+    _shot(page, dash, "rollouts")
+    # A filter through the form: failed ones only.
+    page.select_option('form[data-testid="filters"] select[name="status"]', "failed")
+    page.click('form[data-testid="filters"] button[type="submit"]')
+    page.wait_for_function("() => location.hash.includes('status=failed')")
+    page.wait_for_selector('[data-testid="rollouts-range"]:has-text("of 1")')
+    assert _cells(page, "rollouts-table", "rollout_id") == [dash.ids["broken"]]
+    # Paging: one row per page, the second page is the second newest.
+    page.goto(f"{dash.url}/dashboard/#/rollouts?limit=1&offset=1")
+    page.wait_for_selector(f'[data-testid="rollouts-range"]:has-text("2-2 of {total}")')
+    assert _cells(page, "rollouts-table", "rollout_id") == newest_first[1:2]
+    # Bad input: a clear message, no stack trace.
+    page.goto(f"{dash.url}/dashboard/#/rollouts?policy_version=abc")
+    page.wait_for_selector("#error:not([hidden])")
+    message = page.inner_text("#error")
+    assert message.startswith("bad_request: policy_version:") and "Traceback" not in message
+    _shot(page, dash, "rollouts-bad-input")
+
+
+def test_a_rollouts_waterfall_llm_calls_rewards_and_exception(page: Any, dash: Dash) -> None:
+    broken = dash.ids["broken"]
+    page.goto(f"{dash.url}/dashboard/#/rollout/{broken}")
+    page.wait_for_selector('[data-testid="waterfall"]')
+    [attempt] = dash.rows(f"SELECT attempt_id FROM agl.attempts FINAL WHERE rollout_id = '{broken}'")
+    where = f"RolloutId = '{broken}' AND AttemptId = '{attempt['attempt_id']}'"
+    spans = dash.value(f"SELECT count() FROM agl.otel_traces FINAL WHERE {where}")
+    assert page.locator('[data-testid="wf-row"]').count() == spans
+    names = page.locator('[data-testid="wf-row"] .wf-name').all_inner_texts()
+    assert names.index("agent.step") < names.index("chat tiny")  # the child after its parent, indented
+    assert page.locator('[data-testid="wf-row"] .wf-bar.s-ERROR').count() >= 1  # the broken tool, in red
+    exceptions = page.inner_text('[data-testid="exceptions"]')
+    # the tool span and its parent, both ERROR, with the exception the agent raised (as text)
+    assert "execute_tool calculator" in exceptions and "agent.step" in exceptions
+    assert f"ValueError: the task is broken {HOSTILE}" in exceptions
+    # Hostile span text is shown as text: no element was made from it.
+    assert HOSTILE in page.inner_text('[data-testid="llm-calls"]')
+    assert page.locator("main img").count() == 0 and page.title() != "pwned"
+    assert "17 in / 3 out tokens" in page.inner_text('[data-testid="llm-calls"]')
+    page.locator('[data-testid="wf-row"]', has_text="chat tiny").click()
+    assert "gen_ai.usage.input_tokens" in page.inner_text('[data-testid="span-detail"]')
+    _shot(page, dash, "rollout-failed")
+    # A succeeded one: its reward span and its triplet record's final reward.
+    page.goto(f"{dash.url}/dashboard/#/rollout/{dash.ids['t2']}")
+    page.wait_for_selector('[data-testid="rewards"] td[data-col="value"]')
+    assert _cells(page, "rewards", "value") == ["0.75"]
+    final = dash.value(f"SELECT final_reward FROM agl.triplet_records FINAL WHERE rollout_id = '{dash.ids['t2']}'")
+    assert _cells(page, "attempts-table", "final_reward") == [str(final)]
+    _shot(page, dash, "rollout")
+
+
+def test_sql_console_runs_a_cookbook_query_and_shows_errors(page: Any, dash: Dash) -> None:
+    page.goto(f"{dash.url}/dashboard/#/sql")
+    page.wait_for_selector('[data-testid="schema-table"]')
+    tables = page.locator('[data-testid="schema-table"] summary').all_inner_texts()
+    assert {"rollouts", "attempts", "otel_traces", "span_facts"} <= set(tables)
+    page.locator('[data-testid="cookbook"]', has_text="Attempt outcomes").click()
+    page.wait_for_selector('[data-testid="sql-table"]')
+    [expected] = dash.rows("SELECT attempts, succeeded, failed FROM agl.attempt_error_rate")
+    for column in ("attempts", "succeeded", "failed"):
+        assert _cells(page, "sql-table", column) == [str(expected[column])]
+    # Two numeric columns make a chart.
+    page.fill('[data-testid="sql-editor"]', "SELECT number AS x, number * number AS y FROM numbers(5)")
+    page.click('[data-testid="sql-run"]')
+    page.wait_for_selector('[data-testid="sql-chart"] canvas')
+    _shot(page, dash, "sql")
+    page.fill('[data-testid="sql-editor"]', "SELECT * FROM system.tables")
+    page.click('[data-testid="sql-run"]')
+    assert page.inner_text('[data-testid="sql-error"]').startswith("forbidden_table: refused")
+    page.fill('[data-testid="sql-editor"]', "SELEC nonsense")
+    page.click('[data-testid="sql-run"]')
+    page.wait_for_selector('[data-testid="sql-error"]:has-text("query_error")')
+
+
+def test_resources_and_workers_pages(page: Any, dash: Dash) -> None:
+    page.goto(f"{dash.url}/dashboard/#/workers")
+    page.wait_for_selector('[data-testid="workers-table"]')
+    workers = [r["worker_id"] for r in dash.rows("SELECT worker_id FROM agl.workers FINAL ORDER BY worker_id")]
+    assert _cells(page, "workers-table", "worker_id") == workers
+    _shot(page, dash, "workers")
+    page.goto(f"{dash.url}/dashboard/#/resources")
+    page.wait_for_selector("main h2")
+    count = dash.value("SELECT count() FROM agl.resources FINAL")
+    assert count >= 1 and page.inner_text("main h2") == f"Resources ({count})"
+    # The prompt template is shown as its text (hostile markup included, as text).
+    page.wait_for_selector('[data-testid="resource"] pre:has-text("Answer {question}")')
+    assert HOSTILE in page.inner_text('[data-testid="resource"]') and page.locator("main img").count() == 0
+    _shot(page, dash, "resources")
