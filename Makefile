@@ -35,8 +35,8 @@ browser:
 	fi
 
 test: venv jars browser
-	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts
-	$(BIN)/mypy
+	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts examples
+	$(MAKE) --no-print-directory typecheck
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
@@ -44,8 +44,18 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# mypy over all the code: one run for the packages, tests, benchmarks and scripts
+# ([tool.mypy] files in pyproject.toml), then one run per example folder. Each example is a
+# folder of scripts run as `python examples/<name>/train.py`, whose train.py imports its
+# sibling agent module as a top-level module (the script's folder is on sys.path). In one run
+# mypy would see three top-level modules named `train` ("Duplicate module named 'train'"), and
+# explicit_package_bases/mypy_path cannot help: a folder on mypy_path makes its train.py the
+# top-level `train` again, and without it the sibling import does not resolve. (The tests
+# import the agent modules as examples.<name>.<module>, so the first run checks those too.)
+EXAMPLES := $(sort $(dir $(wildcard examples/*/*.py)))
 typecheck: venv
 	$(BIN)/mypy
+	set -e; for example in $(EXAMPLES); do $(BIN)/mypy $$example; done
 
 # The main job: starts a local stack in .agl/demo, runs it, stops everything it started.
 demo: venv jars
