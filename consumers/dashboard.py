@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from clickhouse_connect.driver.exceptions import DatabaseError
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from agl_stream.config import Settings
 from agl_stream.errors import QueryError
+from agl_stream.kafka.admin import admin_client
 from agl_stream.resources import resource_path
 from consumers import dashboard_sql as dsql
 from consumers.gateway_sql import SqlRefusedError
@@ -118,6 +123,70 @@ class DashboardQueries:
         return {"database": self.database, "tables": tables}
 
 
+class Backlog:
+    """Queue depth per consumer: each consumer group of this stack (its topic prefix) by what it
+    committed, and each of the gateway's sinks by what it applied to ClickHouse, against the
+    topics' log-end offsets. Read from Kafka, at most once per ``ttl_s``: every open page polls."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        applied: Callable[[], Mapping[str, Mapping[int, int]]],
+        sinks: Mapping[str, str],
+        *,
+        ttl_s: float = 3.0,
+    ) -> None:
+        self.settings = settings
+        self.applied = applied
+        self.sinks = dict(sinks)  # sink name -> topic
+        self.ttl_s = ttl_s
+        self._cached: tuple[float, list[dict[str, Any]]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def rows(self) -> list[dict[str, Any]]:
+        async with self._lock:  # one Kafka read at a time, whoever asks
+            if self._cached is not None and time.monotonic() - self._cached[0] < self.ttl_s:
+                return self._cached[1]
+            rows = await asyncio.wait_for(self._read(), 10)
+            self._cached = (time.monotonic(), rows)
+            return rows
+
+    async def _read(self) -> list[dict[str, Any]]:
+        prefix = f"{self.settings.topic_prefix}."
+        committed: dict[str, dict[tuple[str, int], int]] = {}
+        admin = admin_client(self.settings)
+        await admin.start()
+        try:
+            # The gateway's own sinks are reported by what they applied to ClickHouse (where they
+            # resume from), not by their groups' commits, which would list each of them twice.
+            own = {f"{prefix}sink.{name}" for name in self.sinks}
+            listed = await admin.list_consumer_groups()
+            groups = sorted(str(g[0]) for g in listed if str(g[0]).startswith(prefix) and str(g[0]) not in own)
+            for group in groups:
+                offsets = await admin.list_consumer_group_offsets(group)
+                committed[group] = {(tp.topic, tp.partition): m.offset for tp, m in offsets.items() if m.offset >= 0}
+            applied = self.applied()
+            for name, topic in self.sinks.items():
+                committed[f"sink {name}"] = {(topic, p): o for p, o in applied.get(topic, {}).items()}
+            topics = sorted({t for offsets in committed.values() for t, _ in offsets} | set(self.sinks.values()))
+            existing = set(await admin.list_topics())
+            described = await admin.describe_topics([t for t in topics if t in existing]) if topics else []
+        finally:
+            await admin.close()
+        tps = [TopicPartition(d["topic"], p["partition"]) for d in described for p in d["partitions"]]
+        consumer = AIOKafkaConsumer(**self.settings.kafka_client_options(), enable_auto_commit=False)
+        await consumer.start()
+        try:
+            ends = await consumer.end_offsets(tps) if tps else {}
+        finally:
+            await consumer.stop()
+        # A sink whose topic has no records yet has applied nothing: still a row (lag 0).
+        for name, topic in self.sinks.items():
+            if not committed[f"sink {name}"]:
+                committed[f"sink {name}"] = {(topic, tp.partition): 0 for tp in tps if tp.topic == topic}
+        return dsql.lag_rows(committed, {(tp.topic, tp.partition): int(end) for tp, end in ends.items()})
+
+
 def _first_not_none(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
@@ -129,7 +198,9 @@ def _cookbook() -> list[dict[str, str]]:
         return []
 
 
-def dashboard_router(runner: Runs, database: str, stopping: Callable[[], bool]) -> APIRouter:
+def dashboard_router(
+    runner: Runs, database: str, stopping: Callable[[], bool], backlog: Backlog | None = None
+) -> APIRouter:
     """The page and its endpoints for a gateway whose query pool is ``runner``."""
     router = APIRouter()
     queries = DashboardQueries(runner, database)
@@ -198,6 +269,15 @@ def dashboard_router(runner: Runs, database: str, stopping: Callable[[], bool]) 
     @router.get("/v1/dashboard/schema")
     async def schema() -> Response:
         return await answer(queries.schema)
+
+    @router.get("/v1/dashboard/backlog")
+    async def backlog_rows() -> Response:
+        if backlog is None:
+            return _error(404, "not_found", "this gateway reads no Kafka backlog")
+        try:
+            return JSONResponse(await backlog.rows())
+        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+            return _error(503, "kafka_unavailable", f"the backlog could not be read from Kafka: {exc!r}")
 
     @router.get("/v1/dashboard/cookbook")
     async def cookbook_queries() -> Response:

@@ -381,3 +381,27 @@ def span_rows(rows: Iterable[Mapping[str, Any]]) -> list[SpanRow]:
         )
         for r in rows
     ]
+
+
+# -- the pipeline's backlog (Kafka, not SQL) ---------------------------------------------------------
+
+
+def lag_rows(
+    committed: Mapping[str, Mapping[tuple[str, int], int]], ends: Mapping[tuple[str, int], int]
+) -> list[dict[str, Any]]:
+    """Per consumer (a group, or a sink by what it applied) and topic: records behind the end.
+
+    ``committed``: consumer -> {(topic, partition): next offset it will read}; ``ends``: the
+    log-end offset of every partition. A partition a consumer has not committed on counts from
+    zero (all of it is queued for it); a committed offset past the end (a topic recreated) is 0.
+    """
+    rows = []
+    for consumer, offsets in sorted(committed.items()):
+        for topic in sorted({t for t, _ in offsets}):
+            parts = [(tp, end) for tp, end in ends.items() if tp[0] == topic]
+            done = sum(min(offsets.get(tp, 0), end) for tp, end in parts)
+            end_total = sum(end for _, end in parts)
+            rows.append(
+                {"consumer": consumer, "topic": topic, "applied": done, "end": end_total, "lag": end_total - done}
+            )
+    return rows

@@ -76,7 +76,7 @@ from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
-from consumers.dashboard import dashboard_router
+from consumers.dashboard import Backlog, dashboard_router
 from consumers.gateway_agl import agl_router
 from consumers.gateway_sql import (
     FunctionPolicy,
@@ -359,7 +359,12 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(agl_router(gateway.traces.store, lambda: gateway.stopping))
 
     app.include_router(sql_router(settings, lambda: gateway.stopping))
-    app.include_router(dashboard_router(gateway.queries, settings.clickhouse_database, lambda: gateway.stopping))
+    backlog = Backlog(
+        settings, gateway.applied.snapshot, {spec.name: settings.topic(spec.topic) for spec in gateway.specs}
+    )
+    app.include_router(
+        dashboard_router(gateway.queries, settings.clickhouse_database, lambda: gateway.stopping, backlog)
+    )
     return app
 
 

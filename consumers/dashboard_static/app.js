@@ -34,7 +34,11 @@ function go(page, params = {}, args = []) {
 
 async function overview(view, { params }) {
   const window_ = params.get("window") || "600";
-  const data = await api(`/v1/dashboard/overview?window=${encodeURIComponent(window_)}`);
+  // The backlog comes from Kafka: when it cannot be read, the rest of the page still shows.
+  const [data, backlog] = await Promise.all([
+    api(`/v1/dashboard/overview?window=${encodeURIComponent(window_)}`),
+    api("/v1/dashboard/backlog").catch((e) => e),
+  ]);
   const t = data.totals;
   const card = (label, value, testid) => h("div", { class: "card" }, h("div", { class: "muted" }, label),
     h("div", { class: "v", "data-testid": testid }, fmt(value)));
@@ -48,6 +52,11 @@ async function overview(view, { params }) {
     table(statuses, [["status", "status", status], ["rollouts", "rollouts"]], { testid: "status-table" }),
     h("h2", {}, `Throughput (per second, ${data.bucket_s} s buckets over the last ${data.window} s of data)`),
     charts,
+    h("h2", {}, "Backlog per consumer (records not yet processed)"),
+    backlog instanceof Error
+      ? h("p", { class: "muted", "data-testid": "backlog-error" }, backlog.message)
+      : table(backlog, [["consumer", "consumer group or sink"], ["topic", "topic"], ["applied", "done"],
+        ["end", "log end"], ["lag", "behind"]], { testid: "backlog-table" }),
     h("h2", {}, "Mean reward per policy version"),
     rewardsView(data.rewards),
     h("h2", {}, "Trainer steps"),

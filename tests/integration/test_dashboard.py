@@ -215,6 +215,13 @@ def test_overview_shows_what_sql_says_and_refreshes_by_itself(page: Any, dash: D
     means = [float(v) for v in _cells(page, "rewards-table", "mean_reward")]
     assert dict(zip(modes, means, strict=True)) == {"train": 0.5, "val": 1.0}
     assert page.locator('[data-testid="chart-spans"] canvas').count() == 1  # a uPlot chart was drawn
+    # The backlog: every span is applied to ClickHouse (the fixture's fence), and this stack's
+    # consumer groups (processor, triplet builder, batcher, ...) are listed with theirs.
+    backlog = dict(zip(_cells(page, "backlog-table", "consumer"), _cells(page, "backlog-table", "lag"), strict=True))
+    assert backlog["sink clickhouse-spans"] == "0"
+    groups = {c for c in backlog if c.startswith(f"{dash.settings.topic_prefix}.")}
+    assert f"{dash.settings.topic_prefix}.processor.rollouts" in groups, backlog
+    assert not any(".sink." in g for g in groups)  # sinks are listed once, by what they applied
     _shot(page, dash, "overview")
     # Live: a new rollout shows up without a reload. (In a thread: Playwright's sync API runs
     # an event loop in this one.)

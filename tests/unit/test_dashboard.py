@@ -181,3 +181,15 @@ def test_span_rows_read_the_exporters_status_codes() -> None:
         "StatusCode": "STATUS_CODE_ERROR",
     }  # fmt: skip
     assert dsql.span_rows([row]) == [dsql.SpanRow("s", "", "n", 5, 7, "ERROR")]
+
+
+def test_lag_counts_records_behind_the_end_per_consumer_and_topic() -> None:
+    ends = {("t", 0): 10, ("t", 1): 5, ("u", 0): 7}
+    committed = {
+        "proc": {("t", 0): 8},  # partition 1 never committed: all 5 of it wait
+        "sink:spans": {("u", 0): 9},  # past the end (a recreated topic): nothing behind
+    }
+    assert dsql.lag_rows(committed, ends) == [
+        {"consumer": "proc", "topic": "t", "applied": 8, "end": 15, "lag": 7},
+        {"consumer": "sink:spans", "topic": "u", "applied": 7, "end": 7, "lag": 0},
+    ]
