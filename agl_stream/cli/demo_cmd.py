@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from agl_stream import stack
 from agl_stream.cli.context import settings_of
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
@@ -107,6 +108,9 @@ def demo(
     smoke: Annotated[bool, typer.Option(help="Run the backbone smoke pipeline (synthetic spans) instead.")] = False,
     spans: Annotated[int, typer.Option(min=1, help="With --smoke: how many synthetic spans to push through.")] = 5_000,
     keep_broker: Annotated[bool, typer.Option(help="With --smoke: leave the local broker running.")] = False,
+    keep: Annotated[
+        bool, typer.Option(help="Leave the local stack running at the end and print its dashboard's URL.")
+    ] = False,
 ) -> None:
     """The main job: train a tiny policy from random weights with the whole RL loop, on CPU.
 
@@ -125,13 +129,17 @@ def demo(
     # A fresh topic prefix per run: the loop starts from random weights and empty topics.
     run = f"demo{int(time.time())}"
     settings = settings.model_copy(update={"topic_prefix": run, "gateway_port": 0, "data_dir": settings.data_dir / run})
-    with loop.running_loop(settings, console) as running:
+    with loop.running_loop(settings, console, keep=keep) as running:
         result = asyncio.run(loop.drive(running, console, versions=versions, minutes=minutes))
         metrics = loop.trainer_metrics(running)
     loop.show(result, console, metrics)
     first, last = result.first_and_last()
     if len(result.versions) < 2 or last <= first:
         console.print("[yellow]the reward did not rise in this run; see the logs under[/] " + str(settings.data_dir))
+    if keep:
+        url = stack.dashboard_url(settings)
+        console.print(f"the local stack keeps running; stop it with `agl-stream --data-dir {settings.data_dir} down`")
+        console.print(f"dashboard: [bold]{url or 'the gateway did not answer'}[/]")
 
 
 def _run_smoke(settings: Settings, spans: int, keep_broker: bool) -> None:

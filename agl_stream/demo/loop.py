@@ -72,8 +72,12 @@ class DemoResult:
 
 
 @contextlib.contextmanager
-def running_loop(settings: Settings, console: Console) -> Iterator[Settings]:
-    """Start every role; stop them all on the way out (a stack `up` started is used, and left running)."""
+def running_loop(settings: Settings, console: Console, *, keep: bool = False) -> Iterator[Settings]:
+    """Start every role; stop them all on the way out (a stack `up` started is used, and left running).
+
+    ``keep``: leave the local stack this started running (broker, processor, gateway, ...) so that
+    its data stays in view on the dashboard; the demo's own roles (trainer, model, proxy, runner)
+    stop as always. `agl-stream --data-dir <its data dir> down` stops the stack."""
     with console.status("starting the local stack (broker, topics, processor, gateway) ..."):
         opened = stack.open_session(settings)
     try:
@@ -130,8 +134,9 @@ def running_loop(settings: Settings, console: Console) -> Iterator[Settings]:
             with console.status("stopping everything the demo started ..."):
                 roles.stop(timeout=30)
     finally:
-        with console.status("stopping the local stack ..."):
-            stack.close_session(opened, settings)
+        if not (keep and opened.owned):  # kept: the caller prints where its dashboard is
+            with console.status("stopping the local stack ..."):
+                stack.close_session(opened, settings)
 
 
 async def _reward_by_version(store: AglStore, settings: Settings) -> list[tuple[int, int, float]]:
