@@ -79,16 +79,19 @@ def guard(
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     media_types: Mapping[str, frozenset[str]] | None = None,
+    public_pages: tuple[str, ...] = (),
 ) -> None:
     """What every listener refuses before any route runs: a Host header naming another host
     (DNS rebinding: a web page's name resolved to 127.0.0.1) and a request a web page of another
     origin sent (browsers name the page's origin on every cross-origin POST); no CORS headers
     are ever added, so a page cannot read an answer either. With ``token``, every request but
     a health check must carry ``Authorization: Bearer <token>``. Bodies are JSON only (what
-    ``media_types`` allows besides, per path) and at most ``max_body_bytes``: see BodyPolicy."""
+    ``media_types`` allows besides, per path) and at most ``max_body_bytes``: see BodyPolicy.
+    ``public_pages``: path prefixes whose GETs need no token (static files that hold no data,
+    such as the dashboard's page, which then sends the token on its own requests)."""
     app.add_middleware(BodyPolicy, max_bytes=max_body_bytes, media_types=media_types or {})
     if token is not None:
-        app.add_middleware(BearerToken, token=token)
+        app.add_middleware(BearerToken, token=token, public_pages=public_pages)
     app.add_middleware(SameOriginOnly, hosts=hosts)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=[_host_pattern(h) for h in hosts])
 
@@ -137,12 +140,21 @@ HEALTH_PATHS = frozenset({"/health", "/v1/health", "/v1/agl/health"})
 class BearerToken:
     """Refuses a request without the listener's token (401 ``unauthorized``), health checks aside."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, token: str, public_pages: tuple[str, ...] = ()) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
+        self.public_pages = public_pages
+
+    def _public(self, scope: Scope) -> bool:
+        path = scope["path"]
+        if path in HEALTH_PATHS:
+            return True
+        return scope["method"] in ("GET", "HEAD") and any(
+            path == prefix or path.startswith(f"{prefix}/") for prefix in self.public_pages
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in HEALTH_PATHS:
+        if scope["type"] == "http" and not self._public(scope):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 response = JSONResponse(

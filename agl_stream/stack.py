@@ -21,11 +21,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 import httpx
 from pydantic import BaseModel
 
-from agl_stream.auth import ensure_token
+from agl_stream.auth import ensure_token, known_token
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
 from agl_stream.kafka import admin, broker
@@ -132,9 +133,21 @@ DASHBOARD_PATH = "/dashboard/"
 
 
 def dashboard_url(settings: Settings) -> str | None:
-    """The web dashboard of the gateway this data dir's stack runs, or None when none answers."""
+    """The web dashboard of the gateway this data dir's stack runs, or None when none answers.
+
+    A gateway that requires its API token gets the token in the URL (``?token=``; the page keeps
+    it for its tab and takes it out of the address bar): a browser has no other way to send it.
+    """
     url = _gateway_ready(settings)
-    return f"{url}{DASHBOARD_PATH}" if url else None
+    if not url:
+        return None
+    page = f"{url}{DASHBOARD_PATH}"
+    try:
+        asks = httpx.get(f"{url}/v1/dashboard/cookbook", timeout=5.0).status_code == 401
+    except httpx.HTTPError:
+        asks = False
+    token = known_token(settings) if asks else None
+    return f"{page}?{urlencode({'token': token})}" if token else page
 
 
 def _gateway_ready(settings: Settings) -> str | None:

@@ -32,6 +32,9 @@ from consumers import dashboard_sql as dsql
 from consumers.gateway_sql import SqlRefusedError
 
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
+DASHBOARD_PAGES = "/dashboard"
+"""Where the page and its static files live: no data there, so a listener that requires its
+token serves them without one (the page sends the token on its API requests)."""
 _MEDIA = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
 # The page loads nothing from elsewhere and runs no inline script: a span's text that smuggles
 # markup in is inert even if some value escaped escaping.

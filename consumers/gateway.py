@@ -76,7 +76,7 @@ from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
-from consumers.dashboard import Backlog, dashboard_router
+from consumers.dashboard import DASHBOARD_PAGES, Backlog, dashboard_router
 from consumers.gateway_agl import agl_router
 from consumers.gateway_sql import (
     FunctionPolicy,
@@ -268,6 +268,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         listener_token(settings, settings.gateway_host),
         max_body_bytes=max(otlp.MAX_BODY_BYTES, MAX_BODY_BYTES),
         media_types={"/v1/traces": frozenset({otlp.PROTOBUF})},
+        public_pages=(DASHBOARD_PAGES,),
     )
 
     @app.get("/v1/health")

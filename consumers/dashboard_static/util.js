@@ -16,6 +16,19 @@ export function h(tag, attrs = {}, ...children) {
   return el;
 }
 
+// A gateway that requires its API token: `agl-stream dashboard` prints the URL with ?token=...;
+// the page keeps it for this tab only (sessionStorage) and takes it out of the address bar.
+const TOKEN_KEY = "agl-stream-token";
+{
+  const url = new URL(location.href);
+  const given = url.searchParams.get("token");
+  if (given) {
+    sessionStorage.setItem(TOKEN_KEY, given);
+    url.searchParams.delete("token");
+    history.replaceState(null, "", url);
+  }
+}
+
 export class ApiError extends Error {
   constructor(kind, message) {
     super(message);
@@ -25,8 +38,10 @@ export class ApiError extends Error {
 
 // GET (or POST with a JSON body) to the gateway; a typed {"error", "message"} answer throws.
 export async function api(path, body) {
-  const init = body === undefined ? {} : {
-    method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body),
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const headers = token ? { authorization: `Bearer ${token}` } : {};
+  const init = body === undefined ? { headers } : {
+    method: "POST", headers: { ...headers, "content-type": "application/json" }, body: JSON.stringify(body),
   };
   let response;
   try {
@@ -40,6 +55,9 @@ export async function api(path, body) {
     data = JSON.parse(text);
   } catch {
     throw new ApiError("bad_answer", `HTTP ${response.status}: ${text.slice(0, 300)}`);
+  }
+  if (response.status === 401) {
+    throw new ApiError("unauthorized", "this gateway requires its API token: open the URL `agl-stream dashboard` prints (it carries the token)");
   }
   if (!response.ok) throw new ApiError(data.error || "error", data.message || `HTTP ${response.status}`);
   return data;

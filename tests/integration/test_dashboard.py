@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 from uuid import uuid4
 
 import httpx
@@ -30,6 +31,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from agl_stream import connect, stack
+from agl_stream.auth import auth_headers, known_token
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
@@ -68,9 +70,11 @@ class Dash:
     url: str
     ids: dict[str, str]
     shots: Path
+    page: str  # the dashboard's URL as `agl-stream dashboard` prints it: with the API token
 
     def rows(self, query: str) -> list[dict[str, Any]]:
-        response = httpx.post(f"{self.url}/v1/sql", json={"query": query}, timeout=60)
+        headers = auth_headers(self.settings)
+        response = httpx.post(f"{self.url}/v1/sql", json={"query": query}, headers=headers, timeout=60)
         assert response.status_code == 200, response.text
         payload = response.json()
         return [dict(zip(payload["columns"], row, strict=True)) for row in payload["rows"]]
@@ -118,6 +122,9 @@ def dash(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         data_dir=tmp_path_factory.mktemp("dashboard"),
         topic_prefix=f"d{uuid4().hex[:10]}",
         gateway_port=0,
+        # The gateway requires its API token (as it does beyond loopback): the page must get it
+        # from the URL `agl-stream dashboard` prints and send it on every request.
+        require_token=True,
     )
     stack.up(settings, timeout=120, training=True)
     settings = stack.local_stack_settings(settings)
@@ -130,8 +137,10 @@ def dash(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         )
         ids = asyncio.run(_produce(settings, list(TASKS)))
         url = stack.dashboard_url(settings)
-        assert url is not None and url.endswith("/dashboard/")
-        dash = Dash(settings, url.removesuffix("/dashboard/"), ids, tmp_path_factory.mktemp("screenshots"))
+        token = known_token(settings)
+        assert url is not None and token and url.endswith(f"/dashboard/?{urlencode({'token': token})}")
+        base = url.split("/dashboard/")[0]
+        dash = Dash(settings, base, ids, tmp_path_factory.mktemp("screenshots"), url)
         # the triplet builder writes one record per finished attempt (4)
         _wait_sql(dash, "SELECT count() FROM agl.triplet_records FINAL", 4)
         print(f"\ndashboard screenshots: {dash.shots}")
@@ -192,11 +201,17 @@ def test_cli_prints_the_dashboard_url(dash: Dash) -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"{dash.url}/dashboard/"
+    assert done.stdout.strip() == dash.page
+
+
+def test_without_the_token_the_page_says_how_to_get_it(page: Any, dash: Dash) -> None:
+    page.goto(f"{dash.url}/dashboard/#/overview")  # the page itself needs no token: it holds no data
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.inner_text("#error").startswith("unauthorized: this gateway requires its API token")
 
 
 def test_overview_shows_what_sql_says_and_refreshes_by_itself(page: Any, dash: Dash) -> None:
-    page.goto(f"{dash.url}/dashboard/#/overview")
+    page.goto(f"{dash.page}#/overview")
     total = dash.value("SELECT count() FROM agl.rollouts FINAL")
     page.wait_for_function(
         "n => document.querySelector('[data-testid=total-rollouts]')?.textContent === String(n)", arg=total
@@ -236,7 +251,7 @@ def test_overview_shows_what_sql_says_and_refreshes_by_itself(page: Any, dash: D
 
 def test_rollouts_table_filters_pages_and_refuses_bad_input(page: Any, dash: Dash) -> None:
     total = dash.value("SELECT count() FROM agl.rollouts FINAL")
-    page.goto(f"{dash.url}/dashboard/#/rollouts?limit=25")
+    page.goto(f"{dash.page}#/rollouts?limit=25")
     page.wait_for_selector('[data-testid="rollouts-table"]')
     assert page.inner_text('[data-testid="rollouts-range"]') == f"1-{total} of {total}"
     newest_first = [
@@ -252,11 +267,11 @@ def test_rollouts_table_filters_pages_and_refuses_bad_input(page: Any, dash: Das
     page.wait_for_selector('[data-testid="rollouts-range"]:has-text("of 1")')
     assert _cells(page, "rollouts-table", "rollout_id") == [dash.ids["broken"]]
     # Paging: one row per page, the second page is the second newest.
-    page.goto(f"{dash.url}/dashboard/#/rollouts?limit=1&offset=1")
+    page.goto(f"{dash.page}#/rollouts?limit=1&offset=1")
     page.wait_for_selector(f'[data-testid="rollouts-range"]:has-text("2-2 of {total}")')
     assert _cells(page, "rollouts-table", "rollout_id") == newest_first[1:2]
     # Bad input: a clear message, no stack trace.
-    page.goto(f"{dash.url}/dashboard/#/rollouts?policy_version=abc")
+    page.goto(f"{dash.page}#/rollouts?policy_version=abc")
     page.wait_for_selector("#error:not([hidden])")
     message = page.inner_text("#error")
     assert message.startswith("bad_request: policy_version:") and "Traceback" not in message
@@ -265,7 +280,7 @@ def test_rollouts_table_filters_pages_and_refuses_bad_input(page: Any, dash: Das
 
 def test_a_rollouts_waterfall_llm_calls_rewards_and_exception(page: Any, dash: Dash) -> None:
     broken = dash.ids["broken"]
-    page.goto(f"{dash.url}/dashboard/#/rollout/{broken}")
+    page.goto(f"{dash.page}#/rollout/{broken}")
     page.wait_for_selector('[data-testid="waterfall"]')
     [attempt] = dash.rows(f"SELECT attempt_id FROM agl.attempts FINAL WHERE rollout_id = '{broken}'")
     where = f"RolloutId = '{broken}' AND AttemptId = '{attempt['attempt_id']}'"
@@ -286,7 +301,7 @@ def test_a_rollouts_waterfall_llm_calls_rewards_and_exception(page: Any, dash: D
     assert "gen_ai.usage.input_tokens" in page.inner_text('[data-testid="span-detail"]')
     _shot(page, dash, "rollout-failed")
     # A succeeded one: its reward span and its triplet record's final reward.
-    page.goto(f"{dash.url}/dashboard/#/rollout/{dash.ids['t2']}")
+    page.goto(f"{dash.page}#/rollout/{dash.ids['t2']}")
     page.wait_for_selector('[data-testid="rewards"] td[data-col="value"]')
     assert _cells(page, "rewards", "value") == ["0.75"]
     final = dash.value(f"SELECT final_reward FROM agl.triplet_records FINAL WHERE rollout_id = '{dash.ids['t2']}'")
@@ -295,7 +310,7 @@ def test_a_rollouts_waterfall_llm_calls_rewards_and_exception(page: Any, dash: D
 
 
 def test_sql_console_runs_a_cookbook_query_and_shows_errors(page: Any, dash: Dash) -> None:
-    page.goto(f"{dash.url}/dashboard/#/sql")
+    page.goto(f"{dash.page}#/sql")
     page.wait_for_selector('[data-testid="schema-table"]')
     tables = page.locator('[data-testid="schema-table"] summary').all_inner_texts()
     assert {"rollouts", "attempts", "otel_traces", "span_facts"} <= set(tables)
@@ -318,12 +333,12 @@ def test_sql_console_runs_a_cookbook_query_and_shows_errors(page: Any, dash: Das
 
 
 def test_resources_and_workers_pages(page: Any, dash: Dash) -> None:
-    page.goto(f"{dash.url}/dashboard/#/workers")
+    page.goto(f"{dash.page}#/workers")
     page.wait_for_selector('[data-testid="workers-table"]')
     workers = [r["worker_id"] for r in dash.rows("SELECT worker_id FROM agl.workers FINAL ORDER BY worker_id")]
     assert _cells(page, "workers-table", "worker_id") == workers
     _shot(page, dash, "workers")
-    page.goto(f"{dash.url}/dashboard/#/resources")
+    page.goto(f"{dash.page}#/resources")
     page.wait_for_selector("main h2")
     count = dash.value("SELECT count() FROM agl.resources FINAL")
     assert count >= 1 and page.inner_text("main h2") == f"Resources ({count})"

@@ -121,3 +121,32 @@ def test_parse_json_refuses_bad_and_deep_bodies_with_one_error(body: bytes) -> N
 
 def test_parse_json_reads_json() -> None:
     assert parse_json(b'{"a": [1, 2.5, "\\u00e9", null, true]}') == {"a": [1, 2.5, "\u00e9", None, True]}
+
+
+async def test_public_pages_need_no_token_but_everything_else_does() -> None:
+    app = FastAPI()
+    guard(app, ["127.0.0.1"], token="s3cret", public_pages=("/dashboard",))
+
+    @app.get("/dashboard/{name:path}")
+    async def page(name: str) -> dict[str, str]:
+        return {"page": name}
+
+    @app.get("/dashboardx")
+    async def lookalike() -> dict[str, str]:
+        return {"data": "x"}
+
+    @app.get("/v1/dashboard/overview")
+    async def data() -> dict[str, str]:
+        return {"data": "x"}
+
+    @app.post("/dashboard/form")
+    async def post() -> dict[str, str]:
+        return {"data": "x"}
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+        assert (await client.get("/dashboard/app.js")).status_code == 200
+        assert (await client.get("/v1/dashboard/overview")).status_code == 401  # the data needs the token
+        assert (await client.get("/dashboardx")).status_code == 401  # a prefix of a name is not the folder
+        assert (await client.post("/dashboard/form", json={})).status_code == 401  # GETs only
+        authorised = await client.get("/v1/dashboard/overview", headers={"authorization": "Bearer s3cret"})
+        assert authorised.status_code == 200
