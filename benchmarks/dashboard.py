@@ -9,7 +9,10 @@ rollouts page (first page, a filtered page, a deep page), one rollout, one attem
 waterfall, the schema. One warm-up, then ``--runs`` timed runs; p50 and max are reported. The
 goal is under a second per page.
 
-Run: `python benchmarks/dashboard.py [--spans 1000000]`; JSON to benchmarks/results/dashboard.json.
+``--rollouts N`` also fills the rollouts table up to N rows (paging over millions of rollouts).
+
+Run: `python benchmarks/dashboard.py [--spans 1000000] [--rollouts 2000000]`; JSON to
+benchmarks/results/dashboard.json (or ``--out``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from sql_cookbook import load  # type: ignore[import-not-found]
+from sql_cookbook import GROUPS, ROLLOUTS_SQL, load  # type: ignore[import-not-found]
 
+from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from consumers import dashboard_sql as dsql
 from consumers.dashboard import DashboardQueries
@@ -86,11 +90,22 @@ def main() -> None:
     parser.add_argument("--spans", type=int, default=1_000_000)
     parser.add_argument("--chunk", type=int, default=10_000, help="Spans per INSERT (the sink's batch size).")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rollouts", type=int, default=0, help="Fill the rollouts table up to this many rows.")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dashboard.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="agl-dashboard-bench-") as data_dir:
         settings = Settings(data_dir=Path(data_dir))
         loaded = load(settings, args.spans, args.chunk)
+        if args.rollouts:
+            # More rollouts than the spans' own (ids from 0, so those ones are the same rows again:
+            # FINAL keeps one of each): the rollouts table at the size of a long-running cluster.
+            client = get_client(settings)
+            try:
+                db = settings.clickhouse_database
+                client.command(ROLLOUTS_SQL.format(db=db, groups=GROUPS, rollouts=args.rollouts))
+                loaded["rows"]["rollouts_final"] = int(client.command(f"SELECT count() FROM {db}.rollouts FINAL"))  # type: ignore[arg-type]
+            finally:
+                client.close()
         print(json.dumps(loaded), flush=True)
         pages = asyncio.run(measure(settings, args.runs))
     report = {

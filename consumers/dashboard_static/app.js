@@ -245,13 +245,21 @@ async function attemptView(box, rolloutId, attemptId, selectedSpan) {
 
 function llmCall(span) {
   const a = span.attributes;
-  const messages = (list) => list.map((m) => h("div", {}, h("span", { class: "muted" }, `${m.role || ""} `), h("pre", {}, m.content ?? pretty(m))));
+  const messages = (list) => list.map((m) => {
+    const { role, content, ...rest } = m;
+    // Anything besides role and content (tool calls, names) is shown with the message.
+    return h("div", {}, h("span", { class: "muted" }, `${role || ""} `), content !== undefined ? h("pre", {}, content) : null,
+      Object.keys(rest).length ? h("pre", {}, JSON.stringify(rest, null, 2)) : null);
+  });
   return h("details", { class: "panel", open: true },
     h("summary", {}, `${a["gen_ai.response.model"] || a["gen_ai.request.model"] || span.name} · ${span.duration_ms.toFixed(1)} ms · `,
       `${fmt(Number(a["gen_ai.usage.input_tokens"] ?? NaN) || a["gen_ai.usage.input_tokens"])} in / `,
       `${fmt(Number(a["gen_ai.usage.output_tokens"] ?? NaN) || a["gen_ai.usage.output_tokens"])} out tokens`),
     h("div", { class: "muted" }, "prompt"), messages(indexed(a, "gen_ai.prompt.")),
-    h("div", { class: "muted" }, "response"), messages(indexed(a, "gen_ai.completion.")));
+    h("div", { class: "muted" }, "response"), messages(indexed(a, "gen_ai.completion.")),
+    // Tools offered to the model (the proxy records the request's tools); a tool call the model
+    // made is part of its response message above.
+    a["gen_ai.request.tools"] ? [h("div", { class: "muted" }, "tools offered"), h("pre", {}, pretty(a["gen_ai.request.tools"]))] : null);
 }
 
 function spanDetail(span) {

@@ -54,6 +54,8 @@ async def dashboard_agent(task: dict[str, Any], rollout: Rollout) -> float:
             llm.set_attribute("gen_ai.prompt.0.content", f"{task['question']} {HOSTILE}")
             llm.set_attribute("gen_ai.completion.0.role", "assistant")
             llm.set_attribute("gen_ai.completion.0.content", "forty-two")
+            llm.set_attribute("gen_ai.completion.0.tool_calls.0.function.name", "calculator")
+            llm.set_attribute("gen_ai.request.tools", '[{"type": "function", "function": {"name": "calculator"}}]')
             llm.set_attribute("gen_ai.usage.input_tokens", 17)
             llm.set_attribute("gen_ai.usage.output_tokens", 3)
         with tracer.start_as_current_span("execute_tool calculator") as tool:
@@ -296,7 +298,9 @@ def test_a_rollouts_waterfall_llm_calls_rewards_and_exception(page: Any, dash: D
     # Hostile span text is shown as text: no element was made from it.
     assert HOSTILE in page.inner_text('[data-testid="llm-calls"]')
     assert page.locator("main img").count() == 0 and page.title() != "pwned"
-    assert "17 in / 3 out tokens" in page.inner_text('[data-testid="llm-calls"]')
+    calls = page.inner_text('[data-testid="llm-calls"]')
+    assert "17 in / 3 out tokens" in calls
+    assert '"tool_calls.0.function.name": "calculator"' in calls and "tools offered" in calls
     page.locator('[data-testid="wf-row"]', has_text="chat tiny").click()
     assert "gen_ai.usage.input_tokens" in page.inner_text('[data-testid="span-detail"]')
     _shot(page, dash, "rollout-failed")
