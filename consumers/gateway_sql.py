@@ -12,6 +12,10 @@ single SELECT), 403 ``forbidden_function`` (a function or table function off the
 (over the time limit), 413 ``too_large`` (over the memory or result limits), 503 while the
 gateway stops.
 
+``SHOW TABLES`` and ``DESCRIBE <table>`` within the agl database (as ``formatQuery`` writes
+them) are answered by fixed queries on the engine's catalog bound to that database
+(``schema_statement``); a newcomer finds the schema without ``system.*`` being opened.
+
 Every check is ClickHouse's own, none reads the SQL text here:
 
 1. ``formatQuery({q:String})`` (the SQL is a bound parameter): the engine parses it as exactly one
@@ -309,6 +313,38 @@ def ast_refusal(ast: Sequence[str], policy: FunctionPolicy, database: str) -> tu
     return kind, message
 
 
+_SHOW_TABLES = re.compile(r"^SHOW TABLES(?: FROM `?(\w+)`?)?$")
+_DESCRIBE = re.compile(r"^DESCRIBE TABLE (?:`?(\w+)`?\.)?`?(\w+)`?$")
+
+
+def schema_statement(canonical: str, database: str) -> tuple[str, dict[str, Any]] | None:
+    """``SHOW TABLES`` and ``DESCRIBE [TABLE] t`` within ``database``, as fixed SELECTs on the
+    engine's catalog bound to that database (what a newcomer needs to find the schema); None for
+    any other statement. ``canonical`` is ``formatQuery``'s text. Another database, or any other
+    form (``SHOW TABLES LIKE``, ``DESCRIBE (SELECT ...)``, ``SHOW CREATE``), is not rewritten:
+    a named other database is refused here, the rest goes through the ordinary checks."""
+    if match := _SHOW_TABLES.match(canonical):
+        _same_database(match.group(1), database)
+        return (
+            "SELECT name FROM system.tables WHERE database = {database:String} "
+            "AND NOT startsWith(name, '.inner') ORDER BY name",
+            {"database": database},
+        )
+    if match := _DESCRIBE.match(canonical):
+        _same_database(match.group(1), database)
+        return (
+            "SELECT name, type, default_kind AS default_type, default_expression, comment FROM system.columns "
+            "WHERE database = {database:String} AND table = {table:String} ORDER BY position",
+            {"database": database, "table": match.group(2)},
+        )
+    return None
+
+
+def _same_database(named: str | None, database: str) -> None:
+    if named is not None and named != database:
+        raise SqlRefusedError(_refused([_reads_outside([named], database)], database), kind="forbidden_table")
+
+
 def load_function_policy(client: Client) -> FunctionPolicy:
     """The allow-list for the engine ``client`` talks to, from its function catalog."""
     result = client.query("SELECT name, categories, alias_to, case_insensitive, is_aggregate FROM system.functions")
@@ -440,7 +476,7 @@ class SqlRunner:
         budget = self.limits.time_limit(seconds)
         check = self._client(self.limits.checking(budget))
         try:
-            canonical = self._checked(check, sql)
+            canonical, parameters = self._checked(check, sql)
         finally:
             check.close()
         left = budget - (time.perf_counter() - started)
@@ -450,7 +486,7 @@ class SqlRunner:
             )
         runner = self._client(self.limits.execution(left))
         try:
-            result = runner.query(canonical)
+            result = runner.query(canonical, parameters=parameters or None)
         except DatabaseError as exc:
             raise QueryError(str(exc), code=_code(exc), name=getattr(exc, "name", None)) from exc
         finally:
@@ -462,12 +498,17 @@ class SqlRunner:
             (time.perf_counter() - started) * 1000,
         )
 
-    def _checked(self, client: Client, sql: str) -> str:
+    def _checked(self, client: Client, sql: str) -> tuple[str, dict[str, Any]]:
+        """The statement to run and its parameters: the canonical SQL, or for ``SHOW TABLES`` /
+        ``DESCRIBE`` within the agl database the fixed catalog query that answers it."""
         try:
             canonical = str(client.query("SELECT formatQuery({q:String})", parameters={"q": sql}).result_rows[0][0])
             ast = [str(row[0]) for row in client.query(f"EXPLAIN AST {canonical}").result_rows]
         except DatabaseError as exc:
             raise QueryError(str(exc), code=_code(exc), name=getattr(exc, "name", None)) from exc
+        schema = schema_statement(canonical, self.database)
+        if schema is not None:
+            return schema  # fixed SQL on the catalog, bound to the agl database: nothing of the caller's runs
         if self._policy is None:
             self._policy = load_function_policy(client)
         refused = ast_refusal(ast, self._policy, self.database)
@@ -486,7 +527,7 @@ class SqlRunner:
         reason = refusal(*objects_read([str(row[0]) for row in tree]), self.database)
         if reason:
             raise SqlRefusedError(reason, kind="forbidden_table")
-        return canonical
+        return canonical, {}
 
     def _client(self, limits: dict[str, Any]) -> Client:
         if self.settings.uses_embedded_clickhouse:

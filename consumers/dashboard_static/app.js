@@ -120,7 +120,15 @@ async function rollouts(view, { params }) {
   for (const key of [...FILTERS, "limit", "offset"]) if (params.get(key)) query.set(key, params.get(key));
   const form = filtersForm(params);
   view.replaceChildren(form, h("p", { class: "muted" }, "loading ..."));
-  const data = await api(`/v1/dashboard/rollouts?${query}`);
+  let data;
+  try {
+    data = await api(`/v1/dashboard/rollouts?${query}`);
+  } catch (e) {
+    // A bad filter: keep the form (with what was typed) so it can be corrected.
+    view.replaceChildren(form);
+    view.dataset.partial = "1";
+    throw e;
+  }
   const offset = data.offset;
   const pageParams = Object.fromEntries(params);
   const pager = h("div", { class: "pager" },
@@ -366,7 +374,10 @@ async function render(initial) {
   const view = initial ? main : h("main", { "aria-hidden": "true",
     style: `position: absolute; visibility: hidden; left: 0; top: 0; width: ${main.clientWidth}px` });
   if (!initial) document.body.append(view);
-  if (initial) main.replaceChildren(h("p", { class: "muted" }, "loading ..."));
+  if (initial) {
+    main.replaceChildren(h("p", { class: "muted" }, "loading ..."));
+    main.dataset.partial = "";
+  }
   try {
     await page(view, r);
     if (mine !== generation) {
@@ -379,7 +390,7 @@ async function render(initial) {
     if (!initial) view.remove();
     if (mine !== generation) return;
     showError(e);
-    if (initial) main.replaceChildren(h("p", { class: "muted" }, "this page could not be loaded"));
+    if (initial && main.dataset.partial !== "1") main.replaceChildren(h("p", { class: "muted" }, "this page could not be loaded"));
     return;
   }
   if (!initial) {

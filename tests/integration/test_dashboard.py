@@ -277,6 +277,8 @@ def test_rollouts_table_filters_pages_and_refuses_bad_input(page: Any, dash: Das
     page.wait_for_selector("#error:not([hidden])")
     message = page.inner_text("#error")
     assert message.startswith("bad_request: policy_version:") and "Traceback" not in message
+    # the form stays, with what was typed, to be corrected
+    assert page.input_value('form[data-testid="filters"] input[name="policy_version"]') == "abc"
     _shot(page, dash, "rollouts-bad-input")
 
 

@@ -465,7 +465,10 @@ REFUSED = {
     "ALTER TABLE agl.rollouts DELETE WHERE 1": "read_only",
     "SET max_execution_time = 1000": "read_only",
     "SELECT 1 SETTINGS max_execution_time = 1000": "read_only",
-    "SHOW TABLES": "read_only",
+    "SHOW TABLES FROM system": "forbidden_table",  # SHOW TABLES and DESCRIBE: within agl only
+    "DESCRIBE TABLE system.tables": "forbidden_table",
+    "SHOW CREATE TABLE agl.rollouts": "read_only",
+    "SHOW DATABASES": "read_only",
     "SELECT * FROM file('/etc/hostname', 'LineAsString')": "forbidden_function",
     "SELECT file('/etc/hostname')": "forbidden_function",
     "SELECT length(file('/proc/self/environ'))": "forbidden_function",
@@ -494,6 +497,16 @@ def test_writes_and_system_tables_are_refused(pipeline: Pipeline, tmp_path: Path
     assert not outfile.exists()
     assert pipeline.rows("SELECT count() AS n FROM agl.rollouts FINAL") == [{"n": 7}]  # nothing was written
     assert pipeline.rows("SELECT 1 AS one") == [{"one": 1}]  # system.one, what a bare SELECT reads, is allowed
+
+
+def test_show_tables_and_describe_answer_within_the_agl_database(pipeline: Pipeline) -> None:
+    tables = [row["name"] for row in pipeline.rows("SHOW TABLES")]
+    assert {"rollouts", "attempts", "span_facts", "reward_by_policy_version"} <= set(tables)
+    assert tables == [row["name"] for row in pipeline.rows("show tables from agl")]
+    columns = pipeline.rows("DESCRIBE agl.rollouts")
+    assert [c["name"] for c in columns][:3] == ["rollout_id", "input", "start_time"]
+    assert {c["name"]: c["type"] for c in columns}["end_time"] == "Nullable(Float64)"
+    assert pipeline.rows("DESC TABLE span_facts")[0] == pipeline.rows("DESCRIBE agl.span_facts")[0]
 
 
 def _cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:

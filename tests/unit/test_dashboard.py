@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from consumers import dashboard_sql as dsql
 from consumers.dashboard import STATIC, _static
+from consumers.gateway_sql import SqlRefusedError, schema_statement
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -193,3 +194,31 @@ def test_lag_counts_records_behind_the_end_per_consumer_and_topic() -> None:
         {"consumer": "proc", "topic": "t", "applied": 8, "end": 15, "lag": 7},
         {"consumer": "sink:spans", "topic": "u", "applied": 7, "end": 7, "lag": 0},
     ]
+
+
+# -- SHOW TABLES / DESCRIBE in /v1/sql (consumers/gateway_sql.py) ------------------------------------
+
+
+def test_show_tables_and_describe_become_catalog_queries_bound_to_the_database() -> None:
+    show = schema_statement("SHOW TABLES", "agl")
+    assert show is not None and show[1] == {"database": "agl"} and "FROM system.tables" in show[0]
+    assert schema_statement("SHOW TABLES FROM agl", "agl") == show
+    described = schema_statement("DESCRIBE TABLE agl.rollouts", "agl")
+    assert described is not None and described[1] == {"database": "agl", "table": "rollouts"}
+    assert schema_statement("DESCRIBE TABLE rollouts", "agl") == described
+    assert "{table:String}" in described[0] and "rollouts" not in described[0]  # bound, not pasted
+
+
+@pytest.mark.parametrize("canonical", ["SHOW TABLES FROM system", "DESCRIBE TABLE system.tables"])
+def test_show_and_describe_of_another_database_are_refused(canonical: str) -> None:
+    with pytest.raises(SqlRefusedError) as caught:
+        schema_statement(canonical, "agl")
+    assert caught.value.kind == "forbidden_table" and "outside the database agl" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "canonical",
+    ["SHOW TABLES LIKE 'r%'", "DESCRIBE TABLE\n(\n    SELECT 1\n)", "SHOW CREATE TABLE agl.rollouts", "SELECT 1"],
+)
+def test_other_statements_take_the_ordinary_checks(canonical: str) -> None:
+    assert schema_statement(canonical, "agl") is None
