@@ -18,31 +18,6 @@ import pytest
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 
-# The longest modules (over a minute each in a full run here), longest first. `make test` runs
-# modules in two xdist workers in collection order, so these go first and the short ones fill
-# in behind them; in name order the longest came last and one worker ran them alone.
-LONGEST_FIRST = (
-    "test_runner",
-    "test_rl_loop",
-    "test_verl_fit",
-    "test_sql_cookbook",
-    "test_span_sink",
-    "test_store",
-    "test_seed_contract",
-    "test_examples_calculator",
-    "test_store_crash",
-    "test_hf_models",
-    "test_llm_proxy",
-    "test_trainer",
-    "test_rl_data_path",
-    "test_trainer_fit",
-)
-
-
-def _schedule_rank(item: pytest.Item) -> int:
-    name = item.path.stem
-    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Tests that run the seed's own python (`-m seed` selects them, `-m "not seed"` skips the
@@ -50,7 +25,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "seed_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.seed)
-    items.sort(key=_schedule_rank)  # stable: a module's tests stay together and in order
 
 
 @pytest.fixture(scope="session")
