@@ -19,6 +19,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agl_stream.auth import LOOPBACK
 from agl_stream.errors import AglError
 
+# Longer than any client keeps an idle connection (httpx, under LiteLLM and our clients: 5 s),
+# so the client always drops an idle connection first. With uvicorn's default (also 5 s) a
+# request sent just as the server closed that connection failed as "cannot connect"; seen as
+# 502s from the LLM proxy while the inference server was busy loading a checkpoint.
+KEEP_ALIVE_S = 75
+
+
+def server_config(app: ASGIApp) -> uvicorn.Config:
+    """How every role serves: no uvicorn logging or lifespan, keep-alive past the clients'."""
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
+
 
 class QuietServer(uvicorn.Server):
     """uvicorn without its own signal handling: the role that runs it decides when it stops."""

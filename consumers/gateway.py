@@ -49,7 +49,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 from fastapi import FastAPI, Request
@@ -71,6 +70,7 @@ from agl_stream.http_serving import (
     guard,
     listen,
     read_body,
+    server_config,
 )
 from agl_stream.logs import get_logger
 from agl_stream.store.readside import GATEWAY_FILE, fence_behind
@@ -444,10 +444,7 @@ class Gateway:
         host, port = sock.getsockname()[:2]
         url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
-        config = uvicorn.Config(
-            create_app(self), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
-        )
-        self._server = QuietServer(config)
+        self._server = QuietServer(server_config(create_app(self)))
         self._server.should_exit = self.stopping  # a signal during start-up
         record = self.settings.run_dir / GATEWAY_FILE
         server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="gateway:http")

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -56,7 +55,7 @@ from transformers.utils import logging as hf_logging
 from agl_stream.auth import listener_token
 from agl_stream.config import Settings
 from agl_stream.domain.checkpoints import choose_checkpoint, local_checkpoint_path
-from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen
+from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen, server_config
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.policy import StepToken, build_model, build_tokenizer, load_checkpoint
@@ -219,10 +218,7 @@ class InferenceServer:
             host, port = sock.getsockname()[:2]
             url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
             self.url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
-            config = uvicorn.Config(
-                self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
-            )
-            self._server = QuietServer(config)
+            self._server = QuietServer(server_config(self.app))
             self._server.should_exit = self.stopping
             server_task = asyncio.create_task(self._server.serve(sockets=[sock]), name="inference:http")
             self._ready.set()

@@ -48,7 +48,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import httpx
-import uvicorn
 from aiokafka.errors import MessageSizeTooLargeError
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -70,7 +69,16 @@ from agl_stream.domain.llm_calls import (
     slim,
 )
 from agl_stream.errors import AglError
-from agl_stream.http_serving import MalformedBodyError, QuietServer, allowed_hosts, bind, guard, listen, parse_json
+from agl_stream.http_serving import (
+    MalformedBodyError,
+    QuietServer,
+    allowed_hosts,
+    bind,
+    guard,
+    listen,
+    parse_json,
+    server_config,
+)
 from agl_stream.logs import configure_logging, get_logger
 from agl_stream.store.client import AglStore
 from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport
@@ -618,10 +626,7 @@ async def serving(
     host, port = sock.getsockname()[:2]
     url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     proxy.url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
-    config = uvicorn.Config(
-        create_app(proxy), log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=10
-    )
-    server = QuietServer(config)
+    server = QuietServer(server_config(create_app(proxy)))
     task = asyncio.create_task(server.serve(sockets=[sock]), name="llm-proxy:http")
     try:
         # The socket already listens: clients connecting now queue until uvicorn accepts them.
