@@ -22,6 +22,7 @@ from agl_stream.models import DlqRecord
 from agl_stream.processes import stop_role
 
 __all__ = [
+    "REWARD_BY_MODE",
     "clickhouse",
     "dlq_records",
     "read_to_end",
@@ -30,6 +31,20 @@ __all__ = [
     "stop_role",
     "wait_committed_at_least",
 ]
+
+# An independent reading of the rewards a run reports per mode: the latest reward span of each
+# succeeded rollout, averaged per mode (`{db}`: the ClickHouse database).
+REWARD_BY_MODE = """
+SELECT r.mode AS mode, count() AS rollouts, avg(toFloat64(t.reward)) AS mean_reward
+FROM (SELECT rollout_id, mode FROM {db}.rollouts FINAL WHERE status = 'succeeded') AS r
+INNER JOIN (
+    SELECT RolloutId, argMax(SpanAttributes['agentlightning.reward.0.value'], SequenceId) AS reward
+    FROM {db}.otel_traces FINAL
+    WHERE has(mapKeys(SpanAttributes), 'agentlightning.reward.0.value')
+    GROUP BY RolloutId
+) AS t ON t.RolloutId = r.rollout_id
+GROUP BY r.mode ORDER BY r.mode
+"""
 
 
 def start_role(settings: Settings, *args: str, log_name: str = "role") -> subprocess.Popen[bytes]:

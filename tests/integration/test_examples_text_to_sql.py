@@ -19,7 +19,7 @@ from rich.console import Console
 import agl_stream as agl
 from agl_stream.config import Settings
 from examples.text_to_sql import sql_agent as example
-from tests.integration.helpers import clickhouse
+from tests.integration.helpers import REWARD_BY_MODE, clickhouse
 from tests.scripted_openai import scripted_openai
 
 pytestmark = pytest.mark.integration
@@ -33,18 +33,6 @@ VAL = [(_VAL[0], "right"), (_VAL[1], "fixed"), (_VAL[2], "wrong")]
 BEHAVIOUR = {task["question"]: (task, kind) for task, kind in TRAIN + VAL}
 CALLS = {"right": 1, "fixed": 2, "wrong": 1, "broken": 2}  # model calls per rollout
 REWARD = {"right": 1.0, "fixed": 1.0, "wrong": 0.0, "broken": 0.0}
-
-REWARD_BY_MODE = """
-SELECT r.mode AS mode, count() AS rollouts, avg(toFloat64(t.reward)) AS mean_reward
-FROM (SELECT rollout_id, mode FROM {db}.rollouts FINAL WHERE status = 'succeeded') AS r
-INNER JOIN (
-    SELECT RolloutId, argMax(SpanAttributes['agentlightning.reward.0.value'], SequenceId) AS reward
-    FROM {db}.otel_traces FINAL
-    WHERE has(mapKeys(SpanAttributes), 'agentlightning.reward.0.value')
-    GROUP BY RolloutId
-) AS t ON t.RolloutId = r.rollout_id
-GROUP BY r.mode ORDER BY r.mode
-"""
 
 EXECUTIONS = """
 SELECT RolloutId, SpanAttributes['sql.attempt'], SpanAttributes['sql.query'], SpanAttributes['sql.error']

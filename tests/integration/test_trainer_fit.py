@@ -16,26 +16,13 @@ import agl_stream as agl
 from agl_stream.config import Settings
 from agl_stream.processes import role_alive
 from tests.integration.agents import scripted
-from tests.integration.helpers import clickhouse
+from tests.integration.helpers import REWARD_BY_MODE, clickhouse
 
 pytestmark = pytest.mark.integration
 
 # The scripted agent's reward is i % 2: train mean 0.5 (i = 0..5), val mean 1.0 (odd i only).
 TRAIN = [{"kind": "ok", "i": i} for i in range(6)]
 VAL = [{"kind": "ok", "i": i} for i in (1, 3)]
-
-# An independent reading of the same data: the latest reward span of each rollout's attempts.
-REWARD_BY_MODE = """
-SELECT r.mode AS mode, count() AS rollouts, avg(toFloat64(t.reward)) AS mean_reward
-FROM (SELECT rollout_id, mode FROM {db}.rollouts FINAL WHERE status = 'succeeded') AS r
-INNER JOIN (
-    SELECT RolloutId, argMax(SpanAttributes['agentlightning.reward.0.value'], SequenceId) AS reward
-    FROM {db}.otel_traces FINAL
-    WHERE has(mapKeys(SpanAttributes), 'agentlightning.reward.0.value')
-    GROUP BY RolloutId
-) AS t ON t.RolloutId = r.rollout_id
-GROUP BY r.mode ORDER BY r.mode
-"""
 
 
 def _settings(kafka_bootstrap: str, data_dir: Path) -> Settings:
