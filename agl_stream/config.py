@@ -66,6 +66,12 @@ class Settings(BaseSettings):
     kafka_port: int = Field(9092, ge=1, le=65535, description="Client port of the local broker.")
     kafka_controller_port: int = Field(9093, ge=1, le=65535, description="KRaft controller port of the local broker.")
     kafka_heap: str = Field("512m", description="JVM heap (-Xmx) of the local broker.")
+    kafka_brokers: int = Field(
+        1,
+        ge=1,
+        le=9,
+        description="Nodes of the local cluster (each a broker and a KRaft voter); node i uses port+2(i-1).",
+    )
     kafka_libs_dir: Path = Field(
         default_factory=_default_kafka_libs_dir, description="Where Maven puts the Kafka server jars."
     )
@@ -183,6 +189,17 @@ class Settings(BaseSettings):
         64 * 1024, ge=0, le=900_000, description="Largest task request metadata, in bytes of JSON text."
     )
 
+    # -- metrics (Prometheus; agl_stream/metrics.py) ------------------------------------------
+    metrics: bool = Field(
+        True, description="Roles expose Prometheus metrics (false: the roles without HTTP start no endpoint)."
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address the metrics endpoint of a role without HTTP binds to (it has no token check)."
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Port of that endpoint (0: any free one; if taken: any free one)."
+    )
+
     # -- logging -----------------------------------------------------------------------------
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     log_format: Literal["console", "json"] = Field(
@@ -205,7 +222,9 @@ class Settings(BaseSettings):
 
     @property
     def bootstrap_servers(self) -> str:
-        return self.kafka_bootstrap or f"{self.kafka_host}:{self.kafka_port}"
+        if self.kafka_bootstrap:
+            return self.kafka_bootstrap
+        return ",".join(f"{self.kafka_host}:{self.kafka_port + 2 * i}" for i in range(self.kafka_brokers))
 
     @property
     def kafka_dir(self) -> Path:

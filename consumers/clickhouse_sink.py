@@ -57,7 +57,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from agl_stream import span_records
+from agl_stream import metrics, span_records
 from agl_stream.clickhouse import avro_ingest
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
@@ -564,6 +564,7 @@ class TableSink:
     async def _flush(self) -> None:
         """One INSERT of the batch (and its sink_offsets row), then the batch is applied."""
         assert self.dead_letters is not None
+        started = time.monotonic()
         fetched, next_offsets = self.buffer, self.buffer_next
         self.buffer, self.buffer_bytes, self.buffer_from, self.buffer_next = [], 0, {}, {}
         self.deadline = None
@@ -577,7 +578,9 @@ class TableSink:
             records = kept
         if records:
             written = cast(list[Fetched[memoryview]], records)
-            self.stats.records += await self._insert_with_retry(written, next_offsets, self.dead_letters)
+            inserted = await self._insert_with_retry(written, next_offsets, self.dead_letters)
+            self.stats.records += inserted
+            metrics.SINK_RECORDS.labels(metrics.role(), self.spec.name).inc(inserted)
         else:
             await asyncio.to_thread(self._record_offsets, next_offsets)
         # Visible in ClickHouse from here on; the skeleton's commit only moves the restart point.
@@ -586,6 +589,7 @@ class TableSink:
         self._notify({tp.partition: offset for tp, offset in next_offsets.items()})
         self.stats.batches += 1
         self._last_batch_end = time.monotonic()
+        metrics.SINK_FLUSH_SECONDS.labels(metrics.role(), self.spec.name).observe(self._last_batch_end - started)
 
     async def _insert_with_retry(
         self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int], dead_letters: DeadLetters

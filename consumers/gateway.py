@@ -55,7 +55,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from agl_stream import otlp
+from agl_stream import metrics, otlp
 from agl_stream.auth import listener_token
 from agl_stream.clickhouse.access import QUERY_RESULT_BYTES_FACTOR
 from agl_stream.clickhouse.client import get_client
@@ -138,15 +138,21 @@ class AppliedOffsets:
 
     async def wait(self, fence: Mapping[str, Mapping[int, int]], timeout: float) -> None:
         """Return once every fenced record is applied; FenceTimeoutError after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         behind = fence_behind(self._next, fence)
         if not behind:
+            metrics.FENCE_WAIT_SECONDS.labels(metrics.role()).observe(0.0)
             return
         self._waiting.update(behind.keys())
         try:
             await self._wait(fence, deadline, timeout)
+        except FenceTimeoutError:
+            metrics.FENCE_TIMEOUTS.labels(metrics.role()).inc()
+            raise
         finally:
             self._waiting.subtract(behind.keys())
+            metrics.FENCE_WAIT_SECONDS.labels(metrics.role()).observe(time.monotonic() - started)
 
     async def _wait(self, fence: Mapping[str, Mapping[int, int]], deadline: float, timeout: float) -> None:
         while fence_behind(self._next, fence):
@@ -270,6 +276,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         media_types={"/v1/traces": frozenset({otlp.PROTOBUF})},
         public_pages=(DASHBOARD_PAGES,),
     )
+
+    app.add_route("/metrics", metrics.metrics_endpoint, methods=["GET"])
 
     @app.get("/v1/health")
     async def health() -> dict[str, Any]:
@@ -454,8 +462,10 @@ class Gateway:
         # The socket already listens: clients that read the file now queue until uvicorn accepts.
         _write_record(record, self.url)
         log.info("gateway started", url=self.url, sinks=[s.name for s in self.specs], record=str(record))
+        advertised = metrics.advertised(self.settings, metrics.role(), f"{self.url}/metrics")
         try:
-            await asyncio.wait({server_task, sinks_task}, return_when=asyncio.FIRST_COMPLETED)
+            with advertised:
+                await asyncio.wait({server_task, sinks_task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.stop()  # whichever ended first (or a signal), the other one stops too
             results = await asyncio.gather(server_task, sinks_task, return_exceptions=True)

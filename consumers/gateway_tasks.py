@@ -27,6 +27,7 @@ from aiokafka.errors import KafkaError
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from agl_stream import metrics
 from agl_stream.background import BackgroundClient
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
@@ -88,6 +89,7 @@ class TaskSubmitter:
             ]
             for future in futures:
                 await future
+            metrics.count_out(self.topic, len(futures))
         except KafkaError as error:
             # Resending is safe: the ingress enqueues a request id once.
             raise TasksUnavailableError(f"producing to {self.topic} failed: {type(error).__name__}: {error}") from error

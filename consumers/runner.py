@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from agl_stream import metrics
 from agl_stream.config import Settings
 from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
 from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
@@ -268,6 +269,7 @@ class Runner:
             self.stats.succeeded += 1
         else:
             self.stats.failed += 1
+        metrics.RUNNER_ATTEMPTS.labels(metrics.role(), status).inc()
 
     async def _run_attempt(self, rollout: AttemptedRollout) -> AttemptStatus:
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
+from agl_stream import metrics as agl_metrics  # `metrics` here names a step's numbers
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError
@@ -212,9 +213,10 @@ class Trainer:
         records = TypedProducer(producer, self.codec)
         dead_letters = DeadLetters(self.settings, producer, PROCESSOR, self.codec)
         topic = self.options.batches_topic or self.settings.topic("triplet-batches")
+        group = f"{self.settings.topic_prefix}.{PROCESSOR}"
         consumer = AIOKafkaConsumer(
             **self.settings.kafka_client_options(),
-            group_id=f"{self.settings.topic_prefix}.{PROCESSOR}",  # for monitoring only: offsets live in progress.json
+            group_id=group,  # for monitoring only: offsets live in progress.json
             enable_auto_commit=False,
             isolation_level="read_committed",
             max_partition_fetch_bytes=64 << 20,
@@ -246,6 +248,7 @@ class Trainer:
                 idle = time.monotonic() - idle_since
                 self.stats.idle_s += idle
                 for tp, messages in fetched.items():
+                    agl_metrics.RECORDS_IN.labels(agl_metrics.role(), group, tp.topic).inc(len(messages))
                     for message in messages:
                         await self._one(message, records, dead_letters, idle)
                         self.progress.offsets[tp.partition] = message.offset + 1
@@ -304,6 +307,7 @@ class Trainer:
         else:  # nothing to learn from (all rows masked): same weights, same version
             self.progress.trained.append(batch.batch_id)
         seconds = time.monotonic() - started
+        agl_metrics.TRAINER_STEP_SECONDS.labels(agl_metrics.role()).observe(seconds)
         self.stats.busy_s += seconds
         self.stats.trained += 1
         self.stats.tokens += int(metrics.get("tokens", 0))

@@ -40,6 +40,7 @@ import time
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.batching import Batcher, BatchPolicy, JournalEntry, Recovery
@@ -263,6 +264,7 @@ class BatcherProcessor:
                     )
                 for future in futures:
                     await future
+                metrics.count_out(self.output, len(futures))
                 break
             except KafkaError as exc:
                 if self._stopping.is_set():

@@ -25,6 +25,7 @@ import time
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 
+from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
@@ -188,6 +189,7 @@ class IngressProcessor:
             await self._dead_letters.send_many(rejected)
         for future in futures:
             await future
+        metrics.count_out(self.output, len(futures))
 
 
 async def run_ingress(settings: Settings, stop: asyncio.Event | None = None) -> None:

@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
+from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig
@@ -223,6 +224,7 @@ class TripletBuilder:
             )
         await asyncio.gather(*sends)  # acknowledged before the inputs count as done
         self.emitted += len(ready)
+        metrics.count_out(self.settings.topic("triplets"), len(sends))
 
     async def _record(self, ready: ReadyAttempt[Token]) -> TripletRecord:
         assert self.resources is not None

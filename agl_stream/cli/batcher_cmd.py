@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 from agl_stream.domain.batching import BatchPolicy
 
@@ -100,4 +101,6 @@ def batcher(
         raise typer.BadParameter(str(error)) from error
     from processors import batcher
 
-    batcher.main(settings_of(ctx), policy, input_topic=input_topic, output_topic=output_topic)
+    settings = settings_of(ctx)
+    with metrics.expose(settings, "batcher"):
+        batcher.main(settings, policy, input_topic=input_topic, output_topic=output_topic)

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 
 
@@ -34,4 +35,5 @@ def gateway(
         settings = settings.model_copy(update=overrides)
     from consumers import gateway
 
+    metrics.set_role("gateway")  # served on its own app, at /metrics
     gateway.main(settings, query_clients=query_clients, query_time_limit_s=query_time_limit)

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 
 
@@ -104,6 +105,7 @@ def inference(
         return
     from consumers import inference
 
+    metrics.set_role("inference")  # served on its own app, at /metrics
     inference.main(
         settings if follow else None,
         host,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import typer
 
+from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 from agl_stream.stack import local_stack_settings
 
@@ -23,4 +24,6 @@ def ingress(ctx: typer.Context) -> None:
     """
     from processors import ingress
 
-    ingress.main(local_stack_settings(settings_of(ctx)))
+    settings = local_stack_settings(settings_of(ctx))
+    with metrics.expose(settings, "ingress"):
+        ingress.main(settings)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 
 
@@ -114,4 +115,5 @@ def llm_proxy(
         sequence_block=sequence_block,
         workers=workers,
     )
+    metrics.set_role("llm-proxy")  # served on its own app, at /metrics
     llm_proxy.main(local_stack_settings(settings_of(ctx)), models, options)

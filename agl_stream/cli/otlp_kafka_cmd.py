@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 from agl_stream.stack import local_stack_settings
 
@@ -45,4 +46,5 @@ def otlp_kafka(
         settings = settings.model_copy(update=overrides)
     from consumers import otlp_kafka
 
-    otlp_kafka.main(settings, encoding=encoding, max_records=max_records)
+    with metrics.expose(settings, "otlp-kafka"):
+        otlp_kafka.main(settings, encoding=encoding, max_records=max_records)

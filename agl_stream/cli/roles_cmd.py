@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from agl_stream import metrics
 from agl_stream.cli.adapter_options import (
     AgentMatch,
     ExcludeLlmCallInReward,
@@ -37,7 +38,9 @@ def sink(
     """
     from consumers import clickhouse_sink
 
-    clickhouse_sink.main(settings_of(ctx), batch_size=batch_size, flush_ms=flush_ms)
+    settings = settings_of(ctx)
+    with metrics.expose(settings, "sink"):
+        clickhouse_sink.main(settings, batch_size=batch_size, flush_ms=flush_ms)
 
 
 def processor(
@@ -56,7 +59,8 @@ def processor(
     settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
     from processors import rollouts
 
-    rollouts.main(settings)
+    with metrics.expose(settings, "processor"):
+        rollouts.main(settings)
 
 
 def runner(
@@ -135,7 +139,8 @@ def runner(
             loaded, hooks = runner.load_agent(agent), []
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--agent-file" if agent_file else "--agent") from error
-    runner.main(settings, loaded, options, hooks)
+    with metrics.expose(settings, "runner"):
+        runner.main(settings, loaded, options, hooks)
 
 
 def _supervise_runners(settings: Settings, workers: int, child_args: list[str]) -> None:
@@ -172,4 +177,6 @@ def triplets(
     adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward)
     from processors import triplets
 
-    triplets.main(settings_of(ctx), adapter=adapter, settle_s=settle)
+    settings = settings_of(ctx)
+    with metrics.expose(settings, "triplets"):
+        triplets.main(settings, adapter=adapter, settle_s=settle)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from typing import Annotated
@@ -12,6 +13,8 @@ from rich.table import Table
 
 from agl_stream import stack
 from agl_stream.cli.context import settings_of
+from agl_stream.config import Settings
+from agl_stream.stack import local_stack_settings
 
 console = Console()
 
@@ -62,10 +65,66 @@ def up(
     console.print(f"stopped: {', '.join(stopped) or 'nothing'} (pids were {info.pids})")
 
 
-def status(ctx: typer.Context) -> None:
-    """Show each part of the local stack; exit code 1 if a part is down."""
-    if not _show(settings_of(ctx)):
+def status(
+    ctx: typer.Context,
+    interval: Annotated[
+        float, typer.Option(min=0.1, max=60.0, help="Seconds between the two scrapes that make a rate.")
+    ] = 1.0,
+    lag: Annotated[bool, typer.Option(help="Read each consumer group's lag from Kafka.")] = True,
+) -> None:
+    """Show each part of the local stack, then each role instance's records/s (from its metrics
+    endpoint) and each consumer group's lag (from Kafka); exit code 1 if a part is down."""
+    settings = settings_of(ctx)
+    healthy = _show(settings)
+    _show_metrics(local_stack_settings(settings), interval, lag and _knows_kafka(settings))
+    if not healthy:
         raise typer.Exit(1)
+
+
+def _knows_kafka(settings: Settings) -> bool:
+    """Whether there is a cluster to ask (without one, status must not wait for a timeout)."""
+    return settings.kafka_bootstrap is not None or stack.read_stack(settings) is not None
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _show_metrics(settings: Settings, interval: float, lag: bool) -> None:
+    from agl_stream import monitor
+
+    seen = asyncio.run(monitor.observe(settings, interval_s=interval, lag=lag))
+    lag_of = {g.group: g.lag for g in seen.lags}
+    if seen.roles:
+        table = Table("role", "pid", "state", "records in/s", "records out/s", "consumer lag", "metrics", title="roles")
+        for view in seen.roles:
+            lags = [lag_of[g] for g in sorted(view.groups) if g in lag_of]
+            table.add_row(
+                view.role,
+                str(view.pid),
+                view.state if view.state == "up" else f"[red]{view.state}[/]",
+                _rate(view.in_per_s),
+                _rate(view.out_per_s),
+                f"{sum(lags):,}" if lags else "-",
+                view.url,
+            )
+        console.print(table)
+    elif settings.metrics:
+        console.print("no role serves metrics here (endpoints are listed in <data dir>/run/metrics/)")
+    if seen.kafka_error is not None:
+        console.print(f"[red]consumer lag unavailable[/]: Kafka did not answer ({seen.kafka_error})")
+    if seen.lags:
+        members = {g: sorted({v.role for v in seen.roles if g in v.groups}) for g in lag_of}
+        table = Table("consumer group", "role", "topics", "partitions", "lag", title="consumer lag (committed offsets)")
+        for group in seen.lags:
+            table.add_row(
+                group.group,
+                ", ".join(members[group.group]) or "-",
+                ", ".join(group.topics),
+                str(group.partitions),
+                f"{group.lag:,}",
+            )
+        console.print(table)
 
 
 def supervise(

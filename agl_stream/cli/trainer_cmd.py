@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 
 if sys.version_info >= (3, 11):
@@ -169,4 +170,6 @@ def trainer(
         raise typer.BadParameter(
             f"the trainer needs the training extra ({error}): pip install 'agl-stream[train]'", param_hint="--backend"
         ) from error
-    trainer.main(settings_of(ctx), trainer.TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))
+    settings = settings_of(ctx)
+    with metrics.expose(settings, "trainer"):
+        trainer.main(settings, trainer.TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))

@@ -1,11 +1,15 @@
-"""Kafka admin edge: read what topics exist and create the declared ones that don't."""
+"""Kafka admin edge: read what topics exist and create the declared ones that don't; read what
+consumer groups committed (for lag)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError
 
 from agl_stream.config import Settings
 from agl_stream.errors import TopicError
@@ -132,3 +136,37 @@ async def create_topic_like(settings: Settings, declared: str, name: str) -> boo
         return not codes
     finally:
         await admin.close()
+
+
+async def group_positions(
+    settings: Settings, groups: Callable[[str], bool], topics: Iterable[str] = ()
+) -> tuple[dict[str, dict[tuple[str, int], int]], dict[tuple[str, int], int]]:
+    """What each consumer group ``groups`` accepts has committed, per (topic, partition), and the
+    log-end offset of every partition of the topics they committed on and of ``topics``: lag is
+    the difference."""
+    admin = admin_client(settings)
+    await admin.start()
+    committed: dict[str, dict[tuple[str, int], int]] = {}
+    try:
+        listed = await admin.list_consumer_groups()
+        for group in sorted(str(g[0]) for g in listed if groups(str(g[0]))):
+            try:
+                offsets = await admin.list_consumer_group_offsets(group)
+            except KafkaError:  # a group being rebalanced or a coordinator moving: shown without it
+                continue
+            committed[group] = {(tp.topic, tp.partition): m.offset for tp, m in offsets.items() if m.offset >= 0}
+        topics = sorted({topic for offsets in committed.values() for topic, _ in offsets} | set(topics))
+        existing = set(await admin.list_topics())
+        described = await admin.describe_topics([t for t in topics if t in existing]) if topics else []
+    finally:
+        await admin.close()
+    tps = [TopicPartition(d["topic"], p["partition"]) for d in described for p in d["partitions"]]
+    if not tps:
+        return committed, {}
+    consumer = AIOKafkaConsumer(**settings.kafka_client_options(), enable_auto_commit=False)
+    await consumer.start()
+    try:
+        ends = await consumer.end_offsets(tps)
+    finally:
+        await consumer.stop()
+    return committed, {(tp.topic, tp.partition): int(end) for tp, end in ends.items()}

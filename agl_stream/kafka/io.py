@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.structs import RecordMetadata
 
+from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import CodecError, RecordTypeError
@@ -67,14 +68,18 @@ class TypedProducer:
     ) -> RecordMetadata:
         """Send one record and wait until the broker acknowledged it."""
         future = await self.producer.send(topic, self.codec.encode(record), key=_key_bytes(key), partition=partition)
-        return await future
+        acknowledged = await future
+        metrics.count_out(topic)
+        return acknowledged
 
     async def send_many(self, topic: str, records: Iterable[tuple[str | None, AglModel]]) -> list[RecordMetadata]:
         """Send records in order, then wait for all acknowledgements (batched by the producer)."""
         futures = [
             await self.producer.send(topic, self.codec.encode(record), key=_key_bytes(key)) for key, record in records
         ]
-        return [await f for f in futures]
+        acknowledged = [await f for f in futures]
+        metrics.count_out(topic, len(acknowledged))
+        return acknowledged
 
 
 def _key_bytes(key: str | None) -> bytes | None:
@@ -181,6 +186,8 @@ class DeadLetters:
         for future in futures:
             await future
         self.count += len(rejected)
+        metrics.count_out(self.topic, len(rejected))
+        metrics.count_dlq((item.topic, item.error) for item in rejected)
 
 
 def prepare_records(

@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.utils import logging as hf_logging
 
+from agl_stream import metrics
 from agl_stream.auth import listener_token
 from agl_stream.config import Settings
 from agl_stream.domain.checkpoints import choose_checkpoint, local_checkpoint_path
@@ -229,7 +230,11 @@ class InferenceServer:
                 policy_version=self.policy.version,
                 source=self.policy.source,
             )
-            await asyncio.wait({server_task, *tasks}, return_when=asyncio.FIRST_COMPLETED)
+            endpoint: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if self.settings is not None:  # a data dir to say where the metrics are
+                endpoint = metrics.advertised(self.settings, metrics.role(), f"{self.url}/metrics")
+            with endpoint:
+                await asyncio.wait({server_task, *tasks}, return_when=asyncio.FIRST_COMPLETED)
             self.stop()
             await server_task
             for task in tasks:
@@ -384,6 +389,8 @@ def create_app(server: InferenceServer) -> FastAPI:
     app = FastAPI(title="agl-stream inference", docs_url=None, redoc_url=None)
     extra = server.settings.extra_hosts if server.settings is not None else []
     guard(app, allowed_hosts(server.options.host, extra), listener_token(server.settings, server.options.host))
+    app.add_route("/metrics", metrics.metrics_endpoint, methods=["GET"])
+    request_seconds = metrics.INFERENCE_REQUEST_SECONDS.labels(metrics.role())
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -427,6 +434,7 @@ def create_app(server: InferenceServer) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
+        started = time.monotonic()
         request: ChatRequest = parse(ChatRequest, await json_body(raw))
         policy = server.policy
         if request.top_logprobs and not request.logprobs:
@@ -440,10 +448,12 @@ def create_app(server: InferenceServer) -> FastAPI:
         used = await job.started
         results = await job.done
         body = chat_response(request, prepared, used, results, server.options.model_name)
+        request_seconds.observe(time.monotonic() - started)  # streams are not timed: they end in the client
         return JSONResponse(body, headers={VERSION_HEADER: str(used.version)})
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
+        started = time.monotonic()
         request: CompletionRequest = parse(CompletionRequest, await json_body(raw))
         if request.echo:
             raise ApiError(400, "echo is not supported", param="echo")
@@ -459,6 +469,7 @@ def create_app(server: InferenceServer) -> FastAPI:
         used = await job.started
         results = await job.done
         body = completion_response(request, prepared, used, results, server.options.model_name)
+        request_seconds.observe(time.monotonic() - started)  # streams are not timed: they end in the client
         return JSONResponse(body, headers={VERSION_HEADER: str(used.version)})
 
     return app

@@ -52,6 +52,7 @@ from aiokafka.errors import MessageSizeTooLargeError
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from agl_stream import metrics
 from agl_stream.auth import listener_token
 from agl_stream.config import Settings
 from agl_stream.domain.llm_calls import (
@@ -487,6 +488,12 @@ class LLMProxy:
 
     async def _record(self, call: LLMCall, where: _Attribution | None) -> None:
         """Write the call's span and wait for the broker; failures are logged and counted, never raised."""
+        model = call.request.get("model")
+        metrics.PROXY_CALL_SECONDS.labels(
+            metrics.role(),
+            model if isinstance(model, str) and model in self.models else "other",  # what callers send is unbounded
+            "error" if call.error is not None else "ok",
+        ).observe(max(0.0, call.end_time - call.start_time))
         if where is None:
             self.stats.unattributed += 1
             return
@@ -574,6 +581,7 @@ def create_app(proxy: LLMProxy) -> FastAPI:
         allowed_hosts(proxy.options.host, proxy.settings.extra_hosts),
         listener_token(proxy.settings, proxy.options.host),
     )
+    app.add_route("/metrics", metrics.metrics_endpoint, methods=["GET"])
 
     def models() -> dict[str, Any]:
         data = [{"id": m, "object": "model", "created": proxy.started, "owned_by": "agl-stream"} for m in proxy.models]
@@ -647,7 +655,14 @@ async def run(settings: Settings, model_list: Sequence[Mapping[str, Any]], optio
     async with serving(settings, model_list, options) as proxy:
         attempt_url = f"{proxy.url}/rollout/<rollout_id>/attempt/<attempt_id>/v1"
         log.info("LLM proxy started", url=proxy.url, models=proxy.models, attempt_url=attempt_url)
-        await stop.wait()
+        # Workers sharing one port (SO_REUSEPORT) would each answer a scrape of it at random:
+        # each serves its own metrics on a port of its own instead.
+        if options.reuse_port:
+            endpoint: contextlib.AbstractContextManager[Any] = metrics.expose(settings, metrics.role())
+        else:
+            endpoint = metrics.advertised(settings, metrics.role(), f"{proxy.url}/metrics")
+        with endpoint:
+            await stop.wait()
         log.info("LLM proxy stopping", **asdict(proxy.stats))
 
 
@@ -687,4 +702,5 @@ def main(settings: Settings, model_list: Sequence[Mapping[str, Any]], options: P
 
 def _worker(settings: Settings, model_list: list[dict[str, Any]], options: ProxyOptions) -> None:
     configure_logging(settings.log_level, settings.log_format)  # a spawned process starts bare
+    metrics.set_role("llm-proxy")
     asyncio.run(run(settings, model_list, options))

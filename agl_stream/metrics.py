@@ -1,0 +1,263 @@
+"""Prometheus metrics of every role: the metric objects, their names, and where a process serves them.
+
+Concurrency model: the metric objects are prometheus_client's, safe from any thread (each child
+value holds its own lock); scrapes read them from the exposition server's threads. The role
+label is one module global, set once per process by :func:`expose` or :func:`set_role` before
+the role does any work, and only read after that. The endpoint file is written once after the
+server listens and removed once at exit, by the same thread.
+
+Every role runs in a process of its own, so each process has its own registry (the default
+one, with prometheus_client's process and GC collectors) and its own endpoint. The HTTP roles
+(gateway, LLM proxy, inference) serve ``GET /metrics`` on their own app, behind the same host,
+origin and token rules as every other path (Prometheus sends ``authorization: Bearer``); the
+others start prometheus_client's server on ``AGL_METRICS_HOST:AGL_METRICS_PORT`` (loopback by
+default: it checks no token). Either way the process writes where it serves to
+``<run dir>/metrics/<role>-<pid>.json``, removed on a clean exit, which is how ``agl-stream
+status`` (and a file-based Prometheus service discovery) finds every instance.
+
+Counters move once per batch or call, never once per record: an increment takes a lock, and the
+processors handle tens of thousands of records a second (the skeleton adds ``len(records)`` per
+partition of a fetch). Label values stay few: topics (a private reply topic counts as
+``<prefix>.replies``), consumer groups, partitions, error types; never ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections import Counter as Tally
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import start_http_server as _start_http_server
+from prometheus_client.metrics import MetricWrapperBase
+from starlette.requests import Request
+from starlette.responses import Response
+
+from agl_stream.config import Settings
+from agl_stream.logs import get_logger
+
+__all__ = [
+    "ALL",
+    "COMMITS",
+    "CONSUMER_LAG",
+    "DLQ_RECORDS",
+    "FENCE_TIMEOUTS",
+    "FENCE_WAIT_SECONDS",
+    "FOLD_SECONDS",
+    "HANDLE_SECONDS",
+    "INFERENCE_REQUEST_SECONDS",
+    "PROXY_CALL_SECONDS",
+    "REBALANCES",
+    "RECORDS_IN",
+    "RECORDS_OUT",
+    "RUNNER_ATTEMPTS",
+    "SINK_FLUSH_SECONDS",
+    "SINK_RECORDS",
+    "TRAINER_STEP_SECONDS",
+    "advertised",
+    "count_dlq",
+    "count_out",
+    "expose",
+    "exposed_names",
+    "metrics_endpoint",
+    "role",
+    "set_role",
+    "topic_label",
+]
+
+log = get_logger("agl.metrics")
+
+ENDPOINTS_DIR = "metrics"
+"""Under the run dir: one ``<role>-<pid>.json`` per process that serves metrics."""
+
+# Latency buckets from a millisecond (a fold of a small batch) to a minute (a slow trainer step
+# or an LLM call that ran long).
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+RECORDS_IN = Counter(
+    "agl_records_in", "Records a consumer group member handled, per topic.", ["role", "group", "topic"]
+)
+RECORDS_OUT = Counter("agl_records_out", "Records this process produced to Kafka, per topic.", ["role", "topic"])
+DLQ_RECORDS = Counter(
+    "agl_dlq_records",
+    "Records sent to the dead-letter topic, by source topic and reason (error type).",
+    ["role", "topic", "reason"],
+)
+HANDLE_SECONDS = Histogram(
+    "agl_handle_seconds",
+    "Time a handler took for one fetched batch (its effects acknowledged).",
+    ["role", "group"],
+    buckets=_SECONDS,
+)
+CONSUMER_LAG = Gauge(
+    "agl_consumer_lag_records",
+    "Records between what this member handled and the partition's high watermark.",
+    ["role", "group", "topic", "partition"],
+)
+COMMITS = Counter("agl_commits", "Offset commits of a consumer group member, by outcome.", ["role", "group", "outcome"])
+REBALANCES = Counter("agl_rebalances", "Partition assignments this member received.", ["role", "group"])
+FOLD_SECONDS = Histogram(
+    "agl_fold_seconds",
+    "Rollout processor: time to fold one batch of events (before its effects are sent).",
+    ["role"],
+    buckets=_SECONDS,
+)
+SINK_FLUSH_SECONDS = Histogram(
+    "agl_sink_flush_seconds",
+    "ClickHouse sink: time of one batch's INSERT and sink_offsets record.",
+    ["role", "sink"],
+    buckets=_SECONDS,
+)
+SINK_RECORDS = Counter("agl_sink_records", "Kafka records a sink inserted into ClickHouse.", ["role", "sink"])
+FENCE_WAIT_SECONDS = Histogram(
+    "agl_fence_wait_seconds",
+    "Gateway: how long a fenced read waited for the sinks (0 when already applied).",
+    ["role"],
+    buckets=(0.0, *_SECONDS),
+)
+FENCE_TIMEOUTS = Counter("agl_fence_timeouts", "Gateway: fenced reads the sinks did not catch up with.", ["role"])
+TRAINER_STEP_SECONDS = Histogram(
+    "agl_trainer_step_seconds", "Trainer: time of one training step on one batch.", ["role"], buckets=_SECONDS
+)
+PROXY_CALL_SECONDS = Histogram(
+    "agl_llm_proxy_call_seconds",
+    "LLM proxy: time of one call to a backend, by model and outcome.",
+    ["role", "model", "outcome"],
+    buckets=_SECONDS,
+)
+INFERENCE_REQUEST_SECONDS = Histogram(
+    "agl_inference_request_seconds",
+    "Inference server: time to answer one completion request.",
+    ["role"],
+    buckets=_SECONDS,
+)
+RUNNER_ATTEMPTS = Counter("agl_runner_attempts", "Runner: attempts it ran, by final status.", ["role", "status"])
+
+ALL: tuple[MetricWrapperBase, ...] = (
+    RECORDS_IN,
+    RECORDS_OUT,
+    DLQ_RECORDS,
+    HANDLE_SECONDS,
+    CONSUMER_LAG,
+    COMMITS,
+    REBALANCES,
+    FOLD_SECONDS,
+    SINK_FLUSH_SECONDS,
+    SINK_RECORDS,
+    FENCE_WAIT_SECONDS,
+    FENCE_TIMEOUTS,
+    TRAINER_STEP_SECONDS,
+    PROXY_CALL_SECONDS,
+    INFERENCE_REQUEST_SECONDS,
+    RUNNER_ATTEMPTS,
+)
+"""Every metric agl-stream defines (the Grafana dashboard may use these and no others)."""
+
+_role = "agl"
+
+
+def set_role(name: str) -> None:
+    """Name this process's role (the ``role`` label of every metric it reports)."""
+    global _role
+    _role = name
+
+
+def role() -> str:
+    return _role
+
+
+def exposed_names(metrics: Iterable[MetricWrapperBase] = ALL) -> set[str]:
+    """The sample names Prometheus sees for ``metrics`` (``_total``, ``_bucket``, ...)."""
+    names: set[str] = set()
+    for metric in metrics:
+        for family in metric.describe():
+            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+            names.update(family.name + suffix for suffix in suffixes)
+    return names
+
+
+def topic_label(topic: str) -> str:
+    """A topic as a label value: each client's private reply topic counts under one name."""
+    head, sep, _client = topic.partition(".replies.")
+    return f"{head}.replies" if sep else topic
+
+
+def count_out(topic: str, records: int = 1) -> None:
+    """``records`` produced to ``topic`` (once per batch or call)."""
+    if records:
+        RECORDS_OUT.labels(_role, topic_label(topic)).inc(records)
+
+
+def count_dlq(items: Iterable[tuple[str, BaseException]]) -> None:
+    """Records sent to the DLQ, as (source topic, error): counted per topic and error type."""
+    tally = Tally((topic_label(topic), type(error).__name__) for topic, error in items)
+    for (topic, reason), n in tally.items():
+        DLQ_RECORDS.labels(_role, topic, reason).inc(n)
+
+
+# -- exposition ------------------------------------------------------------------------------
+
+
+async def metrics_endpoint(_request: Request) -> Response:
+    """``GET /metrics`` of an HTTP role (mounted behind the app's guard)."""
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def _endpoint_file(settings: Settings, name: str) -> Path:
+    return settings.run_dir / ENDPOINTS_DIR / f"{name}-{os.getpid()}.json"
+
+
+def _write_endpoint(path: Path, name: str, url: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"role": name, "pid": os.getpid(), "url": url, "started": time.time()}))
+    tmp.replace(path)  # atomic: a reader sees no file or the whole one
+
+
+@contextlib.contextmanager
+def advertised(settings: Settings, name: str, url: str) -> Iterator[Path]:
+    """Record that this process (role ``name``) serves its metrics at ``url`` while inside."""
+    set_role(name)
+    path = _endpoint_file(settings, name)
+    _write_endpoint(path, name, url)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def expose(settings: Settings, name: str) -> Iterator[str | None]:
+    """Serve this process's metrics (role ``name``) from prometheus_client's HTTP server while
+    inside; yields the URL, or None when ``AGL_METRICS`` is off."""
+    set_role(name)
+    if not settings.metrics:
+        yield None
+        return
+    server, _thread = _serve(settings.metrics_host, settings.metrics_port)
+    host, port = server.server_address[:2]
+    url = f"http://[{host}]:{port}/metrics" if ":" in str(host) else f"http://{host}:{port}/metrics"
+    try:
+        with advertised(settings, name, url):
+            log.info("metrics served", url=url)
+            yield url
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _serve(host: str, port: int) -> tuple[Any, Any]:
+    try:
+        return _start_http_server(port, addr=host)
+    except OSError as error:
+        if port == 0:
+            raise
+        # Several instances of a role on one host cannot share a fixed port: the later ones
+        # take any free port; the endpoint file says which.
+        log.warning("metrics port taken; serving on any free port", port=port, error=str(error))
+        return _start_http_server(0, addr=host)
