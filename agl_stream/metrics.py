@@ -32,7 +32,15 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client import start_http_server as _start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 from starlette.requests import Request
@@ -71,6 +79,10 @@ __all__ = [
 ]
 
 log = get_logger("agl.metrics")
+
+# No "<name>_created" sample beside every counter and histogram: Prometheus does not need them
+# (it sees resets itself) and they double what every scrape carries.
+disable_created_metrics()
 
 ENDPOINTS_DIR = "metrics"
 """Under the run dir: one ``<role>-<pid>.json`` per process that serves metrics."""

@@ -120,7 +120,7 @@ def _show_metrics(settings: Settings, interval: float, lag: bool) -> None:
             table.add_row(
                 group.group,
                 ", ".join(members[group.group]) or "-",
-                ", ".join(group.topics),
+                ", ".join(group.topics) or "(nothing committed)",
                 str(group.partitions),
                 f"{group.lag:,}",
             )
