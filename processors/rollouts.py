@@ -42,6 +42,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
+from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.fold import fold
@@ -121,6 +122,7 @@ class _Claim:
 class RolloutProcessor:
     def __init__(self, settings: Settings, outbox: Outbox, replies: AIOKafkaProducer, codec: Codec) -> None:
         self.settings = settings
+        self.fold_seconds = metrics.FOLD_SECONDS.labels(metrics.role())
         self.codec = codec
         self.outbox = outbox
         self.reply_producer = replies
@@ -141,6 +143,9 @@ class RolloutProcessor:
         # scan of every finished rollout per batch.
         self.finish_order: list[tuple[float, str]] = []
         self.attempts: dict[str, str] = {}  # attempt id -> rollout id (claims are recognised by it)
+        # Claims served whose AttemptStarted has not come back through agl.rollouts yet:
+        # attempt id -> rollout id. A claimer asking again meanwhile must not get a second rollout.
+        self.claims_in_flight: dict[str, str] = {}
         self.queue: ClaimQueue[_Claim] = ClaimQueue()
         self.owned: set[int] = set()
         self.catching_up: dict[int, int] = {}  # partition -> end of agl.rollouts at assignment
@@ -163,6 +168,10 @@ class RolloutProcessor:
         gone = {tp.partition for tp in partitions if tp.topic == self.events_topic}
         for rollout_id in [r for r, p in self.partition_of.items() if p in gone]:
             self._untrack(rollout_id)
+        # Claims served on those partitions are decided by their events (folded by the next
+        # owner, which then recognises a copy of the claim).
+        left = set(self.states)
+        self.claims_in_flight = {a: r for a, r in self.claims_in_flight.items() if r in left}
         self.owned -= gone
         for p in gone:
             self.catching_up.pop(p, None)
@@ -257,6 +266,7 @@ class RolloutProcessor:
     # -- one batch ---------------------------------------------------------------------------
 
     async def handle(self, batch: Batch) -> None:
+        started = time.monotonic()
         now = time.time()
         out = _Batch()
         # Forgotten before the batch is folded, so its events find them gone (unknown rollout).
@@ -272,6 +282,7 @@ class RolloutProcessor:
                 for record in records:
                     self._request(record, out)
         outgoing = self._serve_claims(out.claims, now, out.answers)
+        self.fold_seconds.observe(time.monotonic() - started)
         await self._send(out, tombstones, outgoing)
 
     def _fold(self, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
@@ -295,6 +306,7 @@ class RolloutProcessor:
         rollout_id = event.rollout_id
         if event.writer == PROCESSOR and isinstance(event.payload, AttemptStarted):
             self.queue.release(rollout_id)  # our own claim is decided now, whatever the fold says
+            self.claims_in_flight.pop(event.payload.attempt.attempt_id, None)
         state = self.states.get(rollout_id)
         if state is not None and record.offset <= state.input_offset:
             # Applied before a crash: the writer may still wait for its answer.
@@ -345,9 +357,7 @@ class RolloutProcessor:
             )
             return
         if request.kind == "claim":
-            if request.request_id and claim_attempt_id(request.request_id) in self.attempts:
-                return  # served before a crash; its answer went out with the claim's fold
-            out.claims.append(_Claim(request, record.partition, record.offset))
+            self._claim_request(request, record, out)
             return
         rollout_id = request.rollout_id or ""
         state = self.states.get(rollout_id)
@@ -360,6 +370,26 @@ class RolloutProcessor:
             out.touched[rollout_id] = state
             self._track(state, record.partition)
         out.answers.append(_Answer(request.reply_to, request.request_id, "applied", rollout_id, state))
+
+    def _claim_request(self, request: StoreRequest, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
+        """A claim, or the same claim again: replayed after a crash, or sent again by a claimer
+        whose answer was lost (a broker failing over). A claim is served once, whatever the
+        number of copies: the attempt id is derived from the request id."""
+        attempt_id = claim_attempt_id(request.request_id)
+        rollout_id = self.attempts.get(attempt_id)
+        if rollout_id is not None:
+            # Served and folded: the claimer hears of the same rollout again (a copy nobody
+            # waits for is ignored by its client).
+            state = self.states[rollout_id]
+            out.answers.append(_Answer(request.reply_to, request.request_id, "applied", rollout_id, state))
+            return
+        if attempt_id in self.claims_in_flight:
+            return  # served, its event not folded yet: the answer goes out with that fold
+        if any(c.request.request_id == request.request_id for c in out.claims) or any(
+            w.request.request.request_id == request.request_id for w in self.queue.waiting
+        ):
+            return  # the same claim is already waiting or in this batch
+        out.claims.append(_Claim(request, record.partition, record.offset))
 
     def _serve_claims(self, claims: list[_Claim], now: float, answers: list[_Answer]) -> list[Record]:
         """Claim events for agl.rollouts; waiting or empty claims otherwise."""
@@ -394,6 +424,7 @@ class RolloutProcessor:
 
     def _claim_event(self, request: StoreRequest, rollout_id: str, now: float) -> Record:
         state = self.states[rollout_id]
+        self.claims_in_flight[claim_attempt_id(request.request_id)] = rollout_id
         attempt = Attempt(
             rollout_id=rollout_id,
             attempt_id=claim_attempt_id(request.request_id),
@@ -494,6 +525,7 @@ class RolloutProcessor:
             deliveries.append(asyncio.create_task(self._deliver(answer.reply_to, value)))
         if deliveries:
             await asyncio.wait(deliveries, timeout=REPLY_WAIT_S)
+            metrics.count_out(self.settings.topic("replies"), len(deliveries))  # one label for all clients
 
     async def _deliver(self, topic: str, value: bytes) -> None:
         try:

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from agl_stream.cli.context import settings_of
 from agl_stream.config import Settings
@@ -13,9 +14,9 @@ from agl_stream.kafka import broker
 
 kafka_app = typer.Typer(
     help=(
-        "The local single-node Kafka broker (KRaft) under <data-dir>/kafka. Needs Java 17+ "
-        "and, once, Maven to fetch the jars. Not needed when --bootstrap / AGL_KAFKA_BOOTSTRAP "
-        "points at an existing cluster."
+        "The local Kafka broker (KRaft) under <data-dir>/kafka: one node, or a cluster of several "
+        "with --brokers (node i on port+2(i-1)). Needs Java 17+ and, once, Maven to fetch the "
+        "jars. Not needed when --bootstrap / AGL_KAFKA_BOOTSTRAP points at an existing cluster."
     ),
     no_args_is_help=True,
 )
@@ -57,11 +58,22 @@ def start(
         Optional[str],  # noqa: UP045
         typer.Option(help="JVM heap, e.g. 512m or 2g (env AGL_KAFKA_HEAP, default 512m)."),
     ] = None,
+    brokers: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(
+            help=(
+                "Nodes of a local cluster, each a broker and a KRaft voter (env AGL_KAFKA_BROKERS, "
+                "default 1); node i listens on --port+2(i-1). Remembered by the data dir."
+            ),
+            min=1,
+            max=9,
+        ),
+    ] = None,
     wait: Annotated[float, typer.Option(help="Seconds to wait for the broker to answer before giving up.")] = 60.0,
 ) -> None:
-    """Start the broker in the background and wait until it answers; a no-op if it runs."""
+    """Start the broker (or every node not running) in the background and wait until all answer."""
     settings = _with_overrides(
-        settings_of(ctx), kafka_port=port, kafka_controller_port=controller_port, kafka_heap=heap
+        settings_of(ctx), kafka_port=port, kafka_controller_port=controller_port, kafka_heap=heap, kafka_brokers=brokers
     )
     info = broker.start(settings, wait_timeout=wait)
     if info.external:
@@ -71,6 +83,11 @@ def start(
         )
         return
     verb = f"started in {info.seconds:.1f} s" if info.started else "already running"
+    if len(info.pids) > 1:
+        pids = ", ".join(f"node {node} pid {pid}" for node, pid in sorted(info.pids.items()))
+        _console.print(f"Kafka cluster of {len(info.pids)} {verb}: bootstrap [bold]{info.bootstrap}[/bold]")
+        _console.print(f"  {pids}\n  data {info.data_dir}")
+        return
     _console.print(f"Kafka broker {verb}: bootstrap [bold]{info.bootstrap}[/bold], pid {info.pid}")
     _console.print(f"  data {info.data_dir}\n  log  {info.log_file}")
 
@@ -79,9 +96,21 @@ def start(
 def stop(
     ctx: typer.Context,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean shutdown before SIGKILL.")] = 30.0,
+    node: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="Stop only this node of a local cluster; `kafka start` brings it back.", min=1),
+    ] = None,
+    kill: Annotated[bool, typer.Option(help="With --node: SIGKILL it at once, as a crash would.")] = False,
 ) -> None:
     """Stop the broker of this data dir (clean shutdown, SIGKILL after --timeout)."""
     settings = settings_of(ctx)
+    if node is not None:
+        pid = broker.stop_node(settings, node, kill=kill, timeout=timeout)
+        how = "killed" if kill else "stopped"
+        _console.print(f"Kafka node {node} {how} (pid {pid})." if pid else f"Kafka node {node} was not running.")
+        return
+    if kill:
+        raise typer.BadParameter("--kill needs --node (the whole cluster stops cleanly)", param_hint="--kill")
     if broker.stop(settings, timeout=timeout):
         _console.print(f"Kafka broker stopped ({settings.kafka_dir}).")
     else:
@@ -90,14 +119,18 @@ def stop(
 
 @kafka_app.command("status")
 def status(ctx: typer.Context) -> None:
-    """Show whether the broker of this data dir runs and answers; exit code 1 if it doesn't run."""
+    """Show whether the broker (each node) of this data dir runs and answers; exit code 1 if one doesn't run."""
     settings = settings_of(ctx)
+    nodes = broker.nodes_status(settings)
     state = broker.status(settings)
     if settings.kafka_bootstrap is not None:
         _console.print(
             f"Clients use the existing cluster {settings.kafka_bootstrap} (AGL_KAFKA_BOOTSTRAP); "
             "below is the local broker only."
         )
+    if len(nodes) > 1:
+        _cluster_status(settings, nodes)
+        return
     if not state.running:
         _console.print(f"Kafka broker: [red]not running[/red] ({state.data_dir})")
         raise typer.Exit(1)
@@ -107,3 +140,20 @@ def status(ctx: typer.Context) -> None:
         f"  bootstrap {state.bootstrap}\n  pid       {state.pid}\n"
         f"  data      {state.data_dir}\n  log       {state.log_file}"
     )
+
+
+def _cluster_status(settings: Settings, nodes: list[broker.BrokerStatus]) -> None:
+    controller = broker.active_controller(settings)
+    table = Table(title=f"Local Kafka cluster of {len(nodes)} (active controller: node {controller or '-'})")
+    for column in ("node", "state", "bootstrap", "pid", "log"):
+        table.add_column(column)
+    for node in nodes:
+        state = (
+            "[green]answering[/green]"
+            if node.answering
+            else ("[yellow]not answering[/yellow]" if node.running else "[red]not running[/red]")
+        )
+        table.add_row(str(node.node_id), state, node.bootstrap, str(node.pid or "-"), str(node.log_file))
+    _console.print(table)
+    if not all(node.running for node in nodes):
+        raise typer.Exit(1)  # a degraded cluster fails the check too

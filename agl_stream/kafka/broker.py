@@ -1,6 +1,6 @@
-"""The local Apache Kafka broker: fetch its jars, format its storage, start, stop, inspect.
+"""The local Apache Kafka broker or cluster: fetch its jars, format its storage, start, stop, inspect.
 
-One single-node KRaft broker (broker and controller in one JVM) per data dir, under
+By default one single-node KRaft broker (broker and controller in one JVM) per data dir, under
 ``<data_dir>/kafka``:
 
 - ``server.properties``  rewritten on every start, so changed ports apply
@@ -9,6 +9,13 @@ One single-node KRaft broker (broker and controller in one JVM) per data dir, un
 - ``broker.pid``         pid of the running JVM
 - ``broker.out``         the JVM's stdout/stderr: warnings, errors, crashes
 - ``server.log``         Kafka's INFO log (infra/kafka/log4j2.properties)
+
+With ``AGL_KAFKA_BROKERS=N`` (``agl-stream kafka start --brokers N``) it is a cluster of N such
+nodes, each a broker and a voter of one static KRaft quorum, under ``<data_dir>/kafka/node-<i>``
+(same files as above; ``cluster.id`` is shared), node i listening on ``AGL_KAFKA_PORT + 2(i-1)``
+and its controller on ``AGL_KAFKA_CONTROLLER_PORT + 2(i-1)``. Combined nodes keep it to N JVMs on
+a small machine; a quorum of 3 survives the loss of any one node, the active controller included.
+Internal topics get replication min(3, N) and min ISR min(2, N), like the declared topics.
 
 Nothing here runs when ``AGL_KAFKA_BOOTSTRAP`` names an existing cluster.
 
@@ -85,7 +92,8 @@ class BrokerInfo(BaseModel):
     bootstrap: str
     external: bool  # AGL_KAFKA_BOOTSTRAP was set: nothing local was started
     started: bool  # this call launched the JVM (False: external, or already running)
-    pid: int | None = None
+    pid: int | None = None  # node 1's JVM
+    pids: dict[int, int] = {}  # node id -> JVM pid, every node of a cluster
     data_dir: Path | None = None
     log_file: Path | None = None
     seconds: float = 0.0  # how long start() took
@@ -102,6 +110,7 @@ class BrokerStatus(BaseModel):
     bootstrap: str
     data_dir: Path
     log_file: Path
+    node_id: int = 1
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,33 @@ class Toolchain:
     java: Path
     java_version: int
     mvn: Path | None
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of the local cluster (the single broker is node 1 of a cluster of one)."""
+
+    node_id: int
+    port: int  # client listener
+    controller_port: int  # KRaft controller listener
+
+
+def cluster_nodes(settings: Settings) -> list[Node]:
+    """The local nodes ``settings`` describe: node i on the ports 2(i-1) above the settings' own."""
+    nodes = [
+        Node(i + 1, settings.kafka_port + 2 * i, settings.kafka_controller_port + 2 * i)
+        for i in range(settings.kafka_brokers)
+    ]
+    ports = [port for node in nodes for port in (node.port, node.controller_port)]
+    if len(set(ports)) != len(ports) or max(ports) > 65535:
+        raise ConfigError(
+            f"{settings.kafka_brokers} local broker(s) from client port {settings.kafka_port} and controller "
+            f"port {settings.kafka_controller_port} need the ports {sorted(ports)}, which "
+            + ("overlap" if len(set(ports)) != len(ports) else "go past 65535")
+            + "; node i uses port+2(i-1) and controller-port+2(i-1), so choose two ports an odd "
+            "distance apart (e.g. 9092 and 9093) or fewer brokers"
+        )
+    return nodes
 
 
 @dataclass(frozen=True)
@@ -125,18 +161,20 @@ class _Paths:
     lock: Path
 
     @classmethod
-    def of(cls, settings: Settings) -> _Paths:
+    def of(cls, settings: Settings, node_id: int = 1) -> _Paths:
         # Absolute, because the config path in the JVM's command line identifies our process.
-        root = settings.kafka_dir.expanduser().resolve()
+        base = settings.kafka_dir.expanduser().resolve()
+        # A single broker keeps the layout it always had; a cluster's nodes get folders of their own.
+        root = base if settings.kafka_brokers == 1 else base / f"node-{node_id}"
         return cls(
             kafka_dir=root,
             config=root / "server.properties",
             data=root / "data",
-            cluster_id=root / "cluster.id",
+            cluster_id=base / "cluster.id",  # one cluster, one id on every node
             pid_file=root / "broker.pid",
             console_log=root / "broker.out",
             server_log=root / "server.log",
-            lock=root / "agl.lock",
+            lock=base / "agl.lock",  # one lock for the whole cluster
         )
 
 
@@ -406,6 +444,27 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive ports free right now (a local cluster's ports, for tests)."""
+    for _ in range(200):
+        first = free_ports(1, host)[0]
+        if first + count > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind((host, port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise BrokerError(f"found no {count} consecutive free ports on {host}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now on ``host`` (for tests)."""
     return free_ports(1, host)[0]
@@ -651,29 +710,31 @@ def _property_value(value: str) -> str:
 # -- configuration --------------------------------------------------------------------------
 
 
-def _server_properties(settings: Settings, paths: _Paths) -> str:
-    host, port, cport = settings.kafka_host, settings.kafka_port, settings.kafka_controller_port
+def _server_properties(settings: Settings, paths: _Paths, node: Node, nodes: list[Node]) -> str:
+    host = settings.kafka_host
     secured = _secured(settings)
     client, controller = ("SASL_SSL", "SASL_PLAINTEXT") if secured else ("PLAINTEXT", "PLAINTEXT")
     chost = _controller_host(settings)
+    # Internal topics as the declared ones (topics/topics.toml): 3 replicas, 2 in sync, capped
+    # at the nodes there are.
+    replicas, min_isr = str(min(3, len(nodes))), str(min(2, len(nodes)))
     props = {
-        # One JVM is both the KRaft controller and the broker; a single static voter.
+        # Each JVM is both a KRaft controller and a broker; the voters are static.
         "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@{chost}:{cport}",
-        "listeners": f"{client}://{host}:{port},CONTROLLER://{chost}:{cport}",
-        "advertised.listeners": f"{client}://{host}:{port}",
+        "node.id": str(node.node_id),
+        "controller.quorum.voters": ",".join(f"{n.node_id}@{chost}:{n.controller_port}" for n in nodes),
+        "listeners": f"{client}://{host}:{node.port},CONTROLLER://{chost}:{node.controller_port}",
+        "advertised.listeners": f"{client}://{host}:{node.port}",
         "controller.listener.names": "CONTROLLER",
         "listener.security.protocol.map": f"CONTROLLER:{controller},{client}:{client}",
         "inter.broker.listener.name": client,
         # Kafka calls its data "logs"; this is topic data plus the metadata log.
         "log.dirs": str(paths.data),
-        # One broker: internal topics cannot have more replicas than that.
-        "offsets.topic.replication.factor": "1",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
+        "offsets.topic.replication.factor": replicas,
+        "transaction.state.log.replication.factor": replicas,
+        "transaction.state.log.min.isr": min_isr,
+        "share.coordinator.state.topic.replication.factor": replicas,
+        "share.coordinator.state.topic.min.isr": min_isr,
         # Consumer groups form at once instead of waiting 3 s for more members.
         "group.initial.rebalance.delay.ms": "0",
         # Topics come from topic declarations (agl-stream's topic tool), never from a typo.
@@ -778,8 +839,8 @@ def _format_storage(java: Path, libs: Path, paths: _Paths, settings: Settings) -
 # -- start / stop / status ------------------------------------------------------------------
 
 
-def _wait_until_answering(pid: int, settings: Settings, paths: _Paths, timeout: float) -> None:
-    host, port = settings.kafka_host, settings.kafka_port
+def _wait_until_answering(pid: int, settings: Settings, paths: _Paths, node: Node, timeout: float) -> None:
+    host, port = settings.kafka_host, node.port
     deadline = time.monotonic() + timeout
     while True:
         if not _is_alive(pid):
@@ -799,9 +860,9 @@ def _wait_until_answering(pid: int, settings: Settings, paths: _Paths, timeout: 
 
 
 def _settings_from_config(settings: Settings, paths: _Paths) -> Settings:
-    """Settings pointing at the host:port a running broker was started with."""
+    """Settings pointing at the host:port a running single broker was started with."""
     bootstrap = _configured_bootstrap(paths)
-    if bootstrap is None or bootstrap == settings.bootstrap_servers:
+    if settings.kafka_brokers != 1 or bootstrap is None or bootstrap == settings.bootstrap_servers:
         return settings
     host, _, port = bootstrap.rpartition(":")
     log.warning(
@@ -812,15 +873,42 @@ def _settings_from_config(settings: Settings, paths: _Paths) -> Settings:
     return settings.model_copy(update={"kafka_host": host, "kafka_port": int(port)})
 
 
-def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
-    """Start the local broker for ``settings.data_dir`` and wait until it serves requests.
+def _layout_file(settings: Settings) -> Path:
+    return settings.kafka_dir.expanduser().resolve() / "brokers"
 
-    Idempotent: returns the running broker when there is one. Starts nothing when
-    ``settings.kafka_bootstrap`` names an existing cluster.
+
+def with_local_layout(settings: Settings) -> Settings:
+    """``settings`` with the node count this data dir's local cluster was created with.
+
+    A cluster started with ``--brokers 3`` stays a cluster of three for every later command
+    (``up``, ``down``, ``status``) that does not say otherwise.
     """
-    began = time.monotonic()
-    if settings.kafka_bootstrap is not None:
-        return BrokerInfo(bootstrap=settings.kafka_bootstrap, external=True, started=False)
+    if settings.kafka_brokers != 1 or settings.kafka_bootstrap is not None:
+        return settings
+    try:
+        recorded = int(_layout_file(settings).read_text().strip())
+    except (OSError, ValueError):
+        return settings
+    return settings.model_copy(update={"kafka_brokers": recorded}) if recorded > 1 else settings
+
+
+def _check_layout(settings: Settings) -> None:
+    base = settings.kafka_dir.expanduser().resolve()
+    single = (base / "data" / "meta.properties").exists()
+    if settings.kafka_brokers > 1 and single:
+        raise ConfigError(
+            f"{base} holds a single broker's data; a cluster of {settings.kafka_brokers} needs a data dir of "
+            "its own (--data-dir / AGL_DATA_DIR), or delete that one"
+        )
+    recorded = with_local_layout(settings.model_copy(update={"kafka_brokers": 1})).kafka_brokers
+    if (base / "node-1").exists() and recorded not in (1, settings.kafka_brokers):
+        raise ConfigError(
+            f"{base} holds a local cluster of {recorded} nodes, not {settings.kafka_brokers}; "
+            f"start it with --brokers {recorded}, or use another data dir"
+        )
+
+
+def _check_start_settings(settings: Settings) -> list[Node]:
     if settings.kafka_port == settings.kafka_controller_port:
         raise ConfigError(
             f"the client and controller ports (--port, --controller-port / AGL_KAFKA_PORT, "
@@ -831,130 +919,241 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
         raise ConfigError(
             f"kafka heap {settings.kafka_heap!r} (--heap / AGL_KAFKA_HEAP): use a JVM size like 512m or 2g"
         )
+    if settings.kafka_brokers > 1 and _secured(settings):
+        raise ConfigError(
+            "the local multi-broker cluster runs PLAINTEXT only; use AGL_KAFKA_BROKERS=1 with "
+            f"AGL_KAFKA_SECURITY_PROTOCOL={settings.kafka_security_protocol}, or point "
+            "AGL_KAFKA_BOOTSTRAP at a secured cluster of your own"
+        )
     _check_security(settings)
-    paths = _Paths.of(settings)
-    with _locked(paths):
-        pid = _running_pid(paths)
-        if pid is not None:
-            settings = _settings_from_config(settings, paths)
-            _wait_until_answering(pid, settings, paths, wait_timeout)  # it may still be starting
-            return _info(settings, paths, pid, started=False, began=began)
+    _check_layout(settings)
+    return cluster_nodes(settings)
 
+
+def _launch(java: Path, libs: Path, paths: _Paths, settings: Settings) -> subprocess.Popen[bytes]:
+    command = [str(java), *_java_options(paths, settings.kafka_heap), "-cp", f"{libs}/*", KAFKA_MAIN, str(paths.config)]
+    with open(paths.console_log, "wb") as console:
+        child = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            cwd=paths.kafka_dir,
+            start_new_session=True,  # outlives this process and its terminal's Ctrl-C
+            close_fds=True,
+        )
+    _children[child.pid] = child
+    paths.pid_file.write_text(f"{child.pid}\n")
+    return child
+
+
+def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
+    """Start the local broker (or each node of the local cluster) and wait until all serve requests.
+
+    Idempotent: nodes already running are kept, and a cluster node that died is started again,
+    which is also how a node stopped with :func:`stop_node` rejoins. Starts nothing when
+    ``settings.kafka_bootstrap`` names an existing cluster.
+    """
+    began = time.monotonic()
+    if settings.kafka_bootstrap is not None:
+        return BrokerInfo(bootstrap=settings.kafka_bootstrap, external=True, started=False)
+    settings = with_local_layout(settings)
+    nodes = _check_start_settings(settings)
+    root = _Paths.of(settings, 1)
+    with _locked(root):
+        if settings.kafka_brokers > 1:
+            _layout_file(settings).write_text(f"{settings.kafka_brokers}\n")
+        running = {node.node_id: _running_pid(_Paths.of(settings, node.node_id)) for node in nodes}
+        if settings.kafka_brokers == 1 and running[1] is not None:
+            settings = _settings_from_config(settings, root)
+            nodes = cluster_nodes(settings)
+        missing = [node for node in nodes if running[node.node_id] is None]
         # Fail fast and clearly, before Maven or the JVM run.
-        _check_port_free(settings.kafka_host, settings.kafka_port, "the client port", "--port / AGL_KAFKA_PORT")
-        _check_port_free(
-            _controller_host(settings),
-            settings.kafka_controller_port,
-            "the controller port",
-            "--controller-port / AGL_KAFKA_CONTROLLER_PORT",
-        )
-        tools = check_prerequisites(maven=False)  # ensure_jars asks for Maven if it needs it
-        libs = ensure_jars(settings)
-        paths.data.mkdir(parents=True, exist_ok=True)
-        _write_private(paths.config, _server_properties(settings, paths))
-        _format_storage(tools.java, libs, paths, settings)
-
-        command = [
-            str(tools.java),
-            *_java_options(paths, settings.kafka_heap),
-            "-cp",
-            f"{libs}/*",
-            KAFKA_MAIN,
-            str(paths.config),
-        ]
-        with open(paths.console_log, "wb") as console:
-            child = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=console,
-                stderr=subprocess.STDOUT,
-                cwd=paths.kafka_dir,
-                start_new_session=True,  # outlives this process and its terminal's Ctrl-C
-                close_fds=True,
+        for node in missing:
+            _check_port_free(settings.kafka_host, node.port, "the client port", "--port / AGL_KAFKA_PORT")
+            _check_port_free(
+                _controller_host(settings),
+                node.controller_port,
+                "the controller port",
+                "--controller-port / AGL_KAFKA_CONTROLLER_PORT",
             )
-        _children[child.pid] = child
-        paths.pid_file.write_text(f"{child.pid}\n")
-        log.info("starting local kafka broker", pid=child.pid, bootstrap=settings.bootstrap_servers)
+        launched: dict[int, subprocess.Popen[bytes]] = {}
+        if missing:
+            tools = check_prerequisites(maven=False)  # ensure_jars asks for Maven if it needs it
+            libs = ensure_jars(settings)
+            for node in missing:
+                paths = _Paths.of(settings, node.node_id)
+                paths.data.mkdir(parents=True, exist_ok=True)
+                _write_private(paths.config, _server_properties(settings, paths, node, nodes))
+                _format_storage(tools.java, libs, paths, settings)
+            # Every node is launched before any is waited for: a KRaft quorum answers only once a
+            # majority of its voters runs.
+            for node in missing:
+                child = _launch(tools.java, libs, _Paths.of(settings, node.node_id), settings)
+                launched[node.node_id] = child
+                running[node.node_id] = child.pid
+                log.info("starting local kafka broker", node=node.node_id, pid=child.pid, port=node.port)
         try:
-            _wait_until_answering(child.pid, settings, paths, wait_timeout)
+            for node in nodes:
+                pid = running[node.node_id]
+                assert pid is not None
+                _wait_until_answering(pid, settings, _Paths.of(settings, node.node_id), node, wait_timeout)
         except BaseException:
-            # Never leave a half-started JVM behind (timeout, Ctrl-C). Only signal it while it
+            # Never leave a half-started JVM behind (timeout, Ctrl-C). Only signal one while it
             # is unreaped: once reaped, its pid may already belong to another process.
-            if child.poll() is None:
-                log.warning("stopping the kafka broker that did not start", pid=child.pid)
-                _terminate(child.pid, timeout=10.0)
-            _children.pop(child.pid, None)
-            paths.pid_file.unlink(missing_ok=True)
+            for node_id, child in launched.items():
+                if child.poll() is None:
+                    log.warning("stopping the kafka broker that did not start", node=node_id, pid=child.pid)
+                    _terminate(child.pid, timeout=10.0)
+                _children.pop(child.pid, None)
+                _Paths.of(settings, node_id).pid_file.unlink(missing_ok=True)
             raise
-        info = _info(settings, paths, child.pid, started=True, began=began)
-        log.info(
-            "local kafka broker ready",
-            pid=child.pid,
-            bootstrap=info.bootstrap,
-            seconds=info.seconds,
+        pids = {node_id: pid for node_id, pid in running.items() if pid is not None}
+        info = BrokerInfo(
+            bootstrap=settings.bootstrap_servers,
+            external=False,
+            started=bool(launched),
+            pid=pids[1],
+            pids=pids,
+            data_dir=root.kafka_dir if settings.kafka_brokers == 1 else root.kafka_dir.parent,
+            log_file=root.server_log,
+            seconds=round(time.monotonic() - began, 2),
         )
+        if launched:
+            log.info("local kafka ready", nodes=sorted(launched), bootstrap=info.bootstrap, seconds=info.seconds)
         return info
-
-
-def _info(settings: Settings, paths: _Paths, pid: int, *, started: bool, began: float) -> BrokerInfo:
-    return BrokerInfo(
-        bootstrap=settings.bootstrap_servers,
-        external=False,
-        started=started,
-        pid=pid,
-        data_dir=paths.kafka_dir,
-        log_file=paths.server_log,
-        seconds=round(time.monotonic() - began, 2),
-    )
 
 
 def _terminate(pid: int, timeout: float) -> None:
     """SIGTERM (Kafka shuts down cleanly), then SIGKILL when it takes longer than ``timeout``."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    if _wait_exit(pid, timeout):
-        return
-    log.warning("kafka broker ignored SIGTERM; killing it", pid=pid, timeout=timeout)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    if not _wait_exit(pid, 10.0):
-        raise BrokerError(f"the local Kafka broker (pid {pid}) survived SIGKILL")
+    _terminate_all([pid], timeout)
+
+
+def _terminate_all(pids: list[int], timeout: float) -> None:
+    # All at once: a cluster's nodes stopped one by one would leave the last without a quorum,
+    # waiting out its controlled shutdown.
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        if _wait_exit(pid, max(0.0, deadline - time.monotonic())):
+            continue
+        log.warning("kafka broker ignored SIGTERM; killing it", pid=pid, timeout=timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        if not _wait_exit(pid, 10.0):
+            raise BrokerError(f"the local Kafka broker (pid {pid}) survived SIGKILL")
 
 
 def stop(settings: Settings, *, timeout: float = 30.0) -> bool:
-    """Stop the local broker of ``settings.data_dir``; True if one was running.
+    """Stop the local broker (every node of the local cluster); True if one was running.
 
     Only a process whose command line is ``java ... kafka.Kafka <our server.properties>`` is
     signalled, so a pid reused by another program is never killed.
     """
-    paths = _Paths.of(settings)
-    if not paths.kafka_dir.exists():
+    settings = with_local_layout(settings)
+    root = _Paths.of(settings, 1)
+    if not root.kafka_dir.exists() and not root.cluster_id.parent.exists():
         return False
-    with _locked(paths):
-        pid = _running_pid(paths)
-        if pid is None:
+    with _locked(root):
+        running = _running_nodes(settings)
+        if not running:
             return False
-        log.info("stopping local kafka broker", pid=pid)
+        log.info("stopping local kafka", pids=running)
         began = time.monotonic()
-        _terminate(pid, timeout)
-        paths.pid_file.unlink(missing_ok=True)
-        log.info("local kafka broker stopped", pid=pid, seconds=round(time.monotonic() - began, 2))
+        _terminate_all(list(running.values()), timeout)
+        for node_id in running:
+            _Paths.of(settings, node_id).pid_file.unlink(missing_ok=True)
+        log.info("local kafka stopped", nodes=sorted(running), seconds=round(time.monotonic() - began, 2))
         return True
 
 
+def stop_node(settings: Settings, node_id: int, *, kill: bool = False, timeout: float = 30.0) -> int | None:
+    """Stop one node of the local cluster (SIGKILL with ``kill``, as a crash); its pid, if it ran.
+
+    :func:`start` brings it back. Used to rehearse failures: the other nodes keep serving.
+    """
+    settings = with_local_layout(settings)
+    if not 1 <= node_id <= settings.kafka_brokers:
+        raise ConfigError(f"node {node_id}: the local cluster has nodes 1 to {settings.kafka_brokers}")
+    paths = _Paths.of(settings, node_id)
+    with _locked(paths):
+        pid = _running_pid(paths)
+        if pid is None:
+            return None
+        log.info("stopping local kafka node", node=node_id, pid=pid, kill=kill)
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if not _wait_exit(pid, 10.0):
+                raise BrokerError(f"the local Kafka broker (pid {pid}) survived SIGKILL")
+        else:
+            _terminate(pid, timeout)
+        paths.pid_file.unlink(missing_ok=True)
+        return pid
+
+
+def _running_nodes(settings: Settings) -> dict[int, int]:
+    pids = {node: _running_pid(_Paths.of(settings, node)) for node in range(1, settings.kafka_brokers + 1)}
+    return {node: pid for node, pid in pids.items() if pid is not None}
+
+
+def active_controller(settings: Settings) -> int | None:
+    """The node id of the local cluster's active KRaft controller, as its live voters record it.
+
+    Each voter keeps its view of the quorum in ``__cluster_metadata-0/quorum-state``; the view
+    with the newest epoch wins, and a leader that is not running is no leader.
+    """
+    settings = with_local_layout(settings)
+    running = _running_nodes(settings)
+    best: tuple[int, int] | None = None  # (epoch, leader)
+    for node_id in running:
+        path = _Paths.of(settings, node_id).data / "__cluster_metadata-0" / "quorum-state"
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        epoch, leader = int(state.get("leaderEpoch", -1)), int(state.get("leaderId", -1))
+        if leader in running and (best is None or epoch > best[0]):
+            best = (epoch, leader)
+    return best[1] if best is not None else None
+
+
+def nodes_status(settings: Settings) -> list[BrokerStatus]:
+    """Each local node: whether it runs and answers. Changes nothing."""
+    settings = with_local_layout(settings)
+    found = []
+    for node in cluster_nodes(settings):
+        paths = _Paths.of(settings, node.node_id)
+        pid = _running_pid(paths, clean=False)
+        local = f"{settings.kafka_host}:{node.port}"
+        # A running broker keeps the ports it was started with, whatever the settings say now.
+        bootstrap = (_configured_bootstrap(paths) or local) if pid is not None else local
+        host, _, port = bootstrap.rpartition(":")
+        found.append(
+            BrokerStatus(
+                running=pid is not None,
+                answering=pid is not None and _answering(settings, host, int(port)),
+                pid=pid,
+                bootstrap=bootstrap,
+                data_dir=paths.kafka_dir,
+                log_file=paths.server_log,
+                node_id=node.node_id,
+            )
+        )
+    return found
+
+
 def status(settings: Settings) -> BrokerStatus:
-    """Whether the local broker of ``settings.data_dir`` runs and answers. Changes nothing."""
-    paths = _Paths.of(settings)
-    pid = _running_pid(paths, clean=False)
-    local = f"{settings.kafka_host}:{settings.kafka_port}"
-    # A running broker keeps the ports it was started with, whatever the settings say now.
-    bootstrap = (_configured_bootstrap(paths) or local) if pid is not None else local
-    host, _, port = bootstrap.rpartition(":")
-    return BrokerStatus(
-        running=pid is not None,
-        answering=pid is not None and _answering(settings, host, int(port)),
-        pid=pid,
-        bootstrap=bootstrap,
-        data_dir=paths.kafka_dir,
-        log_file=paths.server_log,
+    """The local broker as a whole (node 1's pid and files); running and answering when every node is."""
+    nodes = nodes_status(settings)
+    if len(nodes) == 1:
+        return nodes[0]
+    return nodes[0].model_copy(
+        update={
+            "running": all(n.running for n in nodes),
+            "answering": all(n.answering for n in nodes),
+            "bootstrap": ",".join(n.bootstrap for n in nodes),
+        }
     )

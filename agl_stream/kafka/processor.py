@@ -10,11 +10,17 @@ the handler sends its effects and waits for their acknowledgements before it ret
 :class:`Outbox` helps); then the batch's offsets become committable. A handler that holds
 records across batches (spans until their attempt finishes, triplets until a batch is full)
 also has ``committable(tp, handled)``: the offset up to which a partition may be committed,
-its lowest pending offset (the lowest-pending-offset commit). A broker error retries the
-batch with backoff (0.5 s doubling to 30 s). Commits are coalesced
+its lowest pending offset (the lowest-pending-offset commit). A broker error makes the handler
+start over as after a rebalance (its partitions rebuilt from what is durable, the records read
+again from the committed offsets), with backoff (0.5 s doubling to 30 s). Commits are coalesced
 (every ``commit_interval_s``, on revocation and at stop): a crash re-delivers at most that much,
 and handlers are idempotent (at-least-once). ``handler.tick`` runs after every fetch, also an
 empty one, for timers; ``handler.poll_timeout`` says how long a fetch may wait for records.
+
+Every member reports the same metrics (agl_stream/metrics.py), labelled with its group: records
+handled per topic and handler time (once per batch), commits, assignments, and its lag per
+partition (high watermark minus what it handled; at most once a second, and dropped for a
+partition it no longer owns).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata, RecordMetadata
 
+from agl_stream import metrics
 from agl_stream.config import Settings
 from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer
 from agl_stream.logs import get_logger
@@ -40,6 +47,9 @@ from agl_stream.logs import get_logger
 __all__ = ["Batch", "Handler", "HoldsRecords", "Outbox", "Record", "run_processor"]
 
 log = get_logger("agl.kafka.processor")
+
+LAG_REPORT_INTERVAL_S = 1.0
+"""How often a member refreshes its lag gauges (a scrape every 15 s needs no more)."""
 
 Batch = dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
 
@@ -91,11 +101,17 @@ class Outbox:
 
     async def send_all(self, records: Iterable[Record]) -> list[RecordMetadata]:
         """Send the records (one produce batch per partition), then wait for every acknowledgement."""
-        futures = [
-            await self.producer.send(r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers)
-            for r in records
-        ]
-        return list(await asyncio.gather(*futures))
+        futures = []
+        per_topic: dict[str, int] = {}
+        for r in records:
+            futures.append(
+                await self.producer.send(r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers)
+            )
+            per_topic[r.topic] = per_topic.get(r.topic, 0) + 1
+        acknowledged = list(await asyncio.gather(*futures))
+        for topic, n in per_topic.items():
+            metrics.count_out(topic, n)
+        return acknowledged
 
     async def reject(self, rejected: Sequence[Rejected]) -> None:
         if rejected:
@@ -116,6 +132,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         async with self.loop.lock:
             self.loop.generation += 1
+            self.loop.rebalances.inc()
             try:
                 await self.loop.handler.assigned(set(assigned))
             except Exception as error:
@@ -135,6 +152,7 @@ class _Loop:
         max_records: int,
         commit_interval_s: float,
         retry_on: tuple[type[BaseException], ...] = (KafkaError, TimeoutError),
+        group: str = "",
     ) -> None:
         self.consumer = consumer
         self.retry_on = retry_on
@@ -149,11 +167,54 @@ class _Loop:
         self.committed: dict[TopicPartition, int] = {}
         self._holds = getattr(handler, "committable", None)
         self._last_commit = time.monotonic()
+        self.backoff = 0.5  # seconds before the next start-over after a failed batch
+        # Metric children, looked up once: the loop touches them once per batch.
+        self.group = group
+        self.role = metrics.role()
+        self.records_in: dict[str, Any] = {}
+        self.handle_seconds = metrics.HANDLE_SECONDS.labels(self.role, group)
+        self.commits_ok = metrics.COMMITS.labels(self.role, group, "ok")
+        self.commits_failed = metrics.COMMITS.labels(self.role, group, "failed")
+        self.rebalances = metrics.REBALANCES.labels(self.role, group)
+        self._lag_reported = 0.0
 
     def forget(self, partitions: Iterable[TopicPartition]) -> None:
         for tp in partitions:
             self.positions.pop(tp, None)
             self.committed.pop(tp, None)
+            with contextlib.suppress(KeyError):  # never reported: nothing to drop
+                metrics.CONSUMER_LAG.remove(self.role, self.group, tp.topic, str(tp.partition))
+
+    def count(self, batch: Batch, started: float) -> None:
+        """The metrics of one handled batch: records per topic, handler time."""
+        self.handle_seconds.observe(time.monotonic() - started)
+        per_topic: dict[str, int] = {}
+        for tp, records in batch.items():
+            per_topic[tp.topic] = per_topic.get(tp.topic, 0) + len(records)
+        for topic, n in per_topic.items():
+            child = self.records_in.get(topic)
+            if child is None:
+                child = self.records_in[topic] = metrics.RECORDS_IN.labels(self.role, self.group, topic)
+            child.inc(n)
+
+    async def report_lag(self) -> None:
+        """Each owned partition's lag: its high watermark (from the last fetch response) minus
+        the next offset to handle. A partition with no fetch response yet is not reported."""
+        self._lag_reported = time.monotonic()
+        for tp in self.consumer.assignment():
+            try:
+                high = self.consumer.highwater(tp)
+                handled = self.positions.get(tp)
+                if high is not None and handled is None:
+                    # Nothing handled since assignment: the fetch position (valid once a fetch
+                    # answered; the short wait only guards against a reset in flight).
+                    handled = await asyncio.wait_for(self.consumer.position(tp), 0.1)
+            except (AssertionError, IllegalStateError, TimeoutError):  # moved away meanwhile
+                continue
+            if high is None or handled is None:
+                continue
+            lag = max(0, high - handled)
+            metrics.CONSUMER_LAG.labels(self.role, self.group, tp.topic, str(tp.partition)).set(lag)
 
     async def commit(self) -> None:
         self._last_commit = time.monotonic()
@@ -172,7 +233,9 @@ class _Loop:
         try:
             await self.consumer.commit(offsets)
             self.committed.update({tp: o.offset for tp, o in offsets.items()})
+            self.commits_ok.inc()
         except (CommitFailedError, KafkaError) as error:  # a rebalance: the next owner re-reads (idempotent)
+            self.commits_failed.inc()
             log.warning("commit failed; handled records will be read again", error=str(error))
 
     async def step(self, stop: asyncio.Event) -> None:
@@ -189,10 +252,14 @@ class _Loop:
                 return
             owned = self.consumer.assignment()
             batch = {tp: records for tp, records in fetched.items() if records and tp in owned}
+            started = time.monotonic()
             if batch and await self._handle(batch, stop):
                 for tp, records in batch.items():
                     self.positions[tp] = records[-1].offset + 1
+                self.count(batch, started)
             await self.handler.tick()
+            if time.monotonic() - self._lag_reported >= LAG_REPORT_INTERVAL_S:
+                await self.report_lag()
             if time.monotonic() - self._last_commit >= self.commit_interval_s:
                 await self.commit()
 
@@ -204,20 +271,46 @@ class _Loop:
             self.consumer.seek(tp, committed)
 
     async def _handle(self, batch: Batch, stop: asyncio.Event) -> bool:
-        """Handle the batch, retrying with backoff while the broker fails (handlers are
-        idempotent); False when stopping first (uncommitted: read again after a restart)."""
-        delay = 0.5
-        while True:
+        """Handle the batch; False when it failed (its records are read again) or on a stop.
+
+        A failed batch is never retried on the handler's state as it stands: the handler may
+        have changed that state for effects that never became durable (a rollout folded, a
+        queued rollout reserved for a claim whose event was never written), and a retry would
+        take those as done. So after a broker error the handler starts over as after a
+        rebalance: it forgets its partitions, rebuilds them from what is durable, and the
+        records are read again from the committed offsets (handlers are idempotent). Backoff
+        0.5 s doubling to 30 s while that fails too.
+        """
+        try:
+            await self.handler.handle(batch)
+            self.backoff = 0.5
+            return True
+        except self.retry_on as error:
+            log.warning("batch failed; rebuilding the partitions from what is durable", error=_brief(error))
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.backoff)  # backoff, cut short by a stop
+            self.backoff = min(self.backoff * 2, 30.0)
+            if stop.is_set():
+                break
             try:
-                await self.handler.handle(batch)
-                return True
+                await self._start_over()
+                return False
             except self.retry_on as error:
-                if stop.is_set():
-                    return False
-                log.warning("batch failed, retrying", error=f"{type(error).__name__}: {error}"[:300])
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)  # backoff, cut short by a stop
-                delay = min(delay * 2, 30.0)
+                log.warning("rebuilding after a failed batch failed; retrying", error=_brief(error))
+        return False
+
+    async def _start_over(self) -> None:
+        owned = set(self.consumer.assignment())
+        await self.commit()  # what was handled before the failed batch is durable: not read again
+        self.handler.revoked(owned)
+        self.forget(owned)
+        await self.handler.assigned(owned)
+        await self._rewind()
+
+
+def _brief(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"[:300]
 
 
 async def run_processor(
@@ -241,12 +334,14 @@ async def run_processor(
     Partitions are assigned by range, so equal partition numbers of co-partitioned topics go to
     the same member. ``ready_file`` (under the run dir) is written once the first assignment was
     handled: what ``agl-stream up`` waits for. ``on_start`` gets the consumer (for positions).
-    ``retry_on``: the errors of ``handle`` after which the batch is handled again, with backoff
-    (others end the loop); a handler's ``assigned`` that fails ends it too.
+    ``retry_on``: the errors of ``handle`` after which the handler starts over on its partitions
+    and reads the batch again, with backoff (others end the loop); a handler's ``assigned`` that
+    fails in a rebalance ends it too.
     """
+    group = group_id or f"{settings.topic_prefix}.{name}"
     consumer = make_consumer(
         settings,
-        group_id=group_id or f"{settings.topic_prefix}.{name}",
+        group_id=group,
         max_poll_records=max_records,
         partition_assignment_strategy=(RangePartitionAssignor,),
         # A member killed with -9 holds its partitions until its session times out.
@@ -254,7 +349,14 @@ async def run_processor(
         heartbeat_interval_ms=1500,
         **consumer_options,
     )
-    loop = _Loop(consumer, handler, max_records=max_records, commit_interval_s=commit_interval_s, retry_on=retry_on)
+    loop = _Loop(
+        consumer,
+        handler,
+        max_records=max_records,
+        commit_interval_s=commit_interval_s,
+        retry_on=retry_on,
+        group=group,
+    )
     consumer.subscribe(list(topics), listener=_Rebalance(loop))
     if on_start is not None:
         on_start(consumer)

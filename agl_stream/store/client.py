@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 
+from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings, load_settings
 from agl_stream.domain.queue import claim_attempt_id
@@ -60,6 +61,10 @@ log = get_logger("agl.store")
 
 # A rollout event must fit in one Kafka message of agl.rollouts (broker default ~1 MB).
 MAX_EVENT_BYTES = 1_000_000
+CLAIM_SENDS = 3
+"""Copies of one claim a client sends, each after the last went unanswered for its timeout."""
+REWATCH_S = 30.0
+"""A rollout watched this long ago, not finished since, is watched again by the next wait."""
 
 
 def _latest(state: RolloutState) -> Attempt | None:
@@ -92,7 +97,8 @@ class AglStore(StoreReads):
         self._state_header = [*self._reply_header, (REPLY_STATE_HEADER, b"1")]
         # What this client knows without asking: rollouts seen finished, rollouts it will hear of.
         self._finished: dict[str, Rollout] = {}
-        self._watched: set[str] = set()
+        # Rollouts the processor tells us about when they finish -> when that was last confirmed.
+        self._watched: dict[str, float] = {}
         self._finish_seen = asyncio.Event()
         self._claim_partition = 0
         # Attempts this client has seen in an answer: they exist (attempts are never deleted), so
@@ -182,6 +188,7 @@ class AglStore(StoreReads):
         ]
         for metadata in await asyncio.gather(*sends):
             self._note(metadata.topic, metadata.partition, metadata.offset)
+        metrics.count_out(topic, len(sends))
 
     async def _request(self, rollout_id: str, payload: AglModel) -> RolloutState:
         """Append an event and wait for the processor's verdict: the new state, or ValueError."""
@@ -215,6 +222,7 @@ class AglStore(StoreReads):
             ]
             for metadata in await asyncio.gather(*sends):
                 self._note(metadata.topic, metadata.partition, metadata.offset)
+            metrics.count_out(topic, len(sends))
             answers: list[Reply] = await self._answers(replies, self.request_timeout)
         finally:
             for reply in replies:
@@ -223,7 +231,7 @@ class AglStore(StoreReads):
         for event, _ in encoded:
             self._unfolded.pop(event.rollout_id, None)
             if isinstance(event.payload, RolloutEnqueued):
-                self._watched.add(event.rollout_id)  # the processor tells the enqueuer when it finishes
+                self._watched[event.rollout_id] = time.monotonic()  # the enqueuer hears when it finishes
         return answers
 
     async def _settle(self, sources: Sequence[str]) -> None:
@@ -396,15 +404,10 @@ class AglStore(StoreReads):
                 worker_id=worker_id,
                 wait_seconds=wait if not covered else 0.0,
             )
-            reply = self._replies.expect(request.request_id)
             try:
-                await self._records.send(topic, request, key=request.request_id, partition=partition)
-                [answer] = await self._answers([reply], self.request_timeout + request.wait_seconds)
+                answer = await self._claim(topic, partition, request)
             except RejectedError:
                 continue  # the rollout moved on between the claim and its fold: ask again
-            finally:
-                if not reply.done():
-                    reply.cancel()
             if answer.outcome == "applied" and answer.state is not None:
                 self._claim_partition = partition  # a processor with work: ask it first next time
                 self._busy(worker_id)
@@ -419,6 +422,29 @@ class AglStore(StoreReads):
                 self._mark_idle(worker_id, time.time(), self._claims[worker_id]), name=f"idle {worker_id}"
             )
         return None
+
+    async def _claim(self, topic: str, partition: int, request: StoreRequest) -> Reply:
+        """Send a claim and wait for its answer; without one in time, send the same claim again.
+
+        An answer can be lost while a broker fails over, after the processor served the claim:
+        a new claim would leave that rollout reserved for nobody. The same request id is served
+        once, so a copy gets the rollout already claimed (or is served now if the first never
+        arrived).
+        """
+        for copy in range(CLAIM_SENDS):
+            reply = self._replies.expect(request.request_id)
+            try:
+                await self._records.send(topic, request, key=request.request_id, partition=partition)
+                [answer] = await self._answers([reply], self.request_timeout + request.wait_seconds)
+                return answer
+            except AglError as error:
+                if isinstance(error, RejectedError) or copy == CLAIM_SENDS - 1:
+                    raise
+                log.warning("no answer to a claim; asking again", request_id=request.request_id, error=str(error))
+            finally:
+                if not reply.done():
+                    reply.cancel()
+        raise AssertionError("unreachable")  # the last copy returned or raised
 
     def _busy(self, worker_id: str | None) -> None:
         """``worker_id`` claimed or started an attempt: its idle spell (if any) ends here."""
@@ -540,7 +566,10 @@ class AglStore(StoreReads):
         algorithm waits on lists it built itself, and a typo must not end a training run.
         """
         wanted = list(dict.fromkeys(rollout_ids))
-        unseen = [rid for rid in wanted if rid not in self._finished and rid not in self._watched]
+        # Never seen, or watched long ago without a word since: a notice can be lost while a
+        # broker fails over, and asking again (the answer carries the state) makes up for it.
+        stale_before = time.monotonic() - REWATCH_S
+        unseen = [rid for rid in wanted if rid not in self._finished and self._watched.get(rid, -1e18) < stale_before]
         if unseen:
             await self._watch(unseen)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -573,6 +602,7 @@ class AglStore(StoreReads):
                 for r in requests
             ]
             await asyncio.gather(*sends)
+            metrics.count_out(topic, len(sends))
             answers = await self._answers(replies, self.request_timeout)
         finally:
             for reply in replies:
@@ -583,7 +613,7 @@ class AglStore(StoreReads):
             if answer.outcome == "unknown":
                 forgotten.append(rid)
             else:
-                self._watched.add(rid)  # finished ones were recorded by _on_state already
+                self._watched[rid] = time.monotonic()  # finished ones were recorded by _on_state already
         if forgotten:
             found = {r.rollout_id: r for r in await self.query_rollouts(rollout_id_in=forgotten)}
             unknown = [rid for rid in forgotten if rid not in found]
@@ -667,8 +697,12 @@ class AglStore(StoreReads):
         return [await self._producer.send(topic, data, key=event.rollout_id.encode()) for event, data in events]
 
     async def _await_acks(self, acks: Sequence[asyncio.Future[Any]]) -> None:
+        per_topic: Counter[str] = Counter()
         for metadata in await asyncio.gather(*acks):
             self._note(metadata.topic, metadata.partition, metadata.offset)
+            per_topic[metadata.topic] += 1
+        for topic, n in per_topic.items():
+            metrics.count_out(topic, n)
 
     async def add_otel_span(
         self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None

@@ -204,8 +204,13 @@ class ReplyChannel:
         """Register before sending, so the answer cannot slip past."""
         future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
-        future.add_done_callback(lambda _: self._pending.pop(request_id, None))
+        future.add_done_callback(lambda done: self._forget(request_id, done))
         return future
+
+    def _forget(self, request_id: str, future: asyncio.Future[Reply]) -> None:
+        # Only this future: the same request may be expected again (a claim sent anew).
+        if self._pending.get(request_id) is future:
+            del self._pending[request_id]
 
     async def _run(self) -> None:
         assert self._consumer is not None

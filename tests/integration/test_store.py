@@ -7,6 +7,7 @@ of its own.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,9 @@ import pytest
 from agl_stream import UNSET, AglStore, AttemptedRollout, connect
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.models import LLM, Reply, RolloutConfig, Span
+from agl_stream.domain.queue import claim_attempt_id
+from agl_stream.ids import new_event_id
+from agl_stream.models import LLM, Reply, RolloutConfig, Span, StoreRequest
 from agl_stream.store.replies import RejectedError
 
 pytestmark = pytest.mark.integration
@@ -197,6 +200,27 @@ async def test_concurrent_claimers_claim_each_rollout_once(stack_settings: Setti
     await asyncio.gather(*(claimer(i) for i in range(8)))
     assert wanted <= claims.keys()
     assert all(len(claims[rid]) == 1 for rid in wanted), "a rollout was claimed twice"
+
+
+async def test_a_claim_sent_again_gets_the_rollout_it_claimed_and_no_second_one(store: AglStore) -> None:
+    """A claimer whose answer was lost (a broker failing over) sends the same claim again: the
+    copies, at once or after the claim was served, all name one rollout and one attempt."""
+    await store.enqueue_many_rollouts([{"input": {"i": i}} for i in range(3)])
+    topic = store.settings.topic("store-requests")
+    request = StoreRequest(
+        request_id=new_event_id(), kind="claim", reply_to=store._replies.topic, time=time.time(), worker_id="w-again"
+    )
+    # The first copy's answer is lost (nobody waits for it); the second may find the claim in
+    # the same batch, in flight or folded; the third finds it folded.
+    await store._records.send(topic, request, key=request.request_id, partition=0)
+    answers = [await store._claim(topic, 0, request) for _ in range(2)]
+    assert [a.outcome for a in answers] == ["applied"] * 2
+    claimed = {a.state.rollout.rollout_id for a in answers if a.state is not None}
+    assert len(claimed) == 1
+    [rollout_id] = claimed
+    attempts = await store.query_attempts(rollout_id)
+    assert [a.attempt_id for a in attempts] == [claim_attempt_id(request.request_id)]
+    await store.update_attempt(rollout_id, attempts[0].attempt_id, status="succeeded")
 
 
 async def test_illegal_transitions_are_errors_not_silent(store: AglStore) -> None:
