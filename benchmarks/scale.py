@@ -28,12 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# A sibling script, imported the way it imports its own siblings (its folder is sys.path[0]).
+from compare_seed import Store, Workload, run_workload  # type: ignore[import-not-found]
 from rich.console import Console
 from rich.table import Table
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.compare_seed import Store, Workload, run_workload
 
 console = Console()
 COMPARE_SEED = Path(__file__).resolve().parent / "compare_seed.py"
