@@ -40,6 +40,8 @@ from tests.integration.helpers import read_to_end, start_role, stop_role
 pytestmark = pytest.mark.integration
 
 AGENT = "tests.integration.agents:llm_like"  # two LLM calls with token ids and a reward span
+# Lean for `make test`; CLUSTER_TEST_ROLLOUTS=3000 gives the figures of a longer run.
+ROLLOUTS = int(os.environ.get("CLUSTER_TEST_ROLLOUTS", "800"))
 
 
 @pytest.fixture(scope="module")
@@ -200,9 +202,9 @@ async def _check_exactly_once(settings: Settings, store: AglStore, run: Run) -> 
 async def test_a_broker_and_then_the_controller_die_under_load_and_nothing_is_lost(
     cluster: Settings, cluster_stack: Settings, runners: subprocess.Popen[bytes], store: AglStore
 ) -> None:
-    run = Run(store, total=800)
+    run = Run(store, total=ROLLOUTS)
     await run.enqueue()
-    await run.until(150)
+    await run.until(run.total * 3 // 16)
     assert await _under_replicated(cluster_stack) == 0
 
     # A broker that is not the active controller dies: its partitions' leadership moves.
@@ -211,7 +213,7 @@ async def test_a_broker_and_then_the_controller_die_under_load_and_nothing_is_lo
     victim = next(n for n in (1, 2, 3) if n != controller)
     killed_at = time.monotonic()
     assert broker.stop_node(cluster, victim, kill=True) is not None
-    await run.until(300)
+    await run.until(run.total * 6 // 16)
     restarted_at = time.monotonic()
     broker.start(cluster, wait_timeout=120)
     catch_up = 0.0
@@ -222,7 +224,7 @@ async def test_a_broker_and_then_the_controller_die_under_load_and_nothing_is_lo
     catch_up = time.monotonic() - restarted_at
 
     # The active controller dies: the two other voters elect a new one.
-    await run.until(450)
+    await run.until(run.total * 9 // 16)
     controller = broker.active_controller(cluster)
     assert controller is not None
     failed_over_at = time.monotonic()
@@ -230,7 +232,7 @@ async def test_a_broker_and_then_the_controller_die_under_load_and_nothing_is_lo
     election = await _wait_for(
         lambda: broker.active_controller(cluster) not in (None, controller), "a new controller election"
     )
-    await run.until(600)
+    await run.until(run.total * 12 // 16)
     broker.start(cluster, wait_timeout=120)
     await run.until(run.total)
 
@@ -259,9 +261,9 @@ async def test_second_instances_of_the_processors_join_and_one_of_each_dies(
         for role in extra:
             ready = tmp_path / "run" / f"{role}.ready"
             await _wait_for(ready.exists, f"the second {role} ready", timeout=90)
-        run = Run(store, total=400)
+        run = Run(store, total=ROLLOUTS // 2)
         await run.enqueue()
-        await run.until(130)
+        await run.until(run.total // 3)
         for process in extra.values():
             os.kill(process.pid, signal.SIGKILL)
             process.wait(30)
