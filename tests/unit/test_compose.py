@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import typer
-import yaml  # type: ignore[import-untyped]  # PyYAML (installed with litellm) ships no types
+import yaml  # type: ignore[import-untyped]  # PyYAML (the dev extra) ships no types
 
 from agl_stream.cli import _root
 from agl_stream.cli.commands import register
