@@ -67,6 +67,7 @@ MIN_JAVA = 17
 KAFKA_MAIN = "kafka.Kafka"
 _JARS_MARKER = ".agl-complete"
 _POLL_S = 0.05
+CLUSTER_STOP_GRACE_S = 10.0
 _TAIL_LINES = 40
 
 _JAVA_HINT = (
@@ -1062,6 +1063,11 @@ def stop(settings: Settings, *, timeout: float = 30.0) -> bool:
             return False
         log.info("stopping local kafka", pids=running)
         began = time.monotonic()
+        if len(running) > 1:
+            # The last nodes of a cluster going down can lose their quorum in the middle of their
+            # controlled shutdown and then wait it out (seen: 30 s); the whole cluster stops, so
+            # there is no leadership left to hand over and a short grace is enough.
+            timeout = min(timeout, CLUSTER_STOP_GRACE_S)
         _terminate_all(list(running.values()), timeout)
         for node_id in running:
             _Paths.of(settings, node_id).pid_file.unlink(missing_ok=True)
