@@ -24,7 +24,6 @@ jars: venv
 # (tests/conftest.py); set AGL_KAFKA_BOOTSTRAP to run it against an existing cluster. Two
 # workers (pytest-xdist, one module per worker at a time, each with its own broker): the
 # integration tests mostly wait on brokers and processes, so two overlap well on two cores.
-# The longest modules go out first (tests/conftest.py, LONGEST_FIRST), in collection order.
 # The dashboard's browser tests (tests/integration/test_dashboard.py) drive Debian's chromium:
 # installed here when /usr/bin/chromium is missing (as root, or with sudo); the tests never
 # download a browser, and fail saying so when there is none.
@@ -39,7 +38,7 @@ test: venv jars browser
 	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts examples
 	$(MAKE) --no-print-directory typecheck
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 lint: venv
 	$(BIN)/ruff check .

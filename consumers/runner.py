@@ -52,6 +52,8 @@ from agl_stream.tracing import AttemptTracer
 log = get_logger("agl.runner")
 
 SEQUENCE_BLOCK = 1 << 20
+REPORT_TRIES = 6
+"""Sends of an attempt's outcome before the runner gives up on it (backoff 1 s doubling to 15 s)."""
 """Sequence ids reserved per attempt for the runner's own spans: an attempt tracing more spans
 than this (a million) could share ids with spans other writers add to it."""
 
@@ -305,8 +307,26 @@ class Runner:
         spans = list(trace.spans) + await self._export_returned(rollout, returned, trace.next_sequence_id)
         await self._hooks("on_rollout_end", agent=self.agent, runner=self, rollout=rollout, spans=spans)
         log.debug("attempt done", rollout=rid, attempt=aid, spans=len(spans), reward=_final_reward(spans))
-        await self.store.update_attempt(rid, aid, status=status)
+        await self._report(rid, aid, status)
         return status
+
+    async def _report(self, rid: str, aid: str, status: str) -> None:
+        """The attempt's outcome, sent again while the cluster cannot take it (a broker failing
+        over): an attempt left running would hold its rollout until a timeout it may not have.
+        A refusal (ValueError: e.g. the watchdog closed the attempt) is final."""
+        delay = 1.0
+        for tries_left in range(REPORT_TRIES - 1, -1, -1):
+            try:
+                await self.store.update_attempt(rid, aid, status=status)  # type: ignore[arg-type]
+                return
+            except ValueError:
+                raise
+            except Exception as error:
+                if tries_left == 0:
+                    raise
+                log.warning("reporting the attempt failed; trying again", rollout=rid, attempt=aid, error=repr(error))
+                await asyncio.sleep(delay)  # backoff while the cluster recovers
+                delay = min(delay * 2, 15.0)
 
     async def _call_agent(self, rollout: AttemptedRollout, snapshot: ResourcesUpdate | None) -> Any:
         if snapshot is None and rollout.resources_id is not None:

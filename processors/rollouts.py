@@ -306,7 +306,15 @@ class RolloutProcessor:
         rollout_id = event.rollout_id
         if event.writer == PROCESSOR and isinstance(event.payload, AttemptStarted):
             self.queue.release(rollout_id)  # our own claim is decided now, whatever the fold says
-            self.claims_in_flight.pop(event.payload.attempt.attempt_id, None)
+            attempt_id = event.payload.attempt.attempt_id
+            self.claims_in_flight.pop(attempt_id, None)
+            owner = self.attempts.get(attempt_id)
+            if owner is not None and owner != rollout_id:
+                # One claim served twice: a batch redone while the first serving's event was still
+                # on its way. The first folded is the claim (its claimer heard of it then); this
+                # rollout stays queued for the next claim.
+                self.counts["claims_served_twice"] += 1
+                return
         state = self.states.get(rollout_id)
         if state is not None and record.offset <= state.input_offset:
             # Applied before a crash: the writer may still wait for its answer.

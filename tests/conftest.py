@@ -18,26 +18,6 @@ import pytest
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 
-# The modules that take longest (measured, seconds per module on 2 cores), longest first. With
-# `make test`'s two workers (pytest-xdist, `--dist loadfile --no-loadscope-reorder`) modules go
-# out in collection order, so these start first and the many short ones fill in behind them;
-# left to xdist's own order (most tests first) the long one-test modules ran last on one worker.
-LONGEST_FIRST = (
-    "test_runner.py",  # ~250
-    "test_cluster.py",  # ~220: a three-broker cluster of its own
-    "test_rl_loop.py",  # ~130
-    "test_verl_fit.py",  # ~125
-    "test_span_sink.py",  # ~105
-    "test_sql_cookbook.py",  # ~105
-    "test_examples_calculator.py",  # ~90
-    "test_hf_models.py",  # ~85
-    "test_trainer.py",  # ~80
-    "test_rl_data_path.py",  # ~75
-    "test_trainer_fit.py",  # ~70
-    "test_store_crash.py",  # ~65
-    "test_llm_proxy.py",  # ~65
-)
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Tests that run the seed's own python (`-m seed` selects them, `-m "not seed"` skips the
@@ -45,8 +25,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "seed_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.seed)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

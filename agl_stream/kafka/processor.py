@@ -108,7 +108,13 @@ class Outbox:
                 await self.producer.send(r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers)
             )
             per_topic[r.topic] = per_topic.get(r.topic, 0) + 1
-        acknowledged = list(await asyncio.gather(*futures))
+        # Every send settles before this returns or raises: a send still in flight when the
+        # handler starts over after a failure could land after the rebuilt state was read.
+        settled = await asyncio.gather(*futures, return_exceptions=True)
+        for result in settled:
+            if isinstance(result, BaseException):
+                raise result
+        acknowledged = list(settled)
         for topic, n in per_topic.items():
             metrics.count_out(topic, n)
         return acknowledged

@@ -65,6 +65,8 @@ CLAIM_SENDS = 3
 """Copies of one claim a client sends, each after the last went unanswered for its timeout."""
 REWATCH_S = 30.0
 """A rollout watched this long ago, not finished since, is watched again by the next wait."""
+ANSWER_RECHECK_S = 10.0
+"""An event unanswered this long is looked for in its rollout's state (the answer may be lost)."""
 
 
 def _latest(state: RolloutState) -> Attempt | None:
@@ -220,10 +222,11 @@ class AglStore(StoreReads):
                 await self._producer.send(topic, data, key=event.rollout_id.encode(), headers=headers)
                 for event, data in encoded
             ]
-            for metadata in await asyncio.gather(*sends):
+            written = await asyncio.gather(*sends)
+            for metadata in written:
                 self._note(metadata.topic, metadata.partition, metadata.offset)
             metrics.count_out(topic, len(sends))
-            answers: list[Reply] = await self._answers(replies, self.request_timeout)
+            answers = await self._answers_or_states(encoded, written, replies)
         finally:
             for reply in replies:
                 if not reply.done():
@@ -233,6 +236,72 @@ class AglStore(StoreReads):
             if isinstance(event.payload, RolloutEnqueued):
                 self._watched[event.rollout_id] = time.monotonic()  # the enqueuer hears when it finishes
         return answers
+
+    async def _answers_or_states(
+        self,
+        encoded: Sequence[tuple[RolloutEvent, bytes]],
+        written: Sequence[Any],
+        replies: Sequence[asyncio.Future[Reply]],
+    ) -> list[Reply]:
+        """The answers to these events, which are in the log already (acknowledged).
+
+        An answer can be lost while a broker fails over, though the processor folded the event.
+        So an answer missing after ``ANSWER_RECHECK_S`` is looked for in the rollout's state,
+        asked for with a watch: a state that folded the event's offset (``input_offset``) is the
+        answer. An event the processor refused leaves no trace in the state, so its refusal
+        can only come as an answer; without one the call times out as before.
+        """
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AglError(
+                    f"no answer from the rollout processor within {self.request_timeout}s: is it running? "
+                    "(`agl-stream status`)"
+                )
+            # asyncio.wait, not wait_for: a timeout here must not cancel the answers' futures.
+            _, pending = await asyncio.wait(replies, timeout=min(left, ANSWER_RECHECK_S))
+            if not pending:
+                answers = [reply.result() for reply in replies]
+                for answer in answers:
+                    self._note_answer(answer)
+                return answers
+            missing = [
+                (index, event, metadata)
+                for index, ((event, _), metadata, reply) in enumerate(zip(encoded, written, replies, strict=True))
+                if reply in pending
+            ]
+            log.warning("answers missing; reading the states of their rollouts", events=len(missing))
+            states = await self._current_states(list(dict.fromkeys(event.rollout_id for _, event, _ in missing)))
+            for index, event, metadata in missing:
+                state = states.get(event.rollout_id)
+                if state is not None and state.input_offset >= metadata.offset and not replies[index].done():
+                    replies[index].set_result(Reply(request_id=event.event_id, outcome="applied", state=state))
+
+    async def _current_states(self, rollout_ids: list[str]) -> dict[str, RolloutState]:
+        """The processor's current state of each rollout it holds (one watch request each)."""
+        topic = self.settings.topic("store-requests")
+        requests = [
+            StoreRequest(
+                request_id=new_event_id(), kind="watch", reply_to=self._replies.topic, time=time.time(), rollout_id=rid
+            )
+            for rid in rollout_ids
+        ]
+        replies = [self._replies.expect(r.request_id) for r in requests]
+        try:
+            for request in requests:
+                await self._producer.send(topic, self.codec.encode(request), key=(request.rollout_id or "").encode())
+            done, _ = await asyncio.wait(replies, timeout=ANSWER_RECHECK_S)
+        finally:
+            for reply in replies:
+                if not reply.done():
+                    reply.cancel()
+        found = {}
+        for rid, reply in zip(rollout_ids, replies, strict=True):
+            state = reply.result().state if reply in done and not reply.cancelled() else None
+            if state is not None:
+                found[rid] = state
+        return found
 
     async def _settle(self, sources: Sequence[str]) -> None:
         """Reads of rollout state see the effect of heartbeats sent without waiting (spans'

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.integration
 
 AGENT = "tests.integration.agents:llm_like"  # two LLM calls with token ids and a reward span
 # Lean for `make test`; CLUSTER_TEST_ROLLOUTS=3000 gives the figures of a longer run.
-ROLLOUTS = int(os.environ.get("CLUSTER_TEST_ROLLOUTS", "800"))
+ROLLOUTS = int(os.environ.get("CLUSTER_TEST_ROLLOUTS", "480"))
 
 
 @pytest.fixture(scope="module")
@@ -171,12 +171,19 @@ async def _check_exactly_once(settings: Settings, store: AglStore, run: Run) -> 
     )
     [[span_rows, distinct_spans, span_rollouts]] = spans.rows
     assert span_rows == distinct_spans and span_rollouts == run.total
-    records = await store.side.query(
-        f"SELECT rollout_id, attempt_id, count() FROM {db}.triplet_records FINAL "
-        f"WHERE rollout_id IN ({listed}) GROUP BY rollout_id, attempt_id",
-        fence=fence,
-        timeout=120,
-    )
+    # A builder emits an attempt's record once its spans settled, so the last ones may still
+    # be on their way: read until every attempt has one (or the deadline).
+    deadline = time.monotonic() + 120
+    while True:
+        records = await store.side.query(
+            f"SELECT rollout_id, attempt_id, count() FROM {db}.triplet_records FINAL "
+            f"WHERE rollout_id IN ({listed}) GROUP BY rollout_id, attempt_id",
+            fence=await fence_at_end(settings, "triplets"),
+            timeout=120,
+        )
+        if len(records.rows) >= run.total or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)  # the builder's settle time, polled with a deadline
     assert {(r, a) for r, a, _ in records.rows} == set(attempts.items())
     assert {int(n) for _, _, n in records.rows} == {1}
 

@@ -56,14 +56,14 @@ async def _until(check: Callable[[], Awaitable[bool]], timeout: float, what: str
         await asyncio.sleep(0.05)
 
 
-async def test_500_rollouts_across_4_runner_processes(own_stack: Settings) -> None:
+async def test_240_rollouts_across_4_runner_processes(own_stack: Settings) -> None:
     runners = _runner(own_stack, "--workers", "4", "--concurrency", "8", name="runners")
     try:
         async with connect(**own_stack.model_dump(exclude_none=True)) as store:
-            made = await store.enqueue_many_rollouts([{"input": {"kind": "ok", "i": i}} for i in range(500)])
+            made = await store.enqueue_many_rollouts([{"input": {"kind": "ok", "i": i}} for i in range(240)])
             ids = [r.rollout_id for r in made]
             finished = await store.wait_for_rollouts(rollout_ids=ids, timeout=300)
-            assert len(finished) == 500
+            assert len(finished) == 240
             assert {r.status for r in finished} == {"succeeded"}
             table = f"{own_stack.clickhouse_database}.otel_traces"
             assert store.side is not None
@@ -75,7 +75,7 @@ async def test_500_rollouts_across_4_runner_processes(own_stack: Settings) -> No
                 timeout=60,
             )
             rows = result.dicts()
-            assert len(rows) == 500, "every rollout has spans from exactly one attempt"
+            assert len(rows) == 240, "every rollout has spans from exactly one attempt"
             for row in rows:
                 assert row["n"] == 4, row  # agent.step, tool.call, the message, the reward: each exactly once
                 assert sorted(row["seqs"]) == [1, 2, 3, 4], row  # gap-free, from 1

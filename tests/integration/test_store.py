@@ -20,7 +20,8 @@ from agl_stream.config import Settings
 from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.ids import new_event_id
 from agl_stream.models import LLM, Reply, RolloutConfig, Span, StoreRequest
-from agl_stream.store.replies import RejectedError
+from agl_stream.store import client as client_module
+from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError
 
 pytestmark = pytest.mark.integration
 
@@ -221,6 +222,22 @@ async def test_a_claim_sent_again_gets_the_rollout_it_claimed_and_no_second_one(
     attempts = await store.query_attempts(rollout_id)
     assert [a.attempt_id for a in attempts] == [claim_attempt_id(request.request_id)]
     await store.update_attempt(rollout_id, attempts[0].attempt_id, status="succeeded")
+
+
+async def test_an_event_whose_answer_is_lost_is_found_in_its_rollouts_state(
+    stack_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer lost on its way (a broker failing over) does not fail the call: the event is in
+    the log, and the state the processor folded it into is the answer."""
+    monkeypatch.setattr(client_module, "ANSWER_RECHECK_S", 0.5)
+    options = stack_settings.model_dump(exclude_none=True)
+    async with connect(**options) as writer, connect(**options) as other:
+        [rollout] = await writer.enqueue_many_rollouts([{"input": {"lost": True}}])
+        # Its answers now go to another client's topic: for this client they are lost.
+        writer._state_header = [(REPLY_HEADER, other._replies.topic.encode()), (REPLY_STATE_HEADER, b"1")]
+        updated = await writer.update_rollout(rollout.rollout_id, metadata={"answer": "lost"})
+        assert updated.metadata == {"answer": "lost"}
+        assert (await other.get_rollout_by_id(rollout.rollout_id)).metadata == {"answer": "lost"}  # type: ignore[union-attr]
 
 
 async def test_illegal_transitions_are_errors_not_silent(store: AglStore) -> None:
