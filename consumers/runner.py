@@ -310,14 +310,14 @@ class Runner:
         await self._report(rid, aid, status)
         return status
 
-    async def _report(self, rid: str, aid: str, status: str) -> None:
+    async def _report(self, rid: str, aid: str, status: AttemptStatus) -> None:
         """The attempt's outcome, sent again while the cluster cannot take it (a broker failing
         over): an attempt left running would hold its rollout until a timeout it may not have.
         A refusal (ValueError: e.g. the watchdog closed the attempt) is final."""
         delay = 1.0
         for tries_left in range(REPORT_TRIES - 1, -1, -1):
             try:
-                await self.store.update_attempt(rid, aid, status=status)  # type: ignore[arg-type]
+                await self.store.update_attempt(rid, aid, status=status)
                 return
             except ValueError:
                 raise
