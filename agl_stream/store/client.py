@@ -274,12 +274,15 @@ class AglStore(StoreReads):
             log.warning("answers missing; reading the states of their rollouts", events=len(missing))
             states = await self._current_states(list(dict.fromkeys(event.rollout_id for _, event, _ in missing)))
             for index, event, metadata in missing:
-                state = states.get(event.rollout_id)
-                if state is not None and state.input_offset >= metadata.offset and not replies[index].done():
-                    replies[index].set_result(Reply(request_id=event.event_id, outcome="applied", state=state))
+                found = states.get(event.rollout_id)
+                state = found.state if found is not None else None
+                if found is not None and state is not None and state.input_offset >= metadata.offset:
+                    if not replies[index].done():
+                        # With the state record's position: later reads are fenced on it.
+                        replies[index].set_result(found.model_copy(update={"request_id": event.event_id}))
 
-    async def _current_states(self, rollout_ids: list[str]) -> dict[str, RolloutState]:
-        """The processor's current state of each rollout it holds (one watch request each)."""
+    async def _current_states(self, rollout_ids: list[str]) -> dict[str, Reply]:
+        """The processor's answer with the current state of each rollout it holds (one watch each)."""
         topic = self.settings.topic("store-requests")
         requests = [
             StoreRequest(
@@ -298,9 +301,8 @@ class AglStore(StoreReads):
                     reply.cancel()
         found = {}
         for rid, reply in zip(rollout_ids, replies, strict=True):
-            state = reply.result().state if reply in done and not reply.cancelled() else None
-            if state is not None:
-                found[rid] = state
+            if reply in done and not reply.cancelled() and reply.result().state is not None:
+                found[rid] = reply.result()
         return found
 
     async def _settle(self, sources: Sequence[str]) -> None:

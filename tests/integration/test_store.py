@@ -237,7 +237,8 @@ async def test_an_event_whose_answer_is_lost_is_found_in_its_rollouts_state(
         writer._state_header = [(REPLY_HEADER, other._replies.topic.encode()), (REPLY_STATE_HEADER, b"1")]
         updated = await writer.update_rollout(rollout.rollout_id, metadata={"answer": "lost"})
         assert updated.metadata == {"answer": "lost"}
-        assert (await other.get_rollout_by_id(rollout.rollout_id)).metadata == {"answer": "lost"}  # type: ignore[union-attr]
+        # Read-your-writes holds: the read is fenced on the state record the recovered answer names.
+        assert (await writer.get_rollout_by_id(rollout.rollout_id)).metadata == {"answer": "lost"}  # type: ignore[union-attr]
 
 
 async def test_illegal_transitions_are_errors_not_silent(store: AglStore) -> None:
