@@ -281,8 +281,9 @@ class AglStore(StoreReads):
                         # With the state record's position: later reads are fenced on it.
                         replies[index].set_result(found.model_copy(update={"request_id": event.event_id}))
 
-    async def _current_states(self, rollout_ids: list[str]) -> dict[str, Reply]:
-        """The processor's answer with the current state of each rollout it holds (one watch each)."""
+    async def _send_watches(self, rollout_ids: list[str]) -> list[asyncio.Future[Reply]]:
+        """One watch request per rollout (answered with its current state); their answers' futures,
+        which the caller cancels when it stops waiting."""
         topic = self.settings.topic("store-requests")
         requests = [
             StoreRequest(
@@ -292,8 +293,22 @@ class AglStore(StoreReads):
         ]
         replies = [self._replies.expect(r.request_id) for r in requests]
         try:
-            for request in requests:
-                await self._producer.send(topic, self.codec.encode(request), key=(request.rollout_id or "").encode())
+            sends = [
+                await self._producer.send(topic, self.codec.encode(r), key=(r.rollout_id or "").encode())
+                for r in requests
+            ]
+            await asyncio.gather(*sends)
+        except BaseException:
+            for reply in replies:
+                reply.cancel()
+            raise
+        metrics.count_out(topic, len(sends))
+        return replies
+
+    async def _current_states(self, rollout_ids: list[str]) -> dict[str, Reply]:
+        """The processor's answer with the current state of each rollout it holds (one watch each)."""
+        replies = await self._send_watches(rollout_ids)
+        try:
             done, _ = await asyncio.wait(replies, timeout=ANSWER_RECHECK_S)
         finally:
             for reply in replies:
@@ -659,21 +674,8 @@ class AglStore(StoreReads):
 
     async def _watch(self, rollout_ids: list[str]) -> None:
         """Ask the processor to tell us when these rollouts finish; look up those it forgot."""
-        topic = self.settings.topic("store-requests")
-        requests = [
-            StoreRequest(
-                request_id=new_event_id(), kind="watch", reply_to=self._replies.topic, time=time.time(), rollout_id=rid
-            )
-            for rid in rollout_ids
-        ]
-        replies = [self._replies.expect(r.request_id) for r in requests]
+        replies = await self._send_watches(rollout_ids)
         try:
-            sends = [
-                await self._producer.send(topic, self.codec.encode(r), key=(r.rollout_id or "").encode())
-                for r in requests
-            ]
-            await asyncio.gather(*sends)
-            metrics.count_out(topic, len(sends))
             answers = await self._answers(replies, self.request_timeout)
         finally:
             for reply in replies:
