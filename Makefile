@@ -6,15 +6,23 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 AGL := $(BIN)/agl-stream
 
-.PHONY: venv jars browser test lint typecheck demo bench clean
+.PHONY: venv lock jars browser test lint typecheck demo bench clean
 
-$(STAMP): pyproject.toml
+# The venv is installed by uv (from PyPI into the venv, then it installs the rest): with its
+# cache, the whole set (torch, VERL, vLLM: ~7 GB) installs in seconds where pip took ~5 min,
+# and constraints.txt pins every package to the versions the tests last passed with.
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,train]'
+	$(BIN)/python -m pip install -q uv
+	$(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt -e '.[dev,train]'
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Resolve pyproject.toml's dependencies again (after changing them), keeping the versions of
+# constraints.txt where they still fit, and write the result there.
+lock: venv
+	$(BIN)/uv pip compile -q pyproject.toml --extra dev --extra train --custom-compile-command "make lock" -o constraints.txt
 
 # Resolves the Apache Kafka server jars from Maven Central with Maven (cached).
 jars: venv
@@ -52,7 +60,10 @@ lint: venv
 # explicit_package_bases/mypy_path cannot help: a folder on mypy_path makes its train.py the
 # top-level `train` again, and without it the sibling import does not resolve. (The tests
 # import the agent modules as examples.<name>.<module>, so the first run checks those too.)
+# Its cache lives in the user's cache folder, not the clone: a fresh clone at the same path
+# (CI's) checks in seconds instead of ~2.5 min; mypy validates every entry by content hash.
 EXAMPLES := $(sort $(dir $(wildcard examples/*/*.py)))
+typecheck: export MYPY_CACHE_DIR ?= $(HOME)/.cache/agl-stream/mypy
 typecheck: venv
 	$(BIN)/mypy
 	set -e; for example in $(EXAMPLES); do $(BIN)/mypy $$example; done

@@ -5,6 +5,7 @@ per mode from SQL, and leaves no process it started behind, also when interrupte
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -67,6 +68,17 @@ def test_fit_runs_baseline_reports_rewards_from_sql_and_leaves_no_process(kafka_
     assert workers and workers <= {f"{result.run_id}-runner-0", f"{result.run_id}-runner-1"}
 
 
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """SIGINT handled as in a fresh Python process (KeyboardInterrupt, which asyncio.run turns
+    into cancelling the run): an earlier test in the same worker process may have left another
+    handler installed, under which Ctrl-C never reaches the run."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("python_sigint")
 def test_ctrl_c_stops_everything_the_run_started(kafka_bootstrap: str, tmp_path: Path) -> None:
     @agl.algo
     async def interrupted(*, store: Any, train_dataset: Any) -> None:
