@@ -52,10 +52,10 @@ from agl_stream.tracing import AttemptTracer
 log = get_logger("agl.runner")
 
 SEQUENCE_BLOCK = 1 << 20
-REPORT_TRIES = 6
-"""Sends of an attempt's outcome before the runner gives up on it (backoff 1 s doubling to 15 s)."""
 """Sequence ids reserved per attempt for the runner's own spans: an attempt tracing more spans
 than this (a million) could share ids with spans other writers add to it."""
+REPORT_TRIES = 6
+"""Sends of an attempt's outcome before the runner gives up on it (backoff 1 s doubling to 15 s)."""
 
 
 @dataclass

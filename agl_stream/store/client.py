@@ -69,6 +69,10 @@ ANSWER_RECHECK_S = 10.0
 """An event unanswered this long is looked for in its rollout's state (the answer may be lost)."""
 
 
+def _no_answer(timeout: float) -> AglError:
+    return AglError(f"no answer from the rollout processor within {timeout}s: is it running? (`agl-stream status`)")
+
+
 def _latest(state: RolloutState) -> Attempt | None:
     return max(state.attempts, key=lambda a: a.sequence_id) if state.attempts else None
 
@@ -255,10 +259,7 @@ class AglStore(StoreReads):
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AglError(
-                    f"no answer from the rollout processor within {self.request_timeout}s: is it running? "
-                    "(`agl-stream status`)"
-                )
+                raise _no_answer(self.request_timeout)
             # asyncio.wait, not wait_for: a timeout here must not cancel the answers' futures.
             _, pending = await asyncio.wait(replies, timeout=min(left, ANSWER_RECHECK_S))
             if not pending:
@@ -343,9 +344,7 @@ class AglStore(StoreReads):
         try:
             answers: list[Reply] = await asyncio.wait_for(asyncio.gather(*replies), timeout)
         except TimeoutError as error:
-            raise AglError(
-                f"no answer from the rollout processor within {timeout}s: is it running? (`agl-stream status`)"
-            ) from error
+            raise _no_answer(timeout) from error
         for answer in answers:
             self._note_answer(answer)
         return answers
