@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,12 +72,15 @@ class DemoResult:
 
 
 @contextlib.contextmanager
-def running_loop(settings: Settings, console: Console, *, keep: bool = False) -> Iterator[Settings]:
+def running_loop(
+    settings: Settings, console: Console, *, keep: bool = False, trainer_options: Sequence[str] = ()
+) -> Iterator[Settings]:
     """Start every role; stop them all on the way out (a stack `up` started is used, and left running).
 
     ``keep``: leave the local stack this started running (broker, processor, gateway, ...) so that
     its data stays in view on the dashboard; the demo's own roles (trainer, model, proxy, runner)
-    stop as always. `agl-stream --data-dir <its data dir> down` stops the stack."""
+    stop as always. `agl-stream --data-dir <its data dir> down` stops the stack.
+    ``trainer_options``: more `agl-stream trainer` flags (e.g. ``("--lr", "0.05")``)."""
     with console.status("starting the local stack (broker, topics, processor, gateway) ..."):
         opened = stack.open_session(settings)
     try:
@@ -106,6 +109,7 @@ def running_loop(settings: Settings, console: Console, *, keep: bool = False) ->
                     MODEL,
                     "--proxy-endpoint",
                     proxy_url,
+                    *trainer_options,
                     name="trainer",
                 )
                 roles.start("inference", "--port", str(model_port), "--model-name", MODEL, name="inference")

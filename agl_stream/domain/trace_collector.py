@@ -44,6 +44,19 @@ and the replay both hand it LeanSpans; a replay with a ``--reward`` function, mo
 FINISHED_ATTEMPT_STATUSES = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
 
 
+def finishes(state: RolloutState, attempt: Attempt) -> bool:
+    """Whether ``state`` is the one in which ``attempt`` finished: the fold stamps a finished
+    attempt's end time with the cause time of the state it finished in."""
+    return (
+        attempt.status in FINISHED_ATTEMPT_STATUSES and attempt.end_time is not None
+        and attempt.end_time == state.cause_time
+    )  # fmt: skip
+
+
+def finishes_an_attempt(state: RolloutState) -> bool:
+    return any(finishes(state, attempt) for attempt in state.attempts)
+
+
 @dataclass(frozen=True)
 class FinishedAttempt:
     """What the finishing state says about an attempt."""
@@ -143,8 +156,7 @@ class TraceCollector(Generic[Token]):
             if attempt.status not in FINISHED_ATTEMPT_STATUSES or key in self.handed_out:
                 continue
             entry = self.pending.get(key)
-            finishing_now = attempt.end_time is not None and attempt.end_time == state.cause_time
-            if entry is None and not finishing_now:
+            if entry is None and not finishes(state, attempt):
                 continue  # finished long ago (a state replayed after a restart), or never ours
             entry = self._entry(key, now)
             if entry.finished is None:

@@ -1,0 +1,212 @@
+"""The rollout processor's handler on hand-made batches: what it writes and answers, no broker.
+
+The producer and the reply topics are stand-ins that record what is sent and hand out offsets,
+so the batches here are exactly the records a consumer would deliver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.structs import RecordMetadata
+
+from agl_stream.codec import Codec
+from agl_stream.config import Settings
+from agl_stream.domain.queue import claim_attempt_id
+from agl_stream.domain.trace_collector import finishes_an_attempt
+from agl_stream.ids import new_event_id, new_rollout_id
+from agl_stream.kafka.io import DeadLetters
+from agl_stream.kafka.processor import Outbox
+from agl_stream.models import (
+    AttemptHeartbeat,
+    AttemptUpdated,
+    Reply,
+    Rollout,
+    RolloutEnqueued,
+    RolloutEvent,
+    RolloutState,
+    StoreRequest,
+)
+from agl_stream.store.replies import REPLY_HEADER
+from processors.rollouts import RolloutProcessor
+
+SETTINGS = Settings(topic_prefix="t")
+EVENTS = SETTINGS.topic("rollouts")
+REQUESTS = SETTINGS.topic("store-requests")
+STATES = SETTINGS.topic("rollout-state")
+CLIENT = f"{SETTINGS.topic('replies')}.client-1"
+
+
+class Producer:
+    """Acknowledges every send at once, with the next offset of its partition."""
+
+    def __init__(self, ends: dict[tuple[str, int], int]) -> None:
+        self.ends = ends
+        self.sent: list[tuple[str, int, bytes | None, list[tuple[str, bytes]]]] = []
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None = None,
+        partition: int | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future[RecordMetadata]:
+        p = partition or 0
+        offset = self.ends[(topic, p)]
+        self.ends[(topic, p)] = offset + 1
+        self.sent.append((topic, p, value, list(headers or [])))
+        done: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        done.set_result(RecordMetadata(topic, p, TopicPartition(topic, p), offset, -1, 0, 0))
+        return done
+
+
+class ReplyTopics:
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def valid(self, name: str) -> bool:
+        return bool(self.real.valid(name))
+
+    def of(self, headers: Any) -> tuple[str | None, bool]:
+        return self.real.of(headers)  # type: ignore[no-any-return]
+
+    def exists(self, name: str) -> bool:
+        return True
+
+    def gone(self, name: str) -> None:
+        raise AssertionError(name)
+
+    async def refresh(self, names: set[str]) -> None:
+        return None
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.codec = Codec.default()
+        self.ends: dict[tuple[str, int], int] = defaultdict(int)
+        self.producer = Producer(self.ends)
+        self.replies = Producer(self.ends)
+        outbox = Outbox(self.producer, DeadLetters(SETTINGS, self.producer, "test", self.codec))  # type: ignore[arg-type]
+        self.processor = RolloutProcessor(SETTINGS, outbox, self.replies, self.codec)  # type: ignore[arg-type]
+        self.processor.reply_topics = ReplyTopics(self.processor.reply_topics)  # type: ignore[assignment]
+        self.processor.owned = {0}
+
+    def record(
+        self, topic: str, key: str, value: bytes, headers: list[tuple[str, bytes]]
+    ) -> ConsumerRecord[bytes, bytes]:
+        offset = self.ends[(topic, 0)]
+        self.ends[(topic, 0)] = offset + 1
+        return ConsumerRecord(topic, 0, offset, 0, 0, key.encode(), value, None, len(key), len(value), headers)
+
+    def enqueue(self) -> ConsumerRecord[bytes, bytes]:
+        rollout = Rollout(rollout_id=new_rollout_id(), input={"n": 1}, start_time=time.time(), metadata={})
+        event = RolloutEvent(
+            event_id=new_event_id(), rollout_id=rollout.rollout_id, time=time.time(), writer="test",
+            payload=RolloutEnqueued(rollout=rollout),
+        )  # fmt: skip
+        return self.record(EVENTS, rollout.rollout_id, self.codec.encode(event), [(REPLY_HEADER, CLIENT.encode())])
+
+    def event(self, rollout_id: str, payload: Any, *, at: float) -> ConsumerRecord[bytes, bytes]:
+        event = RolloutEvent(event_id=new_event_id(), rollout_id=rollout_id, time=at, writer="test", payload=payload)
+        return self.record(EVENTS, rollout_id, self.codec.encode(event), [])
+
+    def claim(self, wait: float = 5.0) -> tuple[str, ConsumerRecord[bytes, bytes]]:
+        request = StoreRequest(
+            request_id=new_event_id(), kind="claim", reply_to=CLIENT, time=time.time(), worker_id="w", wait_seconds=wait
+        )
+        return request.request_id, self.record(REQUESTS, request.request_id, self.codec.encode(request), [])
+
+    def written(self, topic: str) -> list[tuple[int, bytes | None, list[tuple[str, bytes]]]]:
+        """What was produced to ``topic`` (offset order), as the consumer would read it back."""
+        return [(i, v, h) for i, (t, _, v, h) in enumerate(self.producer.sent) if t == topic]
+
+    def answers(self) -> list[Reply]:
+        return [self.codec.decode(v or b"", Reply) for t, _, v, _ in self.replies.sent if t == CLIENT]
+
+    def events_sent(self) -> list[ConsumerRecord[bytes, bytes]]:
+        """The processor's own events on agl.rollouts, as records a consumer would deliver."""
+        return [
+            ConsumerRecord(EVENTS, p, 0, 0, 0, None, v, None, 0, len(v or b""), h)
+            for t, p, v, h in self.producer.sent
+            if t == EVENTS
+        ]
+
+    async def handle(self, *records: ConsumerRecord[bytes, bytes]) -> None:
+        batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = defaultdict(list)
+        for r in records:
+            batch[TopicPartition(r.topic, r.partition)].append(r)
+        await self.processor.handle(dict(batch))
+
+
+def _claimed(answers: list[Reply], request_id: str) -> RolloutState:
+    [answer] = [a for a in answers if a.request_id == request_id]
+    assert answer.outcome == "applied" and answer.state is not None
+    return answer.state
+
+
+async def test_a_waiting_claim_is_answered_in_the_batch_that_queues_its_rollout() -> None:
+    """An idle queue: the claim event lands right after the enqueue, so it is folded on its
+    acknowledgement and answered in the same batch; read back later it changes nothing."""
+    h = Harness()
+    request_id, claim = h.claim()
+    await h.handle(claim)
+    assert h.answers() == []  # nothing queued: the claim waits
+    await h.handle(enqueue := h.enqueue())
+    state = _claimed(h.answers(), request_id)
+    assert state.attempts[-1].attempt_id == claim_attempt_id(request_id)
+    assert state.rollout.status == "preparing"
+    claim_event_offset = enqueue.offset + 1
+    assert state.input_offset == claim_event_offset
+    states = [h.codec.decode(v or b"", RolloutState) for _, v, _ in h.written(STATES)]
+    assert [s.rollout.status for s in states] == ["queuing", "preparing"]
+    # The consumer delivers the claim event afterwards: no second state, no second answer.
+    [event] = h.events_sent()
+    sent, answered = len(h.producer.sent), len(h.answers())
+    await h.handle(
+        ConsumerRecord(EVENTS, 0, claim_event_offset, 0, 0, enqueue.key, event.value, None, 0, 0, event.headers)
+    )
+    assert (len(h.producer.sent), len(h.answers())) == (sent, answered)
+
+
+async def test_a_claim_event_behind_other_events_is_folded_when_it_comes_back() -> None:
+    """Events between the last one folded and the claim event: folding it early would fold out
+    of log order, so it waits for the consumer, which folds it after them."""
+    h = Harness()
+    await h.handle(first := h.enqueue())
+    second = h.enqueue()  # on the partition, not delivered yet: it lies before the claim event
+    request_id, claim = h.claim(wait=0)
+    await h.handle(claim)
+    assert [a for a in h.answers() if a.request_id == request_id] == []
+    [event] = h.events_sent()
+    at = second.offset + 1
+    states_before = len(h.written(STATES))
+    await h.handle(second, ConsumerRecord(EVENTS, 0, at, 0, 0, first.key, event.value, None, 0, 0, event.headers))
+    state = _claimed(h.answers(), request_id)
+    assert (state.rollout.rollout_id, state.input_offset) == (first.key.decode(), at)  # type: ignore[union-attr]
+    assert len(h.written(STATES)) == states_before + 2  # the second rollout's, then the claimed one's
+
+
+async def test_the_state_an_attempt_finished_in_is_written_even_when_the_batch_changes_it_again() -> None:
+    """A runner's liveness heartbeat folded after the attempt's outcome in one batch (the
+    processor was down meanwhile): the batch's newest state no longer shows the attempt
+    finishing, so the state it finished in is written too, before it. The triplet builder
+    emits an attempt from that state (a cluster test lost a triplet record without it)."""
+    h = Harness()
+    request_id, claim = h.claim()
+    await h.handle(claim)
+    await h.handle(h.enqueue())
+    state = _claimed(h.answers(), request_id)
+    rollout_id, attempt_id = state.rollout.rollout_id, state.attempts[-1].attempt_id
+    await h.handle(
+        h.event(rollout_id, AttemptUpdated(set_fields=["status"], attempt_id=attempt_id, status="succeeded"), at=10.0),
+        h.event(rollout_id, AttemptHeartbeat(attempt_id=attempt_id, worker_id="w"), at=13.0),
+    )
+    *_, finished, newest = [h.codec.decode(v or b"", RolloutState) for _, v, _ in h.written(STATES)]
+    assert finishes_an_attempt(finished) and finished.attempts[-1].status == "succeeded"
+    assert not finishes_an_attempt(newest) and newest.cause_time == 13.0
+    assert newest.attempts[-1].end_time == finished.cause_time == 10.0
