@@ -12,7 +12,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from uuid import uuid4
 
 import pytest
@@ -28,11 +27,13 @@ pytestmark = pytest.mark.integration
 AGENT = "tests.integration.agents:scripted"
 
 
-@pytest.fixture
-def own_stack(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Settings]:
+@pytest.fixture(scope="module")
+def own_stack(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    # One stack for the module (~30 s each to start): every test enqueues its own rollouts,
+    # waits for them, and stops the runners it started.
     settings = Settings(
         kafka_bootstrap=kafka_bootstrap,
-        data_dir=tmp_path,
+        data_dir=tmp_path_factory.mktemp("runner-stack"),
         topic_prefix=f"r{uuid4().hex[:10]}",
         gateway_port=0,
         watchdog_interval_s=0.2,
@@ -236,10 +237,11 @@ async def test_resources_come_from_the_rollouts_snapshot_or_the_latest(own_stack
 async def test_eight_runner_processes_on_four_partitions_all_claim(own_stack: Settings) -> None:
     # Claims are store requests the processor answers, not partitions of a consumer group: a
     # runner process beyond the partition count gets work like the others.
+    started = time.time()
     runners = _runner(own_stack, "--workers", "8", "--concurrency", "1", name="eight")
     try:
         async with connect(**own_stack.model_dump(exclude_none=True)) as store:
-            await _until(lambda: _workers_seen(store, 8), 120, "8 runner processes to report")
+            await _until(lambda: _workers_seen(store, 8, since=started), 120, "8 runner processes to report")
             tasks = [{"input": {"kind": "sleep", "seconds": 0.05, "i": i}} for i in range(160)]
             made = await store.enqueue_many_rollouts(tasks)
             finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=300)
@@ -255,5 +257,7 @@ async def test_eight_runner_processes_on_four_partitions_all_claim(own_stack: Se
         assert stop_role(runners, timeout=60) == 0
 
 
-async def _workers_seen(store: AglStore, count: int) -> bool:
-    return len(await store.query_workers()) >= count
+async def _workers_seen(store: AglStore, count: int, *, since: float) -> bool:
+    """At least ``count`` workers reported since ``since`` (the module's earlier runners did before)."""
+    workers = await store.query_workers()
+    return sum(w.last_heartbeat_time is not None and w.last_heartbeat_time >= since for w in workers) >= count
