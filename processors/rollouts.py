@@ -41,7 +41,6 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
-from aiokafka.structs import RecordMetadata
 
 from agl_stream import metrics
 from agl_stream.codec import Codec
@@ -154,10 +153,6 @@ class RolloutProcessor:
         self.queue: ClaimQueue[_Claim] = ClaimQueue()
         self.owned: set[int] = set()
         self.catching_up: dict[int, int] = {}  # partition -> end of agl.rollouts at assignment
-        # partition -> the offset after the last agl.rollouts event folded there: a claim event
-        # written right at it follows every event folded, so it may be folded on acknowledgement.
-        self.folded_next: dict[int, int] = {}
-        self.folded_early: set[tuple[int, int]] = set()  # (partition, offset) of claim events so folded
         self._next_watchdog = 0.0
         self._next_prune = time.monotonic() + PRUNE_EVERY_S
         self._pruning: asyncio.Task[list[str]] | None = None
@@ -184,8 +179,6 @@ class RolloutProcessor:
         self.owned -= gone
         for p in gone:
             self.catching_up.pop(p, None)
-            self.folded_next.pop(p, None)
-        self.folded_early = {(p, o) for p, o in self.folded_early if p not in gone}
 
     async def _recover(self, partitions: set[int]) -> None:
         """Read the changelog partitions to their end; note where agl.rollouts ends now."""
@@ -286,7 +279,6 @@ class RolloutProcessor:
             if tp.topic == self.events_topic:
                 for record in records:
                     self._fold(record, out)
-                self.folded_next[tp.partition] = records[-1].offset + 1
                 if tp.partition in self.catching_up and records[-1].offset + 1 >= self.catching_up[tp.partition]:
                     del self.catching_up[tp.partition]
         for tp, records in batch.items():
@@ -298,9 +290,6 @@ class RolloutProcessor:
         await self._send(out, tombstones, outgoing)
 
     def _fold(self, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
-        if self.folded_early and (record.partition, record.offset) in self.folded_early:
-            self.folded_early.discard((record.partition, record.offset))
-            return  # folded and answered when it was acknowledged
         if len(record.value or b"") > MAX_EVENT_BYTES:
             # Its state would be too large to write: refused here, where the DLQ can say why,
             # rather than failing every produce of the batch it lands in.
@@ -491,28 +480,23 @@ class RolloutProcessor:
         return out
 
     async def _send(self, out: _Batch, tombstones: list[Record], claims: list[Record]) -> None:
-        """Phase one (states, tombstones, DLQ records and claim events, acknowledged), then the
-        claim events that can be folded at once, then phase two (the answers)."""
+        """Phase one (states, tombstones, DLQ records and claim events, acknowledged), then
+        phase two (the answers)."""
         bodies: dict[int, bytes] = {}  # answers that carry a state this batch wrote reuse its bytes
-        sent = await self._write(out, tombstones, claims, bodies)
-        early = self._fold_on_acknowledgement(claims, sent)
-        if early.touched or early.rejected:
-            await self._write(early, [], [], bodies)
+        await self._write(out, tombstones, claims, bodies)
         notices = [
             _Answer(watcher, "", "notice", rid, state)
-            for batch in (out, early)
-            for rid, state in batch.touched.items()
-            if state.rollout.status in TERMINAL_STATUSES and not batch.was_terminal.get(rid, False)
+            for rid, state in out.touched.items()
+            if state.rollout.status in TERMINAL_STATUSES and not out.was_terminal.get(rid, False)
             for watcher in state.watchers
         ]
-        await self._reply(out.answers + early.answers + notices, bodies)
+        await self._reply(out.answers + notices, bodies)
 
     async def _write(
         self, out: _Batch, tombstones: list[Record], claims: list[Record], bodies: dict[int, bytes]
-    ) -> list[RecordMetadata]:
+    ) -> None:
         """One state record per rollout the batch touched, after the tombstones (a rollout
-        forgotten and enqueued again in one batch ends up present), then the claim events; the
-        claim events' metadata is returned."""
+        forgotten and enqueued again in one batch ends up present), then the claim events."""
         touched = out.touched
         ids = list(touched)
         encoded = [self.codec.encode(touched[rid]) for rid in ids]
@@ -533,26 +517,6 @@ class RolloutProcessor:
         bodies.update(
             (id(touched[rid]), self.replies_wire.state_body(value)) for rid, value in zip(ids, encoded, strict=True)
         )
-        return sent[len(tombstones) + len(states) :]
-
-    def _fold_on_acknowledgement(self, claims: list[Record], sent: list[RecordMetadata]) -> _Batch:
-        """Fold the claim events that landed right after the last event folded on their
-        partition, as soon as they are acknowledged: nothing lies between, so folding them now
-        is folding them in log order, one trip through the broker sooner for the claimer (on an
-        idle queue, where most claims wait). When the consumer reads them later they are skipped;
-        after a crash before their states were written they are folded as any other event."""
-        early = _Batch()
-        for claim, meta in zip(claims, sent, strict=True):
-            if self.folded_next.get(meta.partition) != meta.offset:
-                continue  # events came in between: the claim is folded when it comes back
-            record: ConsumerRecord[bytes, bytes] = ConsumerRecord(
-                meta.topic, meta.partition, meta.offset, meta.timestamp, meta.timestamp_type,
-                claim.key, claim.value, None, len(claim.key or b""), len(claim.value or b""), list(claim.headers or []),
-            )  # fmt: skip
-            self._fold(record, early)
-            self.folded_next[meta.partition] = meta.offset + 1
-            self.folded_early.add((meta.partition, meta.offset))
-        return early
 
     async def _reply(self, answers: list[_Answer], bodies: dict[int, bytes] | None = None) -> None:
         """Phase two: each answer on its writer's topic; a topic that is gone loses its answers.

@@ -36,7 +36,7 @@ from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig
 from agl_stream.processes import role_environment
 from tests.integration.helpers import start_role, stop_role
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # the first test also starts the pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_RESULT_ROWS = 500
@@ -114,7 +114,7 @@ def _serve(settings: Settings, *args: str, name: str, url: str) -> subprocess.Po
         except httpx.HTTPError:
             return False
 
-    _wait(answers, f"{name} at {url}")
+    _wait(answers, f"{name} at {url}", timeout=180)  # a model loading beside busy tests took over 90 s
     return process
 
 

@@ -149,46 +149,22 @@ def _claimed(answers: list[Reply], request_id: str) -> RolloutState:
     return answer.state
 
 
-async def test_a_waiting_claim_is_answered_in_the_batch_that_queues_its_rollout() -> None:
-    """An idle queue: the claim event lands right after the enqueue, so it is folded on its
-    acknowledgement and answered in the same batch; read back later it changes nothing."""
-    h = Harness()
+async def _claim_one(h: Harness) -> RolloutState:
+    """A rollout queued, claimed, and its claim event read back and folded: the claimer's answer."""
     request_id, claim = h.claim()
     await h.handle(claim)
-    assert h.answers() == []  # nothing queued: the claim waits
     await h.handle(enqueue := h.enqueue())
-    state = _claimed(h.answers(), request_id)
-    assert state.attempts[-1].attempt_id == claim_attempt_id(request_id)
-    assert state.rollout.status == "preparing"
-    claim_event_offset = enqueue.offset + 1
-    assert state.input_offset == claim_event_offset
-    states = [h.codec.decode(v or b"", RolloutState) for _, v, _ in h.written(STATES)]
-    assert [s.rollout.status for s in states] == ["queuing", "preparing"]
-    # The consumer delivers the claim event afterwards: no second state, no second answer.
     [event] = h.events_sent()
-    sent, answered = len(h.producer.sent), len(h.answers())
-    await h.handle(
-        ConsumerRecord(EVENTS, 0, claim_event_offset, 0, 0, enqueue.key, event.value, None, 0, 0, event.headers)
-    )
-    assert (len(h.producer.sent), len(h.answers())) == (sent, answered)
+    assert _answers_to(h, request_id) == []  # the claim is folded when its event comes back
+    at = h.ends[(EVENTS, 0)] - 1
+    await h.handle(ConsumerRecord(EVENTS, 0, at, 0, 0, enqueue.key, event.value, None, 0, 0, event.headers))
+    state = _claimed(h.answers(), request_id)
+    assert state.attempts[-1].attempt_id == claim_attempt_id(request_id) and state.input_offset == at
+    return state
 
 
-async def test_a_claim_event_behind_other_events_is_folded_when_it_comes_back() -> None:
-    """Events between the last one folded and the claim event: folding it early would fold out
-    of log order, so it waits for the consumer, which folds it after them."""
-    h = Harness()
-    await h.handle(first := h.enqueue())
-    second = h.enqueue()  # on the partition, not delivered yet: it lies before the claim event
-    request_id, claim = h.claim(wait=0)
-    await h.handle(claim)
-    assert [a for a in h.answers() if a.request_id == request_id] == []
-    [event] = h.events_sent()
-    at = second.offset + 1
-    states_before = len(h.written(STATES))
-    await h.handle(second, ConsumerRecord(EVENTS, 0, at, 0, 0, first.key, event.value, None, 0, 0, event.headers))
-    state = _claimed(h.answers(), request_id)
-    assert (state.rollout.rollout_id, state.input_offset) == (first.key.decode(), at)  # type: ignore[union-attr]
-    assert len(h.written(STATES)) == states_before + 2  # the second rollout's, then the claimed one's
+def _answers_to(h: Harness, request_id: str) -> list[Reply]:
+    return [a for a in h.answers() if a.request_id == request_id]
 
 
 async def test_the_state_an_attempt_finished_in_is_written_even_when_the_batch_changes_it_again() -> None:
@@ -197,10 +173,7 @@ async def test_the_state_an_attempt_finished_in_is_written_even_when_the_batch_c
     finishing, so the state it finished in is written too, before it. The triplet builder
     emits an attempt from that state (a cluster test lost a triplet record without it)."""
     h = Harness()
-    request_id, claim = h.claim()
-    await h.handle(claim)
-    await h.handle(h.enqueue())
-    state = _claimed(h.answers(), request_id)
+    state = await _claim_one(h)
     rollout_id, attempt_id = state.rollout.rollout_id, state.attempts[-1].attempt_id
     await h.handle(
         h.event(rollout_id, AttemptUpdated(set_fields=["status"], attempt_id=attempt_id, status="succeeded"), at=10.0),
