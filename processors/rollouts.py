@@ -13,7 +13,8 @@ Per fetch (up to thousands of records from agl.rollouts and agl.store-requests):
    the log stays the whole history; it is folded (and answered) when it comes back. A claim that
    finds nothing waits up to its ``wait_seconds`` for work, else is answered ``empty``;
 3. phase one, sent together and acknowledged: one state record per rollout the batch touched
-   (its newest), tombstones of finished rollouts past their retention, DLQ records of
+   (its newest, after any state in which an attempt finished that later events of the batch
+   superseded: readers act on that state), tombstones of finished rollouts past their retention, DLQ records of
    undecodable input and of rejected events nobody waits on (a writer waiting on its event
    hears the reason instead), claim and watchdog events;
 4. phase two: the replies, each on the writer's own topic (``<prefix>.replies.<client>``, named
@@ -479,25 +480,8 @@ class RolloutProcessor:
             heapq.heapify(self.finish_order)
         return out
 
-    async def _send(self, out: _Batch, tombstones: list[Record], claims: list[Record]) -> None:
-        """Phase one (states, tombstones, DLQ records and claim events, acknowledged), then
-        phase two (the answers)."""
-        bodies: dict[int, bytes] = {}  # answers that carry a state this batch wrote reuse its bytes
-        await self._write(out, tombstones, claims, bodies)
-        notices = [
-            _Answer(watcher, "", "notice", rid, state)
-            for rid, state in out.touched.items()
-            if state.rollout.status in TERMINAL_STATUSES and not out.was_terminal.get(rid, False)
-            for watcher in state.watchers
-        ]
-        await self._reply(out.answers + notices, bodies)
-
-    async def _write(
-        self, out: _Batch, tombstones: list[Record], claims: list[Record], bodies: dict[int, bytes]
-    ) -> None:
-        """One state record per rollout the batch touched, after the tombstones (a rollout
-        forgotten and enqueued again in one batch ends up present), then the claim events."""
-        touched = out.touched
+    async def _send(self, out: _Batch, tombstones: list[Record], outgoing: list[Record]) -> None:
+        touched, was_terminal, answers = out.touched, out.was_terminal, out.answers
         ids = list(touched)
         encoded = [self.codec.encode(touched[rid]) for rid in ids]
         finishing = [
@@ -509,14 +493,23 @@ class RolloutProcessor:
             Record(self.state_topic, rid.encode(), value, self.partition_of[rid])
             for rid, value in zip(ids, encoded, strict=True)
         ]
+        # Tombstones first: a rollout forgotten and enqueued again in one batch ends up present.
         sent, _ = await asyncio.gather(
-            self.outbox.send_all(tombstones + states + claims), self.outbox.reject(out.rejected)
+            self.outbox.send_all(tombstones + states + outgoing), self.outbox.reject(out.rejected)
         )
         for rid, meta in zip(ids, sent[len(tombstones) + len(finishing) :], strict=False):
             self.state_offset[rid] = meta.offset
-        bodies.update(
-            (id(touched[rid]), self.replies_wire.state_body(value)) for rid, value in zip(ids, encoded, strict=True)
-        )
+        # Answers that carry a state this batch wrote reuse its bytes (most of them do).
+        bodies = {
+            id(touched[rid]): self.replies_wire.state_body(value) for rid, value in zip(ids, encoded, strict=True)
+        }
+        notices = [
+            _Answer(watcher, "", "notice", rid, state)
+            for rid, state in touched.items()
+            if state.rollout.status in TERMINAL_STATUSES and not was_terminal.get(rid, False)
+            for watcher in state.watchers
+        ]
+        await self._reply(answers + notices, bodies)
 
     async def _reply(self, answers: list[_Answer], bodies: dict[int, bytes] | None = None) -> None:
         """Phase two: each answer on its writer's topic; a topic that is gone loses its answers.
