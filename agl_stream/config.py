@@ -149,6 +149,19 @@ class Settings(BaseSettings):
         60.0, gt=0, description="How long a store call waits for the rollout processor's answer."
     )
 
+    # -- starting processes (the local stack, the demo, Trainer.fit; agl_stream/processes.py) ------
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest a role or the local broker may take to answer after it started, while it runs "
+        "(one that exits fails at once); a busy machine may need more.",
+    )
+    model_start_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="The same for model servers (`inference`, vLLM), whose first load may take many minutes.",
+    )
+
     # -- SQL analytics (`GET/POST /v1/sql`, `agl-stream sql`) ----------------------------------
     sql_time_limit_s: float = Field(
         30.0, gt=0, le=3600, description="Longest an analytics query may run (ClickHouse max_execution_time)."
