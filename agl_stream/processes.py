@@ -2,6 +2,13 @@
 
 Concurrency model: plain functions, and :class:`RoleGroup`, which one thread uses to start and
 stop the processes of one run.
+
+Waiting for a process to start (:func:`wait_started`) has no short fixed deadline: it waits as
+long as the process lives, up to its start budget (``AGL_START_TIMEOUT_S``, or
+``AGL_MODEL_START_TIMEOUT_S`` for a model server: a first vLLM load may take 15 minutes), and
+reports its progress (the role, the seconds waited, the last line of its log) on the way. A role
+that exits, or outlives its budget, is one :class:`RoleStartError`: a line that says what
+happened and what to do, then the end of its log.
 """
 
 from __future__ import annotations
@@ -13,13 +20,23 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import httpx
 
 from agl_stream.config import SECRETS_DIR_ENV, Settings
+from agl_stream.errors import AglError
+
+T = TypeVar("T")
+Progress = Callable[[str], None]
+"""Told what a wait is waiting for, as one line (a spinner's text, a log line)."""
+
+MODEL_ROLES = frozenset({"inference"})
+"""Roles that load a model before they answer: they get ``model_start_timeout_s``."""
+_POLL_S = 0.2  # another process starting up: nothing to be notified by
 
 KEYLESS_ROLES = frozenset({"supervise", "processor", "gateway", "ingress", "triplets", "batcher", "sink", "otlp-kafka"})
 """Roles that call no outside service, so they get none of the caller's credentials: a role that
@@ -64,11 +81,17 @@ def role_environment(settings: Settings, role: str | None = None) -> dict[str, s
 
 
 def start_role(
-    settings: Settings, *args: str, log_path: Path, env: Mapping[str, str] | None = None
+    settings: Settings,
+    *args: str,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    detached: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``agl-stream <args>`` with these settings; its output goes to ``log_path``.
 
     ``env``: variables set on top of :func:`role_environment` (never secrets: see there).
+    ``detached``: in a session of its own (and so are the processes it starts), so a terminal
+    that closes (SIGHUP) or a Ctrl-C there stops nothing: what ``up --detach`` leaves running.
     """
     base = role_environment(settings, args[0] if args else None)
     env = {**base, **(env or {})}
@@ -77,8 +100,10 @@ def start_role(
         return subprocess.Popen(
             [sys.executable, "-m", "agl_stream", *args],
             env=env,
+            stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
+            start_new_session=detached,
         )
 
 
@@ -111,8 +136,71 @@ def log_tail(path: Path, chars: int = 3000) -> str:
         return ""
 
 
-class RoleExitedError(RuntimeError):
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log, shortened for a progress line."""
+    lines = [line for line in log_tail(path, 2000).splitlines() if line.strip()]
+    text = lines[-1].strip() if lines else ""
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def start_budget(settings: Settings, role: str) -> float:
+    """Seconds ``role`` may take to start answering: longer for a model server."""
+    return settings.model_start_timeout_s if role in MODEL_ROLES else settings.start_timeout_s
+
+
+class RoleExitedError(AglError):
     """A role this group started exited while it was still needed."""
+
+
+class RoleStartError(RoleExitedError):
+    """A role exited while starting, or did not answer within its start budget."""
+
+
+def wait_started(
+    what: str,
+    ready: Callable[[], T | None],
+    *,
+    budget_s: float,
+    exit_code: Callable[[], int | None],
+    log_path: Path,
+    progress: Progress | None = None,
+    budget_setting: str = "AGL_START_TIMEOUT_S",
+) -> T:
+    """``ready()``'s first truthy value, polled while the process lives, for up to ``budget_s``.
+
+    ``exit_code``: None while the process runs. ``progress`` hears where the wait stands (what,
+    seconds so far, the last line of the log) on every poll. RoleStartError when the process
+    exits first or the budget runs out, saying what to do, with the end of its log.
+    """
+    began = time.monotonic()
+    while True:
+        value = ready()
+        if value:
+            return value
+        waited = time.monotonic() - began
+        code = exit_code()
+        if code is not None:
+            raise RoleStartError(
+                f"{what} exited with code {code} while starting; see its log {log_path} for the cause "
+                f"(fix it and start again). Its log ends with:\n{log_tail(log_path)}"
+            )
+        if waited > budget_s:
+            raise RoleStartError(
+                f"{what} was still starting after {waited:.0f} s (its budget: {budget_s:.0f} s); on a busy or "
+                f"slow machine give it more with {budget_setting}, else see its log {log_path}. "
+                f"Its log ends with:\n{log_tail(log_path)}"
+            )
+        if progress is not None:
+            line = last_line(log_path)
+            progress(f"waiting for {what} to start ({waited:.0f} s of {budget_s:.0f} s){': ' + line if line else ''}")
+        time.sleep(_POLL_S)
+
+
+def answers_http(url: str) -> bool:
+    """Whether ``url`` answers 200 now."""
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=5.0).status_code == 200
+    return False
 
 
 class RoleGroup:
@@ -123,9 +211,10 @@ class RoleGroup:
     runners) are signalled together, so they drain in parallel.
     """
 
-    def __init__(self, settings: Settings, log_dir: Path) -> None:
+    def __init__(self, settings: Settings, log_dir: Path, progress: Progress | None = None) -> None:
         self.settings = settings
         self.log_dir = log_dir
+        self.progress = progress  # told where waits for a role to start stand
         self.processes: dict[str, subprocess.Popen[bytes]] = {}  # by name, in start order
         self.roles: dict[str, str] = {}  # name -> role (the command)
 
@@ -148,21 +237,20 @@ class RoleGroup:
         codes = {name: process.poll() for name, process in self.processes.items()}
         return {name: code for name, code in codes.items() if code is not None}
 
-    def wait_http(self, name: str, url: str, timeout: float = 120.0) -> None:
-        """Return once ``url`` answers 200; RoleExitedError if the role exits first."""
-        process = self.processes[name]
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=1).status_code == 200:
-                    return
-            if process.poll() is not None:
-                raise RoleExitedError(
-                    f"{name} exited with code {process.returncode}; its log ends with:\n{log_tail(self.log_path(name))}"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not answer {url} within {timeout:.0f}s (log: {self.log_path(name)})")
-            time.sleep(0.2)  # another process starting up: nothing to be notified by
+    def wait_http(self, name: str, url: str, budget_s: float | None = None) -> None:
+        """Return once ``url`` answers 200, waiting while the role lives, for up to its start
+        budget (:func:`start_budget`; ``budget_s`` overrides it); RoleStartError otherwise."""
+        process, role = self.processes[name], self.roles[name]
+        model = role in MODEL_ROLES
+        wait_started(
+            f"{name} ({url})" if name == role else f"{name} (the {role} role, {url})",
+            lambda: answers_http(url),
+            budget_s=budget_s if budget_s is not None else start_budget(self.settings, role),
+            exit_code=process.poll,
+            log_path=self.log_path(name),
+            progress=self.progress,
+            budget_setting="AGL_MODEL_START_TIMEOUT_S" if model else "AGL_START_TIMEOUT_S",
+        )
 
     def stop(self, timeout: float = 30.0) -> dict[str, int]:
         """SIGTERM each role (newest first), SIGKILL what outlives ``timeout``; the exit codes."""

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from agl_stream.config import Settings
 from agl_stream.errors import AglError
 from agl_stream.kafka import admin, broker
 from agl_stream.logs import get_logger
-from agl_stream.processes import role_alive, start_role
+from agl_stream.processes import Progress, role_alive, start_role, wait_started
 from agl_stream.supervisor import STATUS_FILE, read_status
 
 log = get_logger("agl.stack")
@@ -82,22 +81,6 @@ def local_stack_settings(settings: Settings) -> Settings:
     if stack is None or settings.kafka_bootstrap is not None:
         return settings
     return settings.model_copy(update={"kafka_bootstrap": stack.bootstrap})
-
-
-def _wait_for(
-    condition: Any, timeout: float, what: str, process: subprocess.Popen[bytes] | None, log_path: Path
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if process is not None and process.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
-            raise StackError(f"{what} exited with code {process.returncode}; its log ({log_path}) ends with:\n{tail}")
-        if time.monotonic() > deadline:
-            raise StackError(f"{what} was not ready after {timeout:.0f}s; see {log_path}")
-        time.sleep(0.05)  # polling a readiness file/endpoint of a child process
 
 
 def _running(stack: StackInfo) -> bool:
@@ -162,11 +145,17 @@ def _gateway_ready(settings: Settings) -> str | None:
     return url if response.status_code == 200 else None
 
 
-def up(settings: Settings, *, timeout: float = 120.0, training: bool = False) -> StackInfo:
+def up(
+    settings: Settings, *, timeout: float | None = None, training: bool = False, progress: Progress | None = None
+) -> StackInfo:
     """Start what is not running yet and wait until every part answers.
 
-    ``training``: also the triplet builder and the batcher (the RL data path).
+    ``training``: also the triplet builder and the batcher (the RL data path). ``timeout``: the
+    seconds the parts may take to start while they run (default ``start_timeout_s``; a part that
+    exits fails at once); ``progress`` hears which part the wait is on. The supervisor and its
+    roles run in a session of their own, so the stack outlives the terminal that started it.
     """
+    budget = settings.start_timeout_s if timeout is None else timeout
     roles = ROLES + (TRAINING_ROLES if training else ())
     existing = read_stack(settings)
     if existing is not None and _running(existing):
@@ -175,15 +164,19 @@ def up(settings: Settings, *, timeout: float = 120.0, training: bool = False) ->
     ensure_token(settings)  # before the roles start: they read it from the run dir
     started_broker = False
     if settings.uses_local_broker:
-        info = broker.start(settings)
+        if progress is not None:
+            progress("starting the local Kafka broker ...")
+        info = broker.start(settings, wait_timeout=budget)
         started_broker = info.started
-    bootstrap = settings.bootstrap_servers
+        bootstrap = info.bootstrap  # the ports this data dir's broker was made with
+    else:
+        bootstrap = settings.bootstrap_servers
     running = settings.model_copy(update={"kafka_bootstrap": bootstrap})
     asyncio.run(admin.apply(running))
     for stale in ("gateway.json", *READY_FILES.values()):
         (settings.run_dir / stale).unlink(missing_ok=True)
     (settings.run_dir / STATUS_FILE).unlink(missing_ok=True)
-    supervisor = start_role(running, "supervise", *roles, log_path=settings.run_dir / "supervisor.log")
+    supervisor = start_role(running, "supervise", *roles, log_path=settings.run_dir / "supervisor.log", detached=True)
     stack = StackInfo(
         bootstrap=bootstrap,
         topic_prefix=settings.topic_prefix,
@@ -192,32 +185,32 @@ def up(settings: Settings, *, timeout: float = 120.0, training: bool = False) ->
         started_at=time.time(),
     )
     _stack_file(settings).write_text(stack.model_dump_json(indent=2))
-    try:
-        started = _wait_for(
-            lambda: _all_started(settings, roles),
-            timeout,
-            "the supervisor",
-            supervisor,
-            settings.run_dir / "supervisor.log",
+    began = time.monotonic()
+
+    def wait(what: str, ready: Any, log_name: str) -> Any:
+        return wait_started(
+            what,
+            ready,
+            budget_s=max(0.0, budget - (time.monotonic() - began)),  # one budget for the whole stack
+            exit_code=supervisor.poll,
+            log_path=settings.run_dir / log_name,
+            progress=progress,
         )
+
+    try:
+        started = wait("the supervisor", lambda: _all_started(settings, roles), "supervisor.log")
         stack.pids.update(started)
         _stack_file(settings).write_text(stack.model_dump_json(indent=2))
-        stack.gateway_url = _wait_for(
-            lambda: _ready_or_failed(settings, "gateway", _gateway_ready(settings)),
-            timeout,
-            "the gateway",
-            supervisor,
-            settings.run_dir / "gateway.log",
+        stack.gateway_url = wait(
+            "the gateway", lambda: _ready_or_failed(settings, "gateway", _gateway_ready(settings)), "gateway.log"
         )
         for role in roles:
             if role in READY_FILES:
                 ready_file = settings.run_dir / READY_FILES[role]
-                _wait_for(
-                    lambda role=role, ready_file=ready_file: _ready_or_failed(settings, role, ready_file.exists()),
-                    timeout,
+                wait(
                     f"the {role} role",
-                    supervisor,
-                    settings.run_dir / f"{role}.log",
+                    lambda role=role, ready_file=ready_file: _ready_or_failed(settings, role, ready_file.exists()),
+                    f"{role}.log",
                 )
     except BaseException:
         down(settings)
@@ -314,7 +307,12 @@ class StackSession:
 
 
 def open_session(
-    settings: Settings, *, mode: SessionMode = "auto", training: bool = False, timeout: float = 120.0
+    settings: Settings,
+    *,
+    mode: SessionMode = "auto",
+    training: bool = False,
+    timeout: float | None = None,
+    progress: Progress | None = None,
 ) -> StackSession:
     """Attach to the running cluster, or start the local stack (see :func:`session_plan`)."""
     existing = read_stack(settings)
@@ -323,7 +321,7 @@ def open_session(
     )
     if plan == "attach":
         return StackSession(local_stack_settings(settings), owned=False, pids={})
-    info = up(settings, timeout=timeout, training=training)
+    info = up(settings, timeout=timeout, training=training, progress=progress)
     return StackSession(local_stack_settings(settings), owned=True, pids=dict(info.pids))
 
 
@@ -338,10 +336,15 @@ def close_session(session: StackSession, settings: Settings) -> list[str]:
 
 @contextlib.contextmanager
 def session(
-    settings: Settings, *, mode: SessionMode = "auto", training: bool = False, timeout: float = 120.0
+    settings: Settings,
+    *,
+    mode: SessionMode = "auto",
+    training: bool = False,
+    timeout: float | None = None,
+    progress: Progress | None = None,
 ) -> Iterator[StackSession]:
     """:func:`open_session` and, on the way out (also on Ctrl-C or an error), :func:`close_session`."""
-    opened = open_session(settings, mode=mode, training=training, timeout=timeout)
+    opened = open_session(settings, mode=mode, training=training, timeout=timeout, progress=progress)
     try:
         yield opened
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,7 +11,26 @@ import typer
 from agl_stream.cli.context import settings_of
 from agl_stream.config import load_settings
 from agl_stream.errors import AglError
-from agl_stream.logs import configure_logging
+from agl_stream.logs import configure_logging, get_logger
+
+ROLE_COMMANDS = frozenset(
+    {
+        "supervise",
+        "processor",
+        "gateway",
+        "ingress",
+        "triplets",
+        "batcher",
+        "sink",
+        "otlp-kafka",
+        "runner",
+        "trainer",
+        "inference",
+        "llm-proxy",
+    }
+)
+"""Sub-commands that run a role: each logs a line as it starts, before its heavy imports (torch,
+vLLM, chDB: tens of seconds on a busy machine), so a slow start never looks like a hang."""
 
 app = typer.Typer(
     name="agl-stream",
@@ -67,6 +87,8 @@ def _root(
         raise typer.BadParameter(str(exc)) from exc
     configure_logging(settings.log_level, settings.log_format)
     ctx.obj = settings
+    if ctx.invoked_subcommand in ROLE_COMMANDS:
+        get_logger("agl.cli").info("starting; loading its libraries", role=ctx.invoked_subcommand, pid=os.getpid())
 
 
 def _register() -> None:

@@ -34,7 +34,13 @@ def _show(settings: object) -> bool:
 def up(
     ctx: typer.Context,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once everything is ready.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for every part to be ready.")] = 120.0,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds the parts may take to start while they run (default AGL_START_TIMEOUT_S, 600); "
+            "a part that exits fails at once."
+        ),
+    ] = None,
     training: Annotated[
         bool, typer.Option(help="Also the triplet builder and the batcher (the RL training data path).")
     ] = True,
@@ -42,11 +48,12 @@ def up(
     """Start the local stack: broker (unless AGL_KAFKA_BOOTSTRAP), topics, processor, gateway,
     and (unless --no-training) the triplet builder and the batcher.
 
-    Without --detach it stays in the foreground and stops everything on Ctrl-C.
+    Without --detach it stays in the foreground and stops everything on Ctrl-C. With --detach
+    the stack runs in a session of its own: closing the terminal stops nothing (`down` does).
     """
     settings = settings_of(ctx)
-    with console.status("starting the local stack ..."):
-        info = stack.up(settings, timeout=timeout, training=training)
+    with console.status("starting the local stack ...") as spinner:
+        info = stack.up(settings, timeout=timeout, training=training, progress=spinner.update)
     _show(settings)
     url = stack.dashboard_url(settings)
     if url:

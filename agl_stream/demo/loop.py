@@ -81,15 +81,18 @@ def running_loop(
     its data stays in view on the dashboard; the demo's own roles (trainer, model, proxy, runner)
     stop as always. `agl-stream --data-dir <its data dir> down` stops the stack.
     ``trainer_options``: more `agl-stream trainer` flags (e.g. ``("--lr", "0.05")``)."""
-    with console.status("starting the local stack (broker, topics, processor, gateway) ..."):
-        opened = stack.open_session(settings)
+    with console.status("starting the local stack (broker, topics, processor, gateway) ...") as spinner:
+        opened = stack.open_session(settings, progress=spinner.update)
     try:
         running = opened.settings
         model_port, proxy_port = broker.free_ports(2)
         proxy_url = f"http://127.0.0.1:{proxy_port}/v1"
         roles = RoleGroup(running, settings.data_dir / "logs")
         try:
-            with console.status("starting the triplet builder, batcher, trainer, model, proxy and runner ..."):
+            with console.status(
+                "starting the triplet builder, batcher, trainer, model, proxy and runner ..."
+            ) as spinner:
+                roles.progress = spinner.update
                 roles.start("triplets", "--settle", "2", name="triplets")
                 roles.start(
                     "batcher",

@@ -854,7 +854,7 @@ def _wait_until_answering(pid: int, settings: Settings, paths: _Paths, node: Nod
         if time.monotonic() >= deadline:
             raise BrokerError(
                 f"the local Kafka broker (pid {pid}) did not answer on {host}:{port} within "
-                f"{timeout:g} s (raise the timeout on a slow machine).\n"
+                f"{timeout:g} s (on a busy or slow machine give it more with AGL_START_TIMEOUT_S).\n"
                 f"{_log_tail(paths)}"
             )
         time.sleep(_POLL_S)
@@ -878,19 +878,51 @@ def _layout_file(settings: Settings) -> Path:
     return settings.kafka_dir.expanduser().resolve() / "brokers"
 
 
-def with_local_layout(settings: Settings) -> Settings:
-    """``settings`` with the node count this data dir's local cluster was created with.
+def _read_layout(settings: Settings) -> dict[str, int]:
+    """What ``<kafka dir>/brokers`` recorded: the node count and the first node's two ports
+    (a file of an older version holds the count alone); empty when there is none."""
+    try:
+        text = _layout_file(settings).read_text().strip()
+    except OSError:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    if isinstance(value, int):
+        return {"brokers": value}
+    if not isinstance(value, dict):
+        return {}
+    return {key: value[key] for key in ("brokers", "port", "controller_port") if isinstance(value.get(key), int)}
 
-    A cluster started with ``--brokers 3`` stays a cluster of three for every later command
-    (``up``, ``down``, ``status``) that does not say otherwise.
+
+def _write_layout(settings: Settings) -> None:
+    layout = {
+        "brokers": settings.kafka_brokers,
+        "port": settings.kafka_port,
+        "controller_port": settings.kafka_controller_port,
+    }
+    _layout_file(settings).write_text(json.dumps(layout) + "\n")
+
+
+def with_local_layout(settings: Settings) -> Settings:
+    """``settings`` with the layout this data dir's local cluster was created with.
+
+    A cluster started with ``--brokers 3`` stays a cluster of three, on the ports it was made
+    with, for every later command (``kafka start/status/stop``, ``up``, ``down``) that does not
+    say otherwise: a count other than 1, or ports set by a flag or AGL_KAFKA_PORT /
+    AGL_KAFKA_CONTROLLER_PORT, win over what was recorded.
     """
     if settings.kafka_brokers != 1 or settings.kafka_bootstrap is not None:
         return settings
-    try:
-        recorded = int(_layout_file(settings).read_text().strip())
-    except (OSError, ValueError):
+    recorded = _read_layout(settings)
+    if recorded.get("brokers", 1) <= 1:
         return settings
-    return settings.model_copy(update={"kafka_brokers": recorded}) if recorded > 1 else settings
+    update: dict[str, int] = {"kafka_brokers": recorded["brokers"]}
+    for field, key in (("kafka_port", "port"), ("kafka_controller_port", "controller_port")):
+        if key in recorded and field not in settings.model_fields_set:
+            update[field] = recorded[key]
+    return settings.model_copy(update=update)
 
 
 def _check_layout(settings: Settings) -> None:
@@ -948,7 +980,7 @@ def _launch(java: Path, libs: Path, paths: _Paths, settings: Settings) -> subpro
     return child
 
 
-def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
+def start(settings: Settings, *, wait_timeout: float | None = None) -> BrokerInfo:
     """Start the local broker (or each node of the local cluster) and wait until all serve requests.
 
     Idempotent: nodes already running are kept, and a cluster node that died is started again,
@@ -963,7 +995,7 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
     root = _Paths.of(settings, 1)
     with _locked(root):
         if settings.kafka_brokers > 1:
-            _layout_file(settings).write_text(f"{settings.kafka_brokers}\n")
+            _write_layout(settings)
         running = {node.node_id: _running_pid(_Paths.of(settings, node.node_id)) for node in nodes}
         if settings.kafka_brokers == 1 and running[1] is not None:
             settings = _settings_from_config(settings, root)
@@ -998,7 +1030,8 @@ def start(settings: Settings, *, wait_timeout: float = 60.0) -> BrokerInfo:
             for node in nodes:
                 pid = running[node.node_id]
                 assert pid is not None
-                _wait_until_answering(pid, settings, _Paths.of(settings, node.node_id), node, wait_timeout)
+                budget = settings.start_timeout_s if wait_timeout is None else wait_timeout
+                _wait_until_answering(pid, settings, _Paths.of(settings, node.node_id), node, budget)
         except BaseException:
             # Never leave a half-started JVM behind (timeout, Ctrl-C). Only signal one while it
             # is unreaped: once reaped, its pid may already belong to another process.

@@ -47,7 +47,7 @@ from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.errors import AlgorithmError, ConfigError, TrainerError
 from agl_stream.litagent import Hook, LitAgent
 from agl_stream.logs import get_logger
-from agl_stream.processes import RoleGroup, log_tail
+from agl_stream.processes import Progress, RoleGroup, log_tail
 from agl_stream.store.client import AglStore
 from agl_stream.trainer.progress import FitResult, RunProgress, show_summary
 from agl_stream.trainer.run_store import RunStore
@@ -168,8 +168,8 @@ class Trainer:
         session: stack.StackSession | None = None
         roles: RoleGroup | None = None
         try:
-            with self._status("starting the local stack or attaching to the running one ..."):
-                session = stack.open_session(self.settings, mode=self.cluster)
+            with self._status("starting the local stack or attaching to the running one ...") as progress:
+                session = stack.open_session(self.settings, mode=self.cluster, progress=progress)
             log.info("stack ready", run=run_id, started=session.owned, seconds=round(time.monotonic() - began, 1))
             roles = RoleGroup(session.settings, log_dir)
             self._start_processes(roles, session.settings, algorithm, shipped, run_id)
@@ -210,7 +210,8 @@ class Trainer:
         run_id: str,
     ) -> None:
         """The algorithm's roles (each ready before the next), then the runners."""
-        with self._status("starting the algorithm's processes and the runners ..."):
+        with self._status("starting the algorithm's processes and the runners ...") as progress:
+            roles.progress = progress
             if algorithm is not None:
                 self._configure(algorithm)  # roles() may depend on them (VERL: the adapter's options)
             for spec in algorithm.roles(settings) if algorithm is not None else ():
@@ -292,12 +293,14 @@ class Trainer:
             algorithm.set_initial_resources(self.initial_resources)
 
     @contextlib.contextmanager
-    def _status(self, message: str) -> Iterator[None]:
+    def _status(self, message: str) -> Iterator[Progress]:
+        """A spinner showing ``message`` (when progress is shown); yields what updates its text
+        (a starting role's wait reports to it; without a spinner, to the log at debug level)."""
         if not self.progress:
-            yield
+            yield lambda line: log.debug(line)
             return
-        with self.console.status(message):
-            yield
+        with self.console.status(message) as spinner:
+            yield spinner.update
 
 
 async def _watch(roles: RoleGroup) -> None:

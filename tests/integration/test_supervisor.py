@@ -66,3 +66,75 @@ def test_supervise_refuses_a_role_it_does_not_know(tmp_path: Path) -> None:
     )
     assert result.returncode == 2 and "unknown role(s) procesor" in result.stderr, result.stderr
     assert not (tmp_path / "run" / "supervisor.json").exists()  # nothing was started
+
+
+def test_a_detached_stack_outlives_the_terminal_that_started_it(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """`up --detach` in a terminal that then closes: the hang-up (SIGHUP to the terminal's
+    session and its foreground process group) stops nothing of the stack."""
+    import pty
+
+    settings = Settings(
+        kafka_bootstrap=kafka_bootstrap, data_dir=tmp_path, topic_prefix=f"d{uuid4().hex[:10]}", gateway_port=0
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGL_")}
+    env |= {k: v for k, v in settings.as_env().items() if k in ("AGL_KAFKA_BOOTSTRAP", "AGL_TOPIC_PREFIX")}
+    env |= {"AGL_GATEWAY_PORT": "0", "AGL_DATA_DIR": str(tmp_path)}
+    marker = tmp_path / "up.done"
+    # A shell without job control, as a script or a terminal multiplexer's command runs: what it
+    # starts shares its process group, the terminal's foreground group. `sleep` (a control)
+    # must die of the hang-up; the stack must not.
+    script = (
+        f"{sys.executable} -m agl_stream up --detach --no-training && touch {marker}; "
+        f"sleep 900 & echo $! > {tmp_path / 'control.pid'}; wait"
+    )
+    shell, terminal = pty.fork()
+    if shell == 0:  # the child: the session leader, the pty its controlling terminal
+        os.execve("/bin/bash", ["/bin/bash", "--norc", "--noprofile", "-c", script], env)
+    try:
+        deadline = time.monotonic() + 900
+        while not (tmp_path / "control.pid").exists():
+            with_output = _drain(terminal)
+            assert time.monotonic() < deadline, f"`up --detach` did not finish; its terminal showed:\n{with_output}"
+            assert os.waitpid(shell, os.WNOHANG) == (0, 0), "the shell exited before `up` finished"
+            time.sleep(0.1)  # polling a file another process writes
+        assert marker.exists(), "`up --detach` failed"
+        control = int((tmp_path / "control.pid").read_text())
+        supervisor = stack.read_stack(settings)
+        assert supervisor is not None
+        os.close(terminal)  # the terminal closes
+        terminal = -1
+        os.waitpid(shell, 0)
+        deadline = time.monotonic() + 120
+        while os.path.exists(f"/proc/{control}") and "Z" not in _state(control):
+            assert time.monotonic() < deadline, "the control process did not get the hang-up"
+            time.sleep(0.05)  # waiting for a process that is not our child to exit
+        assert role_alive(supervisor.pids["supervisor"])
+        parts = stack.status(settings)
+        assert all(state.startswith("running") for role, state in parts.items() if role != "kafka"), parts
+        assert "at http://" in parts["gateway"] and "not answering" not in parts["gateway"], parts
+    finally:
+        if terminal >= 0:
+            os.close(terminal)
+        stack.down(settings)
+
+
+def _drain(terminal: int) -> str:
+    import select
+
+    chunks = []
+    while select.select([terminal], [], [], 0)[0]:
+        try:
+            chunk = os.read(terminal, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk.decode(errors="replace"))
+    return "".join(chunks)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"

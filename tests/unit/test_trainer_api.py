@@ -290,7 +290,7 @@ class FakeGroup(RoleGroup):
         self.roles[name] = args[0]
         return None
 
-    def wait_http(self, name: str, url: str, timeout: float = 120.0) -> None:
+    def wait_http(self, name: str, url: str, budget_s: float | None = None) -> None:
         self.waited.append((name, url))
 
 
