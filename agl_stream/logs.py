@@ -70,3 +70,11 @@ def log_llm_requests() -> None:
 
 def get_logger(name: str) -> Any:
     return structlog.get_logger(name)
+
+
+def describe(error: BaseException) -> str:
+    """``TypeName: message`` for a log line's ``error=``: ``str(error)`` alone is empty for many
+    exceptions (a ``TimeoutError`` from ``asyncio.wait_for``), which leaves a log line no clue."""
+    name = type(error).__name__
+    text = str(error)
+    return f"{name}: {text}" if text and text != name else name

@@ -11,6 +11,22 @@ event loop, sync agents in threads). For each claimed attempt it:
 3. flushes the attempt's spans, then reports ``succeeded``, or ``failed`` if the agent raised
    (the exception is recorded as an exception span; retries follow the RolloutConfig).
 
+No attempt is left ``running`` because the cluster failed under it (a broker failing over, a
+network error). Marking the attempt running, exporting its spans and reporting its outcome are
+each tried again with :data:`agl_stream.retry.FAILOVER` (about 30 s of backoff). If marking it
+running or exporting its spans still fails (the trace would be incomplete), or the outcome
+still cannot be sent, or anything else in the attempt raises, the attempt is *released*: given
+back for a retry as on SIGTERM below. A release first asks the processor for the attempt and
+its rollout (updates that change nothing, answered with the state): an attempt finished
+already (the watchdog closed it, or an outcome whose answer was lost went through) is left
+alone, and a rollout no longer running (cancelled) is not requeued. Every attempt a
+runner claims ends in exactly one of ``RunnerStats``' outcomes: ``succeeded``, ``failed``
+(reported), ``released`` (given back), ``already_closed`` (the store had finished it: the
+outcome was refused, or a release found it finished) or ``abandoned`` (not even a release got
+through: the watchdog's ``unresponsive_seconds`` is then its only way out; logged as an
+error). The counts are in the runner's summary line and ``agl_runner_attempts_total{status}``.
+Every error is logged with its type and message (:func:`agl_stream.logs.describe`).
+
 Every ``heartbeat_interval_s`` it writes one heartbeat per live attempt (so the watchdog does
 not judge a slow agent unresponsive) and a worker record to ``agl.workers``.
 
@@ -31,7 +47,7 @@ import pickle
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,9 +56,10 @@ from agl_stream import metrics
 from agl_stream.config import Settings
 from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
 from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
-from agl_stream.logs import get_logger, log_llm_requests
+from agl_stream.logs import describe, get_logger, log_llm_requests
 from agl_stream.models import ResourcesUpdate, Span
-from agl_stream.models.base import AttemptStatus
+from agl_stream.models.base import RUNNING_STATUSES
+from agl_stream.retry import FAILOVER, ONCE, Backoff, retrying
 from agl_stream.spans import span_from_otel
 from agl_stream.store.client import AglStore
 from agl_stream.store.resources_cache import ResourcesCache
@@ -54,8 +71,10 @@ log = get_logger("agl.runner")
 SEQUENCE_BLOCK = 1 << 20
 """Sequence ids reserved per attempt for the runner's own spans: an attempt tracing more spans
 than this (a million) could share ids with spans other writers add to it."""
-REPORT_TRIES = 6
-"""Sends of an attempt's outcome before the runner gives up on it (backoff 1 s doubling to 15 s)."""
+Ending = Literal["succeeded", "failed", "released", "already_closed", "abandoned"]
+"""How an attempt left the runner (a ``RunnerStats`` counter and a ``agl_runner_attempts_total``
+status each): its outcome reported, given back for a retry, found finished by someone else, or
+none of these because the cluster could not be reached."""
 
 
 @dataclass
@@ -73,10 +92,18 @@ class RunnerOptions:
 
 @dataclass
 class RunnerStats:
+    """Attempts claimed, and how each ended (see :data:`Ending`): once every attempt ended,
+    ``claimed`` is the sum of the others."""
+
     claimed: int = 0
     succeeded: int = 0
     failed: int = 0
     released: int = 0
+    already_closed: int = 0
+    abandoned: int = 0
+
+    def count(self, ending: Ending) -> None:
+        setattr(self, ending, getattr(self, ending) + 1)
 
 
 def load_agent(spec: str) -> LitAgent[Any]:
@@ -174,14 +201,17 @@ class Runner:
         settings: Settings,
         options: RunnerOptions | None = None,
         hooks: Sequence[Hook] = (),
+        *,
+        store: AglStore | None = None,
     ) -> None:
+        """``store``: the store client to use (a new one on ``settings`` by default)."""
         self.agent = agent
         self.settings = settings
         self.options = options or RunnerOptions()
         self.hooks = list(hooks)
         self.stats = RunnerStats()
         self.live: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self.store = AglStore(settings)
+        self.store = store if store is not None else AglStore(settings)
         self.resources = ResourcesCache(settings)
         self.tracer = AttemptTracer(self.store)
         agent.set_runner(self)  # the seed's agent.runner / agent.tracer
@@ -252,7 +282,7 @@ class Runner:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a missed beat is retried next interval; the watchdog is lenient
-                log.warning("heartbeat failed", error=str(error))
+                log.warning("heartbeat failed", error=describe(error))
             await asyncio.sleep(self.options.heartbeat_interval_s)  # the heartbeat's period, not a wait on state
 
     # -- one attempt -----------------------------------------------------------------------
@@ -260,73 +290,111 @@ class Runner:
     async def _attempt(self, rollout: AttemptedRollout) -> None:
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         try:
-            status = await self._run_attempt(rollout)
+            ending = await self._run_attempt(rollout)
         except asyncio.CancelledError:
-            await asyncio.shield(self._release(rollout))
+            # Shielded, counting included: a second cancel must not strand the attempt.
+            await asyncio.shield(self._end(self._release(rollout, "the runner is stopping", ONCE)))
             raise
-        except Exception as error:  # the store refused a report (e.g. the watchdog closed the attempt)
-            log.warning("attempt could not be reported", rollout=rid, attempt=aid, error=str(error))
-            return
-        if status == "succeeded":
-            self.stats.succeeded += 1
-        else:
-            self.stats.failed += 1
-        metrics.RUNNER_ATTEMPTS.labels(metrics.role(), status).inc()
+        except Exception as error:  # a bug of the runner's own: the attempt must still end
+            log.exception("attempt broke off", rollout=rid, attempt=aid, error=describe(error))
+            ending = await self._release(rollout, f"the runner failed: {describe(error)}")
+        self._count(ending)
 
-    async def _run_attempt(self, rollout: AttemptedRollout) -> AttemptStatus:
+    async def _end(self, ending: Awaitable[Ending]) -> None:
+        self._count(await ending)
+
+    def _count(self, ending: Ending) -> None:
+        self.stats.count(ending)
+        metrics.RUNNER_ATTEMPTS.labels(metrics.role(), ending).inc()
+
+    async def _run_attempt(self, rollout: AttemptedRollout) -> Ending:
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         await self._hooks("on_rollout_start", agent=self.agent, runner=self, rollout=rollout)
-        # The tracer numbers this attempt's spans inside a reserved block, so spans other writers
-        # add meanwhile (the LLM proxy, OTLP clients) take ids after it and never collide.
+        try:
+            snapshot, first_id = await retrying(
+                lambda: self._start(rollout),
+                backoff=FAILOVER,
+                what="starting the attempt",
+                final=(ValueError,),
+                rollout=rid,
+                attempt=aid,
+            )
+        except Exception as error:
+            return await self._release(rollout, f"it could not be marked running: {describe(error)}")
+        version = snapshot.policy_version if snapshot is not None else None
+        status: Literal["succeeded", "failed"] = "succeeded"
+        returned: list[Any] = []
+        try:
+            async with self.tracer.attempt(rid, aid, first_sequence_id=first_id, policy_version=version) as trace:
+                await self._hooks("on_trace_start", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
+                try:
+                    result = await self._call_agent(rollout, snapshot)
+                    check_result(result)
+                    if _is_number(result):
+                        emit_reward(float(result))
+                    elif isinstance(result, list):
+                        returned = result
+                except Exception as error:
+                    status = "failed"
+                    log.info("agent raised", rollout=rid, attempt=aid, error=describe(error))
+                    emit_exception(error)
+                await self._hooks("on_trace_end", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
+            # Leaving the block flushed the trace, each batch with FAILOVER's retries.
+            if trace.export_error is not None:
+                return await self._release(rollout, f"its spans could not be exported: {trace.export_error}")
+            spans = list(trace.spans) + await retrying(
+                lambda: self._export_returned(rollout, returned, trace.next_sequence_id),
+                backoff=FAILOVER,
+                what="exporting returned spans",
+                final=(ValueError, TypeError),
+                rollout=rid,
+                attempt=aid,
+            )
+        except Exception as error:
+            return await self._release(rollout, f"its spans could not be exported: {describe(error)}")
+        await self._hooks("on_rollout_end", agent=self.agent, runner=self, rollout=rollout, spans=spans)
+        log.debug("attempt done", rollout=rid, attempt=aid, spans=len(spans), reward=_final_reward(spans))
+        return await self._report(rollout, status)
+
+    async def _start(self, rollout: AttemptedRollout) -> tuple[ResourcesUpdate | None, int]:
+        """The resources the attempt runs with, and the first of its sequence ids, once it is running."""
+        rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         pinned = rollout.resources_id if self.options.resources == "pinned" else None
         snapshot = await self.resources.get(pinned)
         # The snapshot the attempt runs with is recorded on it: with resources="latest" (or a
         # rollout without resources) it is whatever is latest now, and training must know which
         # policy that was.
-        version = snapshot.policy_version if snapshot is not None else None
         metadata: dict[str, Any] | None = None
         if snapshot is not None:
-            metadata = {"resources_id": snapshot.resources_id, "policy_version": version}
+            metadata = {"resources_id": snapshot.resources_id, "policy_version": snapshot.policy_version}
+        # The tracer numbers this attempt's spans inside a reserved block, so spans other writers
+        # add meanwhile (the LLM proxy, OTLP clients) take ids after it and never collide.
         _, first_id = await self.store.start_running(rid, aid, reserve_sequence_ids=SEQUENCE_BLOCK, metadata=metadata)
-        status: AttemptStatus = "succeeded"
-        returned: list[Any] = []
-        async with self.tracer.attempt(rid, aid, first_sequence_id=first_id, policy_version=version) as trace:
-            await self._hooks("on_trace_start", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
-            try:
-                result = await self._call_agent(rollout, snapshot)
-                check_result(result)
-                if _is_number(result):
-                    emit_reward(float(result))
-                elif isinstance(result, list):
-                    returned = result
-            except Exception as error:
-                status = "failed"
-                log.info("agent raised", rollout=rid, attempt=aid, error=repr(error))
-                emit_exception(error)
-            await self._hooks("on_trace_end", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
-        spans = list(trace.spans) + await self._export_returned(rollout, returned, trace.next_sequence_id)
-        await self._hooks("on_rollout_end", agent=self.agent, runner=self, rollout=rollout, spans=spans)
-        log.debug("attempt done", rollout=rid, attempt=aid, spans=len(spans), reward=_final_reward(spans))
-        await self._report(rid, aid, status)
-        return status
+        return snapshot, first_id
 
-    async def _report(self, rid: str, aid: str, status: AttemptStatus) -> None:
+    async def _report(self, rollout: AttemptedRollout, status: Literal["succeeded", "failed"]) -> Ending:
         """The attempt's outcome, sent again while the cluster cannot take it (a broker failing
         over): an attempt left running would hold its rollout until a timeout it may not have.
-        A refusal (ValueError: e.g. the watchdog closed the attempt) is final."""
-        delay = 1.0
-        for tries_left in range(REPORT_TRIES - 1, -1, -1):
-            try:
-                await self.store.update_attempt(rid, aid, status=status)
-                return
-            except ValueError:
-                raise
-            except Exception as error:
-                if tries_left == 0:
-                    raise
-                log.warning("reporting the attempt failed; trying again", rollout=rid, attempt=aid, error=repr(error))
-                await asyncio.sleep(delay)  # backoff while the cluster recovers
-                delay = min(delay * 2, 15.0)
+        A refusal (ValueError: e.g. the watchdog closed the attempt) is final; an outcome that
+        cannot be sent at all ends in a release."""
+        rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+        try:
+            await retrying(
+                lambda: self.store.update_attempt(rid, aid, status=status),
+                backoff=FAILOVER,
+                what="reporting the attempt",
+                final=(ValueError,),
+                rollout=rid,
+                attempt=aid,
+            )
+        except ValueError as error:
+            log.warning(
+                "the attempt's outcome was refused", rollout=rid, attempt=aid, status=status, error=describe(error)
+            )
+            return "already_closed"
+        except Exception as error:
+            return await self._release(rollout, f"its outcome ({status}) could not be reported: {describe(error)}")
+        return status
 
     async def _call_agent(self, rollout: AttemptedRollout, snapshot: ResourcesUpdate | None) -> Any:
         if snapshot is None and rollout.resources_id is not None:
@@ -352,16 +420,54 @@ class Runner:
         await self.store.export_spans(spans)
         return spans
 
-    async def _release(self, rollout: AttemptedRollout) -> None:
-        """Give an unfinished attempt back: the rollout is requeued, the attempt recorded failed."""
+    async def _release(self, rollout: AttemptedRollout, reason: str, backoff: Backoff = FAILOVER) -> Ending:
+        """Give an unfinished attempt back: the rollout is requeued, the attempt recorded failed.
+
+        The processor is asked first (updates that change nothing, answered with the state): an
+        attempt finished already (the watchdog closed it; an outcome whose answer was lost went
+        through) is left as it is, and a rollout that is not running (cancelled meanwhile) is not
+        requeued, only the attempt recorded failed.
+        """
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+        log.warning("releasing the attempt for a retry", rollout=rid, attempt=aid, reason=reason)
         try:
+            ended = await retrying(
+                lambda: self._give_back(rid, aid),
+                backoff=backoff,
+                what="releasing the attempt",
+                final=(ValueError,),
+                rollout=rid,
+                attempt=aid,
+            )
+        except ValueError as error:  # e.g. the processor forgot the rollout: it finished long ago
+            log.info("the attempt to release was finished already", rollout=rid, attempt=aid, error=describe(error))
+            return "already_closed"
+        except Exception as error:
+            log.error(
+                "attempt abandoned: it could be neither reported nor released; only the watchdog "
+                "(the rollout's unresponsive_seconds) can end it now",
+                rollout=rid,
+                attempt=aid,
+                reason=reason,
+                error=describe(error),
+            )
+            return "abandoned"
+        if ended is not None:
+            log.info("the attempt to release was finished already", rollout=rid, attempt=aid, status=ended)
+            return "already_closed"
+        log.info("attempt released for a retry", rollout=rid, attempt=aid)
+        return "released"
+
+    async def _give_back(self, rid: str, aid: str) -> str | None:
+        """Release the attempt unless it finished already: then its status (nothing was changed)."""
+        attempt = await self.store.update_attempt(rid, aid)
+        if attempt.status not in RUNNING_STATUSES:
+            return attempt.status
+        current = await self.store.update_rollout(rid)
+        if current.status in RUNNING_STATUSES:  # still this attempt's: it alone turns it running
             await self.store.update_rollout(rid, status="requeuing")
-            await self.store.update_attempt(rid, aid, status="failed")
-            self.stats.released += 1
-            log.info("attempt released for a retry", rollout=rid, attempt=aid)
-        except Exception as error:  # e.g. it finished meanwhile: nothing to give back
-            log.warning("could not release attempt", rollout=rid, attempt=aid, error=str(error))
+        await self.store.update_attempt(rid, aid, status="failed")
+        return None
 
     async def _hooks(self, name: str, **arguments: Any) -> None:
         for hook in self.hooks:
@@ -428,7 +534,8 @@ def main(settings: Settings, agent: str | LitAgent[Any], options: RunnerOptions,
     stats = asyncio.run(run_runner(agent, settings, options, hooks))
     print(
         f"runner {options.worker_id}: claimed {stats.claimed}, succeeded {stats.succeeded}, "
-        f"failed {stats.failed}, released {stats.released}",
+        f"failed {stats.failed}, released {stats.released}, already closed {stats.already_closed}, "
+        f"abandoned {stats.abandoned}",
         flush=True,
     )
     # A sync agent still running in a thread after the grace period would hold the interpreter

@@ -38,7 +38,10 @@ class AttemptTrace:
     ``spans`` are the spans the store acknowledged (in sequence order once the attempt exited);
     ``next_sequence_id`` is the id the next span would have taken (number spans you add yourself
     from it: ids taken by spans that were then lost are not reused); ``dropped`` counts this
-    attempt's spans that were lost (late, unfinished, overflow, invalid, export failed).
+    attempt's spans that were lost (late, unfinished, overflow, invalid, export failed);
+    ``export_error`` says why spans of it could not be exported after every retry (the store
+    unreachable: the trace is incomplete), None when every export got through or failed only
+    for its records (a span too large).
     """
 
     rollout_id: str
@@ -47,6 +50,7 @@ class AttemptTrace:
     spans: list[Span] = field(default_factory=list)
     dropped: int = 0
     policy_version: int | None = None  # tagged on every span (POLICY_VERSION) when known
+    export_error: str | None = None
 
 
 class SpanOwner(Protocol):

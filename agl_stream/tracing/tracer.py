@@ -13,6 +13,12 @@ Rules (also in docs/design-notes.md):
   attempt boundaries instead (``attempt()`` waits for room before it opens an attempt).
 * Flush: leaving ``attempt()`` closes the attempt and waits until the store acknowledged every
   span it accepted (or gave up on it); spans started or ended after that are dropped.
+* Export failures: a batch the store cannot take is sent again with ``export_backoff``
+  (:data:`agl_stream.retry.FAILOVER` by default: about 30 s, a broker's failover); only then are
+  its spans given up (``export_failed``), and each attempt that lost spans so has
+  ``AttemptTrace.export_error`` (the runner then gives the attempt back rather than report an
+  outcome whose trace is incomplete). An error of the records themselves (too large, not
+  encodable) is not retried: the batch is split to isolate the bad span, which is dropped.
 * Nothing is lost silently: drops are counted per kind (``stats()``, ``AttemptTrace.dropped``)
   and logged, the first of a kind at once and then at most every ``_LOG_EVERY_S`` seconds,
   plus one warning per attempt that lost any. Spans that end outside any attempt are not
@@ -34,8 +40,9 @@ from aiokafka.errors import MessageSizeTooLargeError
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 
 from agl_stream.errors import AglError
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import Span
+from agl_stream.retry import FAILOVER, Backoff, retrying
 from agl_stream.spans import span_from_otel
 from agl_stream.tracing import instrumentation
 from agl_stream.tracing.buffer import AttemptState, AttemptTrace, Item, Outcome, SpanBuffer, SpanKey
@@ -98,7 +105,7 @@ class _DropLog:
             dropped=dropped,
             rollout=state.trace.rollout_id,
             attempt=state.trace.attempt_id,
-            error=None if error is None else f"{type(error).__name__}: {error}",
+            error=None if error is None else describe(error),
         )
 
 
@@ -114,14 +121,14 @@ class AttemptTracer:
         flush_interval_s: float = 0.1,
         instrument_openai: bool = True,
         block_timeout_s: float = 30.0,
-        export_attempts: int = 3,
+        export_backoff: Backoff = FAILOVER,
     ) -> None:
         self._sink = store
         self._policy = ExportPolicy(batch_size=batch_size, flush_interval_s=flush_interval_s)
         self._buffer = SpanBuffer(self._policy, max_buffered_spans, 2 * max_buffered_spans)
         self._instrument_openai = instrument_openai
         self._block_timeout_s = block_timeout_s
-        self._export_attempts = max(1, export_attempts)
+        self._export_backoff = export_backoff
         self._drops = _DropLog()
         self._attempts: dict[tuple[str, str], AttemptState] = {}
         self._flushing = 0  # attempts (or close) waiting for a flush: cut batches at once
@@ -337,26 +344,31 @@ class AttemptTracer:
 
     async def _export(self, items: list[Item]) -> None:
         """Export with retries for transient errors; a record error splits the batch to isolate the bad span."""
-        for attempt in range(1, self._export_attempts + 1):
-            try:
-                await self._sink.export_spans([span for _, span in items])
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                if isinstance(error, _RECORD_ERRORS) and len(items) > 1:
-                    # A partial send before the error is re-sent here: otel_traces is a
-                    # ReplacingMergeTree on the span's ids and reads use FINAL.
-                    half = len(items) // 2
-                    await self._export(items[:half])
-                    await self._export(items[half:])
-                    return
-                if isinstance(error, _RECORD_ERRORS) or attempt == self._export_attempts:
-                    self._settle(items, exported=False, error=error)
-                    return
-                await asyncio.sleep(0.2 * 2 ** (attempt - 1))  # retry backoff, not synchronisation
-            else:
-                self._settle(items, exported=True)
+        try:
+            await retrying(
+                lambda: self._sink.export_spans([span for _, span in items]),
+                backoff=self._export_backoff,
+                what="exporting spans",
+                final=_RECORD_ERRORS,
+                spans=len(items),
+            )
+        except asyncio.CancelledError:
+            raise
+        except _RECORD_ERRORS as error:
+            if len(items) > 1:
+                # A partial send before the error is re-sent here: otel_traces is a
+                # ReplacingMergeTree on the span's ids and reads use FINAL.
+                half = len(items) // 2
+                await self._export(items[:half])
+                await self._export(items[half:])
                 return
+            self._settle(items, exported=False, error=error)
+        except Exception as error:  # every try failed: the store is unreachable
+            for state, _ in items:
+                state.trace.export_error = describe(error)
+            self._settle(items, exported=False, error=error)
+        else:
+            self._settle(items, exported=True)
 
     def _settle(self, items: list[Item], *, exported: bool, error: BaseException | None = None) -> None:
         for state in self._buffer.settle(items, exported=exported):

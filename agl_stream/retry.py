@@ -1,0 +1,81 @@
+"""Trying a call again while the cluster recovers (a broker failing over): one policy, one loop.
+
+The runner sends an attempt's outcome, gives an attempt back and the tracer exports spans
+through :func:`retrying`, so they all outlast the same failover and log the same lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from agl_stream.logs import describe, get_logger
+
+log = get_logger("agl.retry")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """``tries`` calls at most; between them a wait that starts at ``first_s`` and doubles up to ``max_s``."""
+
+    tries: int = 6
+    first_s: float = 1.0
+    max_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.tries < 1:
+            raise ValueError("tries must be at least 1")
+        if self.first_s < 0 or self.max_s < self.first_s:
+            raise ValueError("need 0 <= first_s <= max_s")
+
+    def delays(self) -> list[float]:
+        """The waits between the tries (one fewer than ``tries``)."""
+        return [min(self.first_s * 2**n, self.max_s) for n in range(self.tries - 1)]
+
+
+FAILOVER = Backoff()
+"""Outlasts a broker's failover: 6 tries, 1+2+4+8+15 = 30 s of waits between them (plus what
+each try takes itself)."""
+
+ONCE = Backoff(tries=1)
+"""One try: for a caller that may not wait (a runner shutting down)."""
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]],
+    *,
+    backoff: Backoff,
+    what: str,
+    final: tuple[type[BaseException], ...] = (),
+    **context: Any,
+) -> T:
+    """``await call()`` until it returns, at most ``backoff.tries`` times.
+
+    An exception of a ``final`` type (a refusal: asking again cannot help) is raised at once;
+    any other is logged (``what`` failed, with ``context``, the error's type and message) and
+    the call is made again after the next backoff delay; the last try's exception is raised.
+    Cancellation is never retried.
+    """
+    delays = backoff.delays()
+    for attempt in range(backoff.tries):
+        try:
+            return await call()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            if isinstance(error, final) or attempt == len(delays):
+                raise
+            delay = delays[attempt]
+            log.warning(
+                f"{what} failed; trying again",
+                error=describe(error),
+                retry_in_s=delay,
+                tries_left=backoff.tries - attempt - 1,
+                **context,
+            )
+            await asyncio.sleep(delay)  # backoff while the cluster recovers, not synchronisation
+    raise AssertionError("unreachable")  # the last try returned or raised
