@@ -13,7 +13,8 @@ event loop, sync agents in threads). For each claimed attempt it:
 
 No attempt is left ``running`` because the cluster failed under it (a broker failing over, a
 network error). Marking the attempt running, exporting its spans and reporting its outcome are
-each tried again with :data:`agl_stream.retry.FAILOVER` (about 30 s of backoff). If marking it
+each tried again with ``RunnerOptions.retry`` (:data:`agl_stream.retry.FAILOVER`: about 30 s
+of backoff). If marking it
 running or exporting its spans still fails (the trace would be incomplete), or the outcome
 still cannot be sent, or anything else in the attempt raises, the attempt is *released*: given
 back for a retry as on SIGTERM below. A release first asks the processor for the attempt and
@@ -88,6 +89,9 @@ class RunnerOptions:
     # "latest": the latest at claim time, whatever it names: streaming RL, where every attempt
     # should run the newest policy (the version it ran with is recorded on the attempt).
     resources: Literal["pinned", "latest"] = "pinned"
+    # How store calls (marking an attempt running, exporting its spans, reporting or releasing
+    # it) are tried again while the cluster cannot take them: long enough for a failover.
+    retry: Backoff = FAILOVER
 
 
 @dataclass
@@ -213,7 +217,7 @@ class Runner:
         self.live: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.store = store if store is not None else AglStore(settings)
         self.resources = ResourcesCache(settings)
-        self.tracer = AttemptTracer(self.store)
+        self.tracer = AttemptTracer(self.store, export_backoff=self.options.retry)
         agent.set_runner(self)  # the seed's agent.runner / agent.tracer
 
     # -- the loop --------------------------------------------------------------------------
@@ -313,7 +317,7 @@ class Runner:
         try:
             snapshot, first_id = await retrying(
                 lambda: self._start(rollout),
-                backoff=FAILOVER,
+                backoff=self.options.retry,
                 what="starting the attempt",
                 final=(ValueError,),
                 rollout=rid,
@@ -339,12 +343,12 @@ class Runner:
                     log.info("agent raised", rollout=rid, attempt=aid, error=describe(error))
                     emit_exception(error)
                 await self._hooks("on_trace_end", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
-            # Leaving the block flushed the trace, each batch with FAILOVER's retries.
+            # Leaving the block flushed the trace, each batch with the retries of options.retry.
             if trace.export_error is not None:
                 return await self._release(rollout, f"its spans could not be exported: {trace.export_error}")
             spans = list(trace.spans) + await retrying(
                 lambda: self._export_returned(rollout, returned, trace.next_sequence_id),
-                backoff=FAILOVER,
+                backoff=self.options.retry,
                 what="exporting returned spans",
                 final=(ValueError, TypeError),
                 rollout=rid,
@@ -381,7 +385,7 @@ class Runner:
         try:
             await retrying(
                 lambda: self.store.update_attempt(rid, aid, status=status),
-                backoff=FAILOVER,
+                backoff=self.options.retry,
                 what="reporting the attempt",
                 final=(ValueError,),
                 rollout=rid,
@@ -420,7 +424,7 @@ class Runner:
         await self.store.export_spans(spans)
         return spans
 
-    async def _release(self, rollout: AttemptedRollout, reason: str, backoff: Backoff = FAILOVER) -> Ending:
+    async def _release(self, rollout: AttemptedRollout, reason: str, backoff: Backoff | None = None) -> Ending:
         """Give an unfinished attempt back: the rollout is requeued, the attempt recorded failed.
 
         The processor is asked first (updates that change nothing, answered with the state): an
@@ -429,6 +433,7 @@ class Runner:
         requeued, only the attempt recorded failed.
         """
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+        backoff = backoff or self.options.retry
         log.warning("releasing the attempt for a retry", rollout=rid, attempt=aid, reason=reason)
         try:
             ended = await retrying(
