@@ -73,7 +73,7 @@ def stack_settings(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactor
         topic_prefix=f"s{uuid4().hex[:10]}",
         gateway_port=0,
     )
-    stack.up(settings, timeout=120)
+    stack.up(settings)
     try:
         yield stack.local_stack_settings(settings)
     finally:

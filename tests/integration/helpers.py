@@ -27,6 +27,7 @@ __all__ = [
     "dlq_records",
     "read_to_end",
     "read_topic",
+    "serve",
     "start_role",
     "stop_role",
     "wait_committed_at_least",
@@ -50,6 +51,20 @@ GROUP BY r.mode ORDER BY r.mode
 def start_role(settings: Settings, *args: str, log_name: str = "role") -> subprocess.Popen[bytes]:
     """Start `python -m agl_stream <args>`, logging to the test's data dir."""
     return processes.start_role(settings, *args, log_path=Path(settings.data_dir) / f"{log_name}.log")
+
+
+def serve(settings: Settings, *args: str, name: str, url: str) -> subprocess.Popen[bytes]:
+    """Start a role that serves HTTP and wait for ``url`` to answer, as the Trainer waits: while
+    it runs, up to its start budget (a model loading beside busy tests takes minutes)."""
+    process = start_role(settings, *args, log_name=name)
+    processes.wait_started(
+        f"{name} ({url})",
+        lambda: processes.answers_http(url),
+        budget_s=processes.start_budget(settings, args[0]),
+        exit_code=process.poll,
+        log_path=Path(settings.data_dir) / f"{name}.log",
+    )
+    return process
 
 
 async def wait_committed_at_least(settings: Settings, group: str, total: int, *, timeout: float = 60.0) -> int:

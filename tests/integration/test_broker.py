@@ -139,7 +139,7 @@ def test_broker_that_dies_at_start_up_explains_itself(tmp_path: Path) -> None:
     # A 1 KiB heap: the JVM refuses to start, as a broken Java or config would make it.
     settings = _local(tmp_path, kafka_heap="1k")
     with pytest.raises(BrokerError, match="exited during start-up") as caught:
-        broker.start(settings, wait_timeout=30)
+        broker.start(settings)
     assert "heap" in str(caught.value).lower()  # the JVM's own words, from broker.out
     assert not (settings.kafka_dir / "broker.pid").exists()
     assert not broker.status(settings).running

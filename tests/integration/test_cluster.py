@@ -55,7 +55,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
         kafka_controller_port=first + 1,
         kafka_heap="384m",
     )
-    broker.start(local, wait_timeout=120)
+    broker.start(local)
     try:
         yield local
     finally:
@@ -70,7 +70,7 @@ def cluster_stack(cluster: Settings, tmp_path_factory: pytest.TempPathFactory) -
         topic_prefix=f"k{uuid4().hex[:10]}",
         gateway_port=0,
     )
-    stack.up(settings, timeout=180, training=True)
+    stack.up(settings, training=True)
     try:
         yield stack.local_stack_settings(settings)
     finally:

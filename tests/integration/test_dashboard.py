@@ -128,7 +128,7 @@ def dash(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         # from the URL `agl-stream dashboard` prints and send it on every request.
         require_token=True,
     )
-    stack.up(settings, timeout=120, training=True)
+    stack.up(settings, training=True)
     settings = stack.local_stack_settings(settings)
     runner: subprocess.Popen[bytes] | None = None
     try:

@@ -58,7 +58,7 @@ def tail(log: Path) -> str:
 
 async def json_of(url: str) -> Any:
     async with httpx.AsyncClient(trust_env=False) as http:
-        return (await http.get(url, timeout=5)).json()
+        return (await http.get(url, timeout=60)).json()
 
 
 async def eventually(check: Any, timeout: float = 60.0) -> Any:

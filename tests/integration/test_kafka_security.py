@@ -99,7 +99,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     )
     broker.start(settings)
     try:
-        stack.up(settings, timeout=120)
+        stack.up(settings)
         try:
             yield stack.local_stack_settings(settings)
         finally:
@@ -186,7 +186,7 @@ async def test_a_wrong_password_is_named_as_such(secured: Settings) -> None:
     # `kafka start` / `up` with the wrong password say so at once instead of waiting for an answer.
     wrong = secured.model_copy(update={"kafka_bootstrap": None, "kafka_sasl_password": SecretStr("not-the-password")})
     with pytest.raises(BrokerError, match="refused the credentials of AGL_KAFKA_SASL_USERNAME=agl"):
-        broker.start(wrong, wait_timeout=30)
+        broker.start(wrong)
 
 
 def test_the_broker_keeps_its_secrets_to_itself(secured: Settings) -> None:

@@ -33,7 +33,7 @@ def _url(settings: Settings, role: str) -> str:
 
 
 async def _scrape(settings: Settings, role: str) -> Samples:
-    async with httpx.AsyncClient(headers=auth_headers(settings), trust_env=False, timeout=5) as client:
+    async with httpx.AsyncClient(headers=auth_headers(settings), trust_env=False, timeout=60) as client:
         response = await client.get(_url(settings, role))
     response.raise_for_status()
     return {

@@ -422,7 +422,7 @@ async def test_clickhouse_read_side_waits_on_sink_offsets_and_refuses_writes(tmp
     reads = ClickHouseReadSide(settings, poll_interval=0.01)
     try:
         query = Q.rollouts()
-        result = await reads.query(query.sql, query.parameters, fence={"agl.rollout-state": {0: 5}}, timeout=5)
+        result = await reads.query(query.sql, query.parameters, fence={"agl.rollout-state": {0: 5}}, timeout=120)
         assert [rollout_from_row(r).rollout_id for r in result.dicts()] == ["ro-a1"]
         with pytest.raises(FenceTimeoutError, match=r"agl\.rollout-state"):
             await reads.query("SELECT 1", fence={"agl.rollout-state": {0: 6}}, timeout=0.1)

@@ -52,7 +52,7 @@ def history(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> I
         topic_prefix=f"r{uuid4().hex[:10]}",
         gateway_port=0,
     )
-    stack.up(settings, timeout=120)
+    stack.up(settings)
     try:
         running = stack.local_stack_settings(settings)
 

@@ -8,13 +8,10 @@ inference server, LLM proxy, runner.
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from uuid import uuid4
 
-import httpx
 import pytest
 
 from agl_stream import connect, stack
@@ -23,7 +20,7 @@ from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM
 from agl_stream.policy import build_tokenizer
-from tests.integration.helpers import start_role, stop_role
+from tests.integration.helpers import serve, start_role, stop_role
 from tests.integration.test_triplet_builder import _records_covering
 
 pytestmark = pytest.mark.integration
@@ -34,31 +31,16 @@ def training_stack(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Settings]:
     settings = Settings(
         kafka_bootstrap=kafka_bootstrap, data_dir=tmp_path, topic_prefix=f"e{uuid4().hex[:10]}", gateway_port=0
     )
-    stack.up(settings, timeout=120, training=True)
+    stack.up(settings, training=True)
     try:
         yield stack.local_stack_settings(settings)
     finally:
         stack.down(settings)
 
 
-def _serve(settings: Settings, *args: str, name: str, url: str) -> subprocess.Popen[bytes]:
-    process = start_role(settings, *args, log_name=name)
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        log = settings.data_dir / f"{name}.log"
-        assert process.poll() is None, f"{name} exited: {log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"{name} never answered {url}"
-        time.sleep(0.1)  # waiting for another process to listen
-
-
 async def test_an_agents_model_calls_become_exact_triplets(training_stack: Settings) -> None:
     model_port, proxy_port = broker.free_ports(2)
-    model = _serve(
+    model = serve(
         training_stack,
         "inference",
         "--port",
@@ -69,7 +51,7 @@ async def test_an_agents_model_calls_become_exact_triplets(training_stack: Setti
         name="inference",
         url=f"http://127.0.0.1:{model_port}/health",
     )
-    proxy = _serve(
+    proxy = serve(
         training_stack,
         "llm-proxy",
         "--port",

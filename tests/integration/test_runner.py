@@ -38,7 +38,7 @@ def own_stack(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) ->
         gateway_port=0,
         watchdog_interval_s=0.2,
     )
-    stack.up(settings, timeout=120)
+    stack.up(settings)
     try:
         yield stack.local_stack_settings(settings)
     finally:

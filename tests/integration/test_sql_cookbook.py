@@ -34,7 +34,7 @@ from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
 from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig
 from agl_stream.processes import role_environment
-from tests.integration.helpers import start_role, stop_role
+from tests.integration.helpers import serve, start_role, stop_role
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # the first test also starts the pipeline
 
@@ -104,20 +104,6 @@ def _wait(condition: Callable[[], bool], what: str, timeout: float = 90.0) -> No
         time.sleep(0.1)  # polling another process's progress: there is nothing to be notified by
 
 
-def _serve(settings: Settings, *args: str, name: str, url: str) -> subprocess.Popen[bytes]:
-    process = start_role(settings, *args, log_name=name)
-
-    def answers() -> bool:
-        assert process.poll() is None, f"{name} exited: {(settings.data_dir / f'{name}.log').read_text()[-3000:]}"
-        try:
-            return httpx.get(url, timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    _wait(answers, f"{name} at {url}", timeout=180)  # a model loading beside busy tests took over 90 s
-    return process
-
-
 async def _produce(settings: Settings, proxy_url: str) -> dict[str, str]:
     async with connect(**settings.model_dump(exclude_none=True)) as store:
         await store.add_resources({"policy": ProxyLLM(endpoint=proxy_url, model="agl-tiny")})
@@ -158,7 +144,7 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> 
         sql_max_result_rows=MAX_RESULT_ROWS,
         sql_max_memory_bytes=256 << 20,
     )
-    stack.up(settings, timeout=120)
+    stack.up(settings)
     settings = stack.local_stack_settings(settings)
     roles: list[subprocess.Popen[bytes]] = []
     try:
@@ -166,7 +152,7 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> 
         roles.append(start_role(settings, "batcher", "--max-rollouts", "4", "--linger", "0.5", log_name="batcher"))
         model_port, proxy_port = broker.free_ports(2)
         roles.append(
-            _serve(
+            serve(
                 settings,
                 *("inference", "--port", str(model_port), "--model-name", "agl-tiny", "--no-follow"),
                 name="inference",
@@ -174,7 +160,7 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> 
             )
         )
         roles.append(
-            _serve(
+            serve(
                 settings,
                 *("llm-proxy", "--port", str(proxy_port), "--backend", f"agl-tiny=http://127.0.0.1:{model_port}/v1"),
                 name="proxy",

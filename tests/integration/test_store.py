@@ -69,7 +69,7 @@ async def test_enqueue_dequeue_run_succeed(store: AglStore) -> None:
     assert latest is not None and latest.status == "running" and latest.last_heartbeat_time is not None
     done = await store.update_attempt(rollout.rollout_id, "latest", status="succeeded")
     assert done.status == "succeeded" and done.end_time is not None
-    [finished] = await store.wait_for_rollouts(rollout_ids=[rollout.rollout_id], timeout=10)
+    [finished] = await store.wait_for_rollouts(rollout_ids=[rollout.rollout_id], timeout=120)
     assert finished.status == "succeeded" and finished.end_time is not None
     spans = await store.query_spans(rollout.rollout_id, "latest")
     assert [s.sequence_id for s in spans] == [1] and spans[0].attributes == {"reward": 0.5, "ok": True}

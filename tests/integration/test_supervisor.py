@@ -31,7 +31,7 @@ async def test_a_killed_gateway_runs_again_and_reads_wait_for_it(kafka_bootstrap
     settings = Settings(
         kafka_bootstrap=kafka_bootstrap, data_dir=tmp_path, topic_prefix=f"s{uuid4().hex[:10]}", gateway_port=0
     )
-    info = await asyncio.to_thread(stack.up, settings, timeout=120, training=False)
+    info = await asyncio.to_thread(stack.up, settings, training=False)
     pids: set[int] = set()
     try:
         running = stack.local_stack_settings(settings)

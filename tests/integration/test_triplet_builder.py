@@ -35,7 +35,7 @@ def own_stack(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Settings]:
     settings = Settings(
         kafka_bootstrap=kafka_bootstrap, data_dir=tmp_path, topic_prefix=f"x{uuid4().hex[:10]}", gateway_port=0
     )
-    stack.up(settings, timeout=120)
+    stack.up(settings)
     try:
         yield stack.local_stack_settings(settings)
     finally:

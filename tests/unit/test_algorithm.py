@@ -402,8 +402,8 @@ def test_a_blocking_store_runs_calls_on_the_stores_loop() -> None:
             blocking.double(1)
 
         with pytest.raises(RuntimeError, match="own event loop"):
-            asyncio.run_coroutine_threadsafe(on_the_loop(), loop).result(timeout=10)
+            asyncio.run_coroutine_threadsafe(on_the_loop(), loop).result(timeout=120)
     finally:
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+        thread.join(timeout=120)
         loop.close()

@@ -77,7 +77,7 @@ def test_a_role_without_http_serves_its_metrics_and_says_where(tmp_path: Path) -
         [endpoint] = monitor.read_endpoints(settings)
         assert (endpoint.role, endpoint.url) == ("unit-role", url)
         metrics.count_out("agl.rollouts", 3)
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=60) as response:
             text = response.read().decode()
         totals, _ = monitor.parse_totals(text)
         assert 'agl_records_out_total{role="unit-role",topic="agl.rollouts"} 3.0' in text
