@@ -30,7 +30,7 @@ from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.errors import AglError
 from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
 from agl_stream.kafka.io import TypedProducer, make_producer
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import (
     AglModel,
     Attempt,
@@ -525,7 +525,7 @@ class AglStore(StoreReads):
             except AglError as error:
                 if isinstance(error, RejectedError) or copy == CLAIM_SENDS - 1:
                     raise
-                log.warning("no answer to a claim; asking again", request_id=request.request_id, error=str(error))
+                log.warning("no answer to a claim; asking again", request_id=request.request_id, error=describe(error))
             finally:
                 if not reply.done():
                     reply.cancel()
@@ -552,7 +552,7 @@ class AglStore(StoreReads):
             if self._claims[worker_id] == claims:
                 self._idle_marked[worker_id] = record
         except Exception as error:  # bookkeeping: the claim's answer stands; the next empty claim retries
-            log.warning("could not record an idle worker", worker_id=worker_id, error=str(error))
+            log.warning("could not record an idle worker", worker_id=worker_id, error=describe(error))
         finally:
             self._idle_marking.pop(worker_id, None)
 

@@ -11,7 +11,7 @@ import threading
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 
 log = get_logger("agl.tracing")
 
@@ -37,7 +37,7 @@ def instrument_openai(provider: TracerProvider) -> bool:
             except Exception as error:  # ImportError, DependencyConflictError, a broken openai
                 log.error(
                     "tracing: the openai GenAI instrumentation is unavailable; openai calls make no spans",
-                    error=f"{type(error).__name__}: {error}",
+                    error=describe(error),
                 )
                 return False
         _users += 1
