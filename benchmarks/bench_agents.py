@@ -38,3 +38,16 @@ async def ten_calls(task: dict[str, Any]) -> float:
             span.set_attribute("prompt_token_ids", list(range(100 + call, 164 + call)))
             span.set_attribute("response_token_ids", list(range(16)))
     return 1.0
+
+
+@rollout
+async def two_calls(task: dict[str, Any]) -> float:
+    """Two LLM-call spans shaped like the proxy's, then a reward: a small multi-call agent whose
+    rollouts become triplets (benchmarks/soak.py)."""
+    tracer = trace.get_tracer("bench")
+    for call in range(2):
+        with tracer.start_as_current_span("openai.chat.completion") as span:
+            span.set_attribute("gen_ai.response.id", f"chatcmpl-{task['i']}-{call}")
+            span.set_attribute("prompt_token_ids", list(range(100 + call, 164 + call)))
+            span.set_attribute("response_token_ids", list(range(16)))
+    return 1.0
