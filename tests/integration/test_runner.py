@@ -164,8 +164,13 @@ async def test_sigterm_finishes_or_releases_every_live_attempt(own_stack: Settin
             # The quick attempt finished within the grace period; the slow one was given back.
             finished = await store.wait_for_rollouts(rollout_ids=[quick.rollout_id], timeout=30)
             assert [r.status for r in finished] == ["succeeded"]
-            released = await store.get_rollout_by_id(slow.rollout_id)
-            assert released is not None and released.status == "requeuing"
+
+            async def requeued() -> bool:
+                # The runner's release is not behind this client's read fence: wait for the sink.
+                released = await store.get_rollout_by_id(slow.rollout_id)
+                return released is not None and released.status == "requeuing"
+
+            await _until(requeued, 30, "the slow rollout to be given back (requeuing)")
             second = _runner(own_stack, name="second")
             [final] = await store.wait_for_rollouts(rollout_ids=[slow.rollout_id], timeout=60)
             assert final.status == "succeeded"
