@@ -4,7 +4,8 @@ One runner process runs up to ``concurrency`` attempts at once (async agents as 
 event loop, sync agents in threads). For each claimed attempt it:
 
 1. resolves the rollout's resources from a local copy of the compacted ``agl.resources`` topic
-   (no request per rollout);
+   (no request per rollout once the snapshot is known; while it is not, e.g. while none was
+   ever published, the copy first reads up to the topic's end);
 2. reports the attempt ``running``, runs the agent inside the attempt's tracing context (every
    span made meanwhile is stamped with the rollout, attempt and sequence id and streamed to
    ``agl.spans``), turns the agent's return value into spans (a number is the final reward);
@@ -12,21 +13,25 @@ event loop, sync agents in threads). For each claimed attempt it:
    (the exception is recorded as an exception span; retries follow the RolloutConfig).
 
 No attempt is left ``running`` because the cluster failed under it (a broker failing over, a
-network error). Marking the attempt running, exporting its spans and reporting its outcome are
-each tried again with ``RunnerOptions.retry`` (:data:`agl_stream.retry.FAILOVER`: about 30 s
-of backoff). If marking it
-running or exporting its spans still fails (the trace would be incomplete), or the outcome
-still cannot be sent, or anything else in the attempt raises, the attempt is *released*: given
-back for a retry as on SIGTERM below. A release first asks the processor for the attempt and
-its rollout (updates that change nothing, answered with the state): an attempt finished
-already (the watchdog closed it, or an outcome whose answer was lost went through) is left
-alone, and a rollout no longer running (cancelled) is not requeued. Every attempt a
-runner claims ends in exactly one of ``RunnerStats``' outcomes: ``succeeded``, ``failed``
-(reported), ``released`` (given back), ``already_closed`` (the store had finished it: the
-outcome was refused, or a release found it finished) or ``abandoned`` (not even a release got
-through: the watchdog's ``unresponsive_seconds`` is then its only way out; logged as an
-error). The counts are in the runner's summary line and ``agl_runner_attempts_total{status}``.
-Every error is logged with its type and message (:func:`agl_stream.logs.describe`).
+network error). Marking the attempt running (with its resources lookup), exporting its spans
+and reporting its outcome are each tried again with ``RunnerOptions.retry``
+(:data:`agl_stream.retry.FAILOVER`: about 30 s of backoff). If marking it running or exporting
+its spans still fails (the trace would be incomplete), or the outcome still cannot be sent, or
+anything else in the attempt raises, the attempt is *released*: given back for a retry as on
+SIGTERM below. A release first asks the processor for the attempt and its rollout (updates
+that change nothing, answered with the state): an attempt finished already (the watchdog
+closed it, or an outcome whose answer was lost went through) is left alone, and a rollout no
+longer running (cancelled) is not requeued. Spans the agent returned that the store refuses
+for what they are (``agl_stream.tracing.RECORD_ERRORS``: too large, not convertible) fail the
+attempt instead: another try would fail alike.
+
+Every attempt a runner claims ends in exactly one of ``RunnerStats``' outcomes: ``succeeded``,
+``failed`` (reported), ``released`` (given back), ``already_closed`` (the store had finished
+it: the outcome was refused, or a release found it finished) or ``abandoned`` (not even a
+release got through: the watchdog's ``unresponsive_seconds`` is then its only way out; logged
+as an error). The counts are in the runner's summary line and
+``agl_runner_attempts_total{status}``. Errors are logged with their type and message
+(:func:`agl_stream.logs.describe`).
 
 Every ``heartbeat_interval_s`` it writes one heartbeat per live attempt (so the watchdog does
 not judge a slow agent unresponsive) and a worker record to ``agl.workers``.
@@ -65,7 +70,7 @@ from agl_stream.spans import span_from_otel
 from agl_stream.store.client import AglStore
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import AttemptedRollout
-from agl_stream.tracing import AttemptTracer
+from agl_stream.tracing import RECORD_ERRORS, AttemptTracer
 
 log = get_logger("agl.runner")
 
@@ -346,14 +351,21 @@ class Runner:
             # Leaving the block flushed the trace, each batch with the retries of options.retry.
             if trace.export_error is not None:
                 return await self._release(rollout, f"its spans could not be exported: {trace.export_error}")
-            spans = list(trace.spans) + await retrying(
-                lambda: self._export_returned(rollout, returned, trace.next_sequence_id),
-                backoff=self.options.retry,
-                what="exporting returned spans",
-                final=(ValueError, TypeError),
-                rollout=rid,
-                attempt=aid,
-            )
+            spans = list(trace.spans)
+            try:
+                spans += await retrying(
+                    lambda: self._export_returned(rollout, returned, trace.next_sequence_id),
+                    backoff=self.options.retry,
+                    what="exporting returned spans",
+                    final=RECORD_ERRORS,
+                    rollout=rid,
+                    attempt=aid,
+                )
+            except RECORD_ERRORS as error:  # the agent's output, not the cluster: another try would fail alike
+                status = "failed"
+                log.warning(
+                    "the spans the agent returned cannot be stored", rollout=rid, attempt=aid, error=describe(error)
+                )
         except Exception as error:
             return await self._release(rollout, f"its spans could not be exported: {describe(error)}")
         await self._hooks("on_rollout_end", agent=self.agent, runner=self, rollout=rollout, spans=spans)

@@ -3,10 +3,11 @@
 from agl_stream.tracing.buffer import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY, AttemptTrace
 from agl_stream.tracing.export_policy import Cut, ExportPolicy, Wait
 from agl_stream.tracing.processor import current_attempt
-from agl_stream.tracing.tracer import AttemptTracer, SpanSink, TracerStats
+from agl_stream.tracing.tracer import RECORD_ERRORS, AttemptTracer, SpanSink, TracerStats
 
 __all__ = [
     "ATTEMPT_ID_KEY",
+    "RECORD_ERRORS",
     "ROLLOUT_ID_KEY",
     "SEQUENCE_ID_KEY",
     "AttemptTrace",

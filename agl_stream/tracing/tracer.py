@@ -52,9 +52,10 @@ from agl_stream.tracing.processor import AttemptSpanProcessor, current_attempt, 
 log = get_logger("agl.tracing")
 
 _LOG_EVERY_S = 10.0
-# Errors that come from the records themselves (too large, not encodable): retrying the same
-# batch cannot help, splitting it isolates the bad span.
-_RECORD_ERRORS: tuple[type[BaseException], ...] = (MessageSizeTooLargeError, AglError, ValueError, TypeError)
+RECORD_ERRORS: tuple[type[Exception], ...] = (MessageSizeTooLargeError, AglError, ValueError, TypeError)
+"""Errors of a span export that come from the records themselves (too large, not convertible or
+encodable): retrying the same spans cannot help (the tracer splits the batch to isolate the bad
+span; the runner fails an attempt whose returned spans raise one)."""
 
 
 class SpanSink(Protocol):
@@ -349,12 +350,12 @@ class AttemptTracer:
                 lambda: self._sink.export_spans([span for _, span in items]),
                 backoff=self._export_backoff,
                 what="exporting spans",
-                final=_RECORD_ERRORS,
+                final=RECORD_ERRORS,
                 spans=len(items),
             )
         except asyncio.CancelledError:
             raise
-        except _RECORD_ERRORS as error:
+        except RECORD_ERRORS as error:
             if len(items) > 1:
                 # A partial send before the error is re-sent here: otel_traces is a
                 # ReplacingMergeTree on the span's ids and reads use FINAL.

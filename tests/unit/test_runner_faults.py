@@ -124,10 +124,14 @@ async def reward(task: Any) -> float:
     return 0.5
 
 
-async def run_one(store: FlakyStore) -> RunnerStats:
+async def returns_a_span(task: Any) -> list[Span]:
+    return [Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=1, trace_id="0" * 32, span_id="1" * 16, name="s")]
+
+
+async def run_one(store: FlakyStore, agent: Any = reward) -> RunnerStats:
     """One rollout through a real runner over ``store``; the runner's stats once it stopped."""
     options = RunnerOptions(concurrency=1, max_rollouts=1, grace_s=TIMEOUT, heartbeat_interval_s=3600, retry=FAST)
-    runner = Runner(FunctionalLitAgent(reward), Settings(), options, store=cast(AglStore, store))
+    runner = Runner(FunctionalLitAgent(agent), Settings(), options, store=cast(AglStore, store))
     runner.resources = cast(ResourcesCache, NoResources())
     stats = await asyncio.wait_for(runner.run(asyncio.Event()), TIMEOUT)
     ended = stats.succeeded + stats.failed + stats.released + stats.already_closed + stats.abandoned
@@ -207,3 +211,17 @@ async def test_an_attempt_neither_reported_nor_released_is_counted_abandoned() -
     stats = await run_one(store)
     assert stats.abandoned == 1
     assert _status(store) == ("running", "running")  # the watchdog's business now
+
+
+async def test_returned_spans_are_exported_with_retries() -> None:
+    store = FlakyStore({"export_spans": times(2)})
+    stats = await run_one(store, returns_a_span)
+    assert stats.succeeded == 1 and [span.name for span in store.spans] == ["s"]
+
+
+async def test_returned_spans_the_store_cannot_take_fail_the_attempt() -> None:
+    # The agent's output, not the cluster: not retried, and not released (a retry would fail alike).
+    store = FlakyStore({"export_spans": iter([ValueError("a span over the size limit")])})
+    stats = await run_one(store, returns_a_span)
+    assert stats.failed == 1 and _status(store) == ("failed", "failed")
+    assert store.calls.count("export_spans") == 1
