@@ -193,6 +193,15 @@ class Settings(BaseSettings):
     finished_retention_s: float = Field(
         60.0, ge=0, description="Seconds a finished rollout stays in the processor's memory before it is forgotten."
     )
+    max_queued_per_partition: int = Field(
+        50_000,
+        ge=0,
+        description=(
+            "Most rollouts queued (queuing or requeuing) on one partition of agl.rollouts: the processor "
+            "holds each in memory, so an enqueue past it is refused (QueueFullError; retries still "
+            "requeue). 0: no limit."
+        ),
+    )
 
     # -- task ingress ----------------------------------------------------------------------------
     ingress_max_input_bytes: int = Field(

@@ -28,6 +28,15 @@ Per fetch (up to thousands of records from agl.rollouts and agl.store-requests):
 State survives restarts as the compacted ``agl.rollout-state`` topic: on assignment the
 processor reads its partitions to the end, then reads agl.rollouts up to its end before it hands
 out claims (so a claim written before a crash is folded before any new one).
+
+Memory and admission: every rollout the processor holds is in memory until it finished and its
+retention passed. A rollout that waits in the queue unclaimed and has no attempt yet is held as
+its encoded state record (``_States``; about a tenth of the decoded objects), decoded again when
+something touches it. The queue of each partition is bounded (``Settings.max_queued_per_partition``):
+the fold refuses an enqueue past it (``agl_stream.domain.queue.Admission``), counted per partition
+from that partition's states so that a replay after a restart, or the next owner after a
+rebalance, reaches the same answer; an enqueue at or below the offset the recovered states of its
+partition cover (``folded_through``) that left no rollout was refused then and is refused again.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import heapq
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +57,7 @@ from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.fold import fold
-from agl_stream.domain.queue import ClaimQueue, claim_attempt_id
+from agl_stream.domain.queue import Admission, ClaimQueue, claim_attempt_id
 from agl_stream.domain.trace_collector import finishes_an_attempt
 from agl_stream.domain.watchdog import due_verdicts, next_deadline
 from agl_stream.errors import CodecError
@@ -58,6 +68,7 @@ from agl_stream.logs import get_logger
 from agl_stream.models import (
     Attempt,
     AttemptStarted,
+    RolloutEnqueued,
     RolloutEvent,
     RolloutState,
     StoreRequest,
@@ -90,6 +101,59 @@ def _oversize(record: ConsumerRecord[bytes, bytes], what: str) -> str:
         f"{what} of {len(record.value or b''):,} bytes, over the {MAX_EVENT_BYTES:,}-byte limit: keep task input "
         "and metadata small (store large payloads elsewhere and pass a reference)"
     )
+
+
+class _States:
+    """The rollouts' states by id. A queued rollout without attempts (the bulk of a long queue,
+    idle until claimed) is held as its encoded state record instead of decoded objects (measured
+    with ``benchmarks/processor_memory.py``); reading it decodes it and keeps the decoded state
+    until it is compacted again. Such a rollout has no attempts, deadline or finish to index."""
+
+    def __init__(self, codec: Codec) -> None:
+        self._codec = codec
+        self._held: dict[str, RolloutState | bytes] = {}
+
+    def get(self, rollout_id: str) -> RolloutState | None:
+        held = self._held.get(rollout_id)
+        if held is None or isinstance(held, RolloutState):
+            return held
+        state = self._held[rollout_id] = self._codec.decode(held, RolloutState)
+        return state
+
+    def __getitem__(self, rollout_id: str) -> RolloutState:
+        state = self.get(rollout_id)
+        if state is None:
+            raise KeyError(rollout_id)
+        return state
+
+    def __setitem__(self, rollout_id: str, state: RolloutState) -> None:
+        self._held[rollout_id] = state
+
+    def __contains__(self, rollout_id: object) -> bool:
+        return rollout_id in self._held
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def decoded(self, rollout_id: str) -> RolloutState | None:
+        """The state if it is held decoded (None if absent or compact: no attempts then)."""
+        held = self._held.get(rollout_id)
+        return held if isinstance(held, RolloutState) else None
+
+    def discard(self, rollout_id: str) -> RolloutState | None:
+        """Forget the rollout; returns its state if it was held decoded."""
+        held = self._held.pop(rollout_id, None)
+        return held if isinstance(held, RolloutState) else None
+
+    def compact(self, state: RolloutState, encoded: bytes) -> None:
+        """Hold ``state`` (``encoded``) compact when it is the rollout's current state, queued
+        and without attempts."""
+        rollout_id = state.rollout.rollout_id
+        if state.rollout.status == "queuing" and not state.attempts and self._held.get(rollout_id) is state:
+            self._held[rollout_id] = encoded
 
 
 @dataclass
@@ -138,7 +202,11 @@ class RolloutProcessor:
         self.requests_topic = settings.topic("store-requests")
         self.retention_s = settings.finished_retention_s
         self.watchdog_interval_s = settings.watchdog_interval_s
-        self.states: dict[str, RolloutState] = {}
+        self.states = _States(codec)
+        self.max_queued = settings.max_queued_per_partition or None
+        # partition -> the highest agl.rollouts offset its recovered states folded: an enqueue at
+        # or below it that left no rollout was refused before the restart.
+        self.folded_through: dict[int, int] = {}
         self.partition_of: dict[str, int] = {}
         self.state_offset: dict[str, int] = {}  # newest state record's offset on agl.rollout-state
         self.deadlines: dict[str, float] = {}
@@ -180,6 +248,7 @@ class RolloutProcessor:
         self.owned -= gone
         for p in gone:
             self.catching_up.pop(p, None)
+            self.folded_through.pop(p, None)
 
     async def _recover(self, partitions: set[int]) -> None:
         """Read the changelog partitions to their end; note where agl.rollouts ends now."""
@@ -196,6 +265,8 @@ class RolloutProcessor:
             consumer.assign(states)
             await consumer.seek_to_beginning(*states)
             ends = await consumer.end_offsets(states + events)
+            for p in partitions:
+                self.folded_through[p] = -1
             remaining = {tp for tp in states if ends[tp] > 0}
             while remaining:
                 fetched = await consumer.getmany(*remaining, timeout_ms=1000, max_records=10_000)
@@ -224,12 +295,15 @@ class RolloutProcessor:
             )
             return
         self._track(state, partition, record.offset)
+        self.states.compact(state, record.value)
+        if state.input_offset > self.folded_through.get(partition, -1):
+            self.folded_through[partition] = state.input_offset
 
     # -- bookkeeping -------------------------------------------------------------------------
 
     def _track(self, state: RolloutState, partition: int, offset: int | None = None) -> None:
         rollout_id = state.rollout.rollout_id
-        old = self.states.get(rollout_id)
+        old = self.states.decoded(rollout_id)  # a compact one has no attempts to unindex
         self.states[rollout_id] = state
         self.partition_of[rollout_id] = partition
         if offset is not None:
@@ -252,12 +326,12 @@ class RolloutProcessor:
             self.finished.pop(rollout_id, None)
         if state.rollout.status in QUEUING_STATUSES:
             entered = state.rollout.start_time if state.rollout.status == "queuing" else state.cause_time
-            self.queue.queued(rollout_id, entered)
+            self.queue.queued(rollout_id, entered, partition)
         else:
             self.queue.left(rollout_id)
 
     def _untrack(self, rollout_id: str) -> None:
-        state = self.states.pop(rollout_id, None)
+        state = self.states.discard(rollout_id)
         if state is not None:
             for attempt in state.attempts:
                 self.attempts.pop(attempt.attempt_id, None)
@@ -328,8 +402,19 @@ class RolloutProcessor:
                     _Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None)
                 )
             return
-        result = fold(state, event)
+        admission = None
+        if state is None and isinstance(event.payload, RolloutEnqueued):
+            partition = record.partition
+            admission = Admission(
+                partition,
+                self.queue.queued_on(partition),
+                self.max_queued,
+                folded_before=record.offset <= self.folded_through.get(partition, -1),
+            )
+        result = fold(state, event, admission)
         if result.outcome == "rejected":
+            if admission is not None:
+                self.counts["enqueues_refused"] += 1
             refused = RejectedEvent(result.error or "rejected")
             if reply_to:  # the writer hears why and raises it: a DLQ copy would only pile up
                 out.answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(refused)))
@@ -499,6 +584,8 @@ class RolloutProcessor:
         )
         for rid, meta in zip(ids, sent[len(tombstones) + len(finishing) :], strict=False):
             self.state_offset[rid] = meta.offset
+        for rid, value in zip(ids, encoded, strict=True):
+            self.states.compact(touched[rid], value)
         # Answers that carry a state this batch wrote reuse its bytes (most of them do).
         bodies = {
             id(touched[rid]): self.replies_wire.state_body(value) for rid, value in zip(ids, encoded, strict=True)

@@ -1,4 +1,4 @@
-"""The rollout state machine: one pure function, ``fold(state, event) -> FoldResult``.
+"""The rollout state machine: one pure function, ``fold(state, event, admission) -> FoldResult``.
 
 The rollout processor folds every event of ``agl.rollouts`` into the rollout's
 :class:`RolloutState`, in partition order. The fold does no I/O and reads no clock: "now" is the
@@ -59,6 +59,9 @@ Notes, per event:
 * RolloutEnqueued: rejected if the rollout exists, its id is not the event key, it is not
   ``queuing`` or the attempt names another rollout. With an attempt (start_rollout): attempt
   #1, ``preparing``, started at event time, no task. The rollout's ``end_time`` is cleared.
+  Without one it enters the queue, and ``admission`` (the queue of the event's partition,
+  ``agl_stream.domain.queue.Admission``) may refuse it: rejected with a reason that starts with
+  ``queue full`` (``admission_refusal``). No other event is refused for a full queue.
 * AttemptStarted: a claim (``manual=false``) needs ``queuing``/``requeuing`` (else "another
   worker claimed it" / "it has already finished"); manual (start_attempt) works on any
   rollout and reopens a terminal one. Both reject a duplicate attempt id or an attempt of
@@ -105,6 +108,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agl_stream.domain.queue import Admission, admission_refusal
 from agl_stream.domain.watchdog import due_verdicts
 from agl_stream.models.base import QUEUING_STATUSES, RUNNING_STATUSES, TERMINAL_STATUSES, AttemptStatus
 from agl_stream.models.events import (
@@ -158,8 +162,12 @@ def latest_attempt(state: RolloutState) -> Attempt | None:
     return None if index is None else state.attempts[index]
 
 
-def fold(state: RolloutState | None, event: RolloutEvent) -> FoldResult:
-    """Fold one event into the rollout's state (``None`` before the rollout exists)."""
+def fold(state: RolloutState | None, event: RolloutEvent, admission: Admission | None = None) -> FoldResult:
+    """Fold one event into the rollout's state (``None`` before the rollout exists).
+
+    ``admission``: the queue of the event's partition, which a new queued rollout must fit in
+    (None: no limit, as for a replay that derives what was admitted from the states).
+    """
     payload = event.payload
     if state is not None and event.rollout_id != state.rollout.rollout_id:
         return _rejected(
@@ -167,7 +175,7 @@ def fold(state: RolloutState | None, event: RolloutEvent) -> FoldResult:
             f"but was folded into rollout {state.rollout.rollout_id}"
         )
     if isinstance(payload, RolloutEnqueued):
-        return _enqueued(state, event, payload)
+        return _enqueued(state, event, payload, admission)
     if state is None:
         return _rejected(f"unknown rollout id {event.rollout_id}")
     if isinstance(payload, AttemptStarted):
@@ -289,7 +297,9 @@ def _propagate(rollout: Rollout, attempt_status: AttemptStatus, attempt_count: i
 # --------------------------------------------------------------------------------------------
 
 
-def _enqueued(state: RolloutState | None, event: RolloutEvent, payload: RolloutEnqueued) -> FoldResult:
+def _enqueued(
+    state: RolloutState | None, event: RolloutEvent, payload: RolloutEnqueued, admission: Admission | None
+) -> FoldResult:
     rollout = payload.rollout
     if state is not None:
         return _rejected(f"rollout {state.rollout.rollout_id} already exists")
@@ -309,6 +319,10 @@ def _enqueued(state: RolloutState | None, event: RolloutEvent, payload: RolloutE
             )
         attempts = [_fresh_attempt(payload.attempt, 1, event.time, payload.attempt.worker_id)]
         rollout = rollout.model_copy(update={"status": "preparing"})
+    else:
+        refusal = admission_refusal(admission, rollout.rollout_id)
+        if refusal is not None:
+            return _rejected(refusal)
     return _commit(None, event, rollout, attempts, {})
 
 

@@ -9,6 +9,16 @@ Pure bookkeeping, no I/O and no clock (times are arguments). The rollout process
   it wrote for that claim (applied or rejected): no second claim gets it meanwhile;
 * a claim that finds nothing may *wait* (its ``wait_seconds``); waiting claims are served first
   come, first served as rollouts enter the queue, and answered empty at their deadline.
+
+Admission: every queued rollout is held in the processor's memory, so the queue of each
+partition of ``agl.rollouts`` is bounded (``Settings.max_queued_per_partition``). The fold
+refuses a new rollout (``RolloutEnqueued`` into ``queuing``) when :func:`admission_refusal` says
+so, from an :class:`Admission` the processor builds from this queue: the count is per partition,
+a function of that partition's log alone, so a replay or another processor reaches the same
+answer. An enqueue at or below what the partition's recovered states already cover, that left
+no rollout, was refused when first folded and is refused again (``folded_before``). Requeues of
+existing rollouts (a retry) are never refused. The refusal's message starts with
+:data:`QUEUE_FULL`, which the store client turns into ``QueueFullError``.
 """
 
 from __future__ import annotations
@@ -19,9 +29,47 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["ClaimQueue", "WaitingClaim", "claim_attempt_id"]
+__all__ = ["QUEUE_FULL", "Admission", "ClaimQueue", "WaitingClaim", "admission_refusal", "claim_attempt_id"]
 
 T = TypeVar("T")
+
+QUEUE_FULL = "queue full"
+"""How every admission refusal's message begins (the store client's cue for ``QueueFullError``)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The queue of an event's partition when the event is folded: what admission decides on."""
+
+    partition: int
+    queued: int
+    """Rollouts queued (queuing or requeuing) on the partition before the event."""
+    limit: int | None
+    """The most rollouts queued on one partition (None: no limit)."""
+    folded_before: bool = False
+    """The event is at or below the offset the partition's recovered states cover and left no
+    rollout: it was folded before a restart, and refused."""
+
+
+def admission_refusal(admission: Admission | None, rollout_id: str) -> str | None:
+    """Why a new rollout may not enter the queue, or None when it may."""
+    if admission is None or admission.limit is None:
+        return None
+    if admission.folded_before:
+        return (
+            f"{QUEUE_FULL}: rollout {rollout_id} was not admitted when its enqueue was first folded "
+            f"(partition {admission.partition} of the rollouts topic held {admission.limit:,} queued "
+            "rollouts, AGL_MAX_QUEUED_PER_PARTITION); wait for runners to claim queued rollouts, then "
+            "enqueue it again"
+        )
+    if admission.queued >= admission.limit:
+        return (
+            f"{QUEUE_FULL}: rollout {rollout_id} refused, partition {admission.partition} of the rollouts "
+            f"topic holds {admission.queued:,} queued rollouts, the limit (AGL_MAX_QUEUED_PER_PARTITION) is "
+            f"{admission.limit:,}; wait for runners to claim queued rollouts (or raise the limit), then "
+            "enqueue again"
+        )
+    return None
 
 
 def claim_attempt_id(request_id: str) -> str:
@@ -45,6 +93,8 @@ class ClaimQueue(Generic[T]):
     _since: dict[str, float] = field(default_factory=dict)
     _entry: dict[str, int] = field(default_factory=dict)  # rollout -> its live heap entry's counter
     _counter: int = 0
+    _partition: dict[str, int] = field(default_factory=dict)  # queued rollout -> its partition
+    _on: dict[int, int] = field(default_factory=dict)  # partition -> queued rollouts
     reserved: set[str] = field(default_factory=set)
     waiting: deque[WaitingClaim[T]] = field(default_factory=deque)
 
@@ -52,19 +102,28 @@ class ClaimQueue(Generic[T]):
         """Queued rollouts that a claim could get now."""
         return len(self._since) - len(self.reserved & self._since.keys())
 
-    def queued(self, rollout_id: str, since: float) -> None:
+    def queued_on(self, partition: int) -> int:
+        """Queued rollouts of one partition, reserved ones included (still queued in the log)."""
+        return self._on.get(partition, 0)
+
+    def queued(self, rollout_id: str, since: float, partition: int = 0) -> None:
         """The rollout is queued (again); a rollout already queued keeps its place."""
         if rollout_id in self._since:
             return
         self._counter += 1
         self._since[rollout_id] = since
+        self._partition[rollout_id] = partition
+        self._on[partition] = self._on.get(partition, 0) + 1
         self._entry[rollout_id] = self._counter
         heapq.heappush(self._heap, (since, self._counter, rollout_id))
 
     def left(self, rollout_id: str) -> None:
         """The rollout is no longer queued (claimed, cancelled, forgotten); its heap entry goes stale."""
-        self._since.pop(rollout_id, None)
+        if self._since.pop(rollout_id, None) is None:
+            return
         self._entry.pop(rollout_id, None)
+        partition = self._partition.pop(rollout_id)
+        self._on[partition] -= 1
 
     def take(self) -> str | None:
         """Reserve and return the oldest queued rollout not reserved, or None."""
@@ -109,4 +168,6 @@ class ClaimQueue(Generic[T]):
         self._heap.clear()
         self._since.clear()
         self._entry.clear()
+        self._partition.clear()
+        self._on.clear()
         self.reserved.clear()

@@ -27,6 +27,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
+from agl_stream.domain.queue import QUEUE_FULL
 from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.admin import admin_client, broker_count
 from agl_stream.logs import get_logger
@@ -35,6 +36,7 @@ from agl_stream.models import Reply
 __all__ = [
     "REPLY_HEADER",
     "REPLY_STATE_HEADER",
+    "QueueFullError",
     "RejectedError",
     "ReplyChannel",
     "ReplyTopics",
@@ -57,6 +59,13 @@ class RejectedError(AglError, ValueError):
     """The processor rejected the event (unknown id, illegal transition, ...); the reason says why.
 
     A ValueError, as the LightningStore contract asks for missing ids and invalid updates.
+    """
+
+
+class QueueFullError(RejectedError):
+    """The processor refused an enqueue: the queue of the rollout's partition is at its limit
+    (``AGL_MAX_QUEUED_PER_PARTITION``). The rollout does not exist; enqueue it again once runners
+    claimed queued rollouts. Of an ``enqueue_many_rollouts`` call, others may have been enqueued.
     """
 
 
@@ -241,7 +250,8 @@ class ReplyChannel:
         if future is None or future.done():
             return  # a second answer after a processor restart, or one we stopped waiting for
         if reply.outcome == "rejected":
-            future.set_exception(RejectedError(reply.error or "rejected"))
+            reason = reply.error or "rejected"
+            future.set_exception((QueueFullError if reason.startswith(QUEUE_FULL) else RejectedError)(reason))
         else:
             future.set_result(reply)
 

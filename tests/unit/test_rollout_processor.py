@@ -16,7 +16,7 @@ from aiokafka.structs import RecordMetadata
 
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.domain.queue import claim_attempt_id
+from agl_stream.domain.queue import QUEUE_FULL, claim_attempt_id
 from agl_stream.domain.trace_collector import finishes_an_attempt
 from agl_stream.ids import new_event_id, new_rollout_id
 from agl_stream.kafka.io import DeadLetters
@@ -39,6 +39,7 @@ EVENTS = SETTINGS.topic("rollouts")
 REQUESTS = SETTINGS.topic("store-requests")
 STATES = SETTINGS.topic("rollout-state")
 CLIENT = f"{SETTINGS.topic('replies')}.client-1"
+DLQ = SETTINGS.topic("dlq")
 
 
 class Producer:
@@ -86,13 +87,14 @@ class ReplyTopics:
 
 
 class Harness:
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings = SETTINGS, ends: dict[tuple[str, int], int] | None = None) -> None:
+        """``ends``: another harness's, for a processor that takes over the same topics."""
         self.codec = Codec.default()
-        self.ends: dict[tuple[str, int], int] = defaultdict(int)
+        self.ends: dict[tuple[str, int], int] = defaultdict(int) if ends is None else ends
         self.producer = Producer(self.ends)
         self.replies = Producer(self.ends)
-        outbox = Outbox(self.producer, DeadLetters(SETTINGS, self.producer, "test", self.codec))  # type: ignore[arg-type]
-        self.processor = RolloutProcessor(SETTINGS, outbox, self.replies, self.codec)  # type: ignore[arg-type]
+        outbox = Outbox(self.producer, DeadLetters(settings, self.producer, "test", self.codec))  # type: ignore[arg-type]
+        self.processor = RolloutProcessor(settings, outbox, self.replies, self.codec)  # type: ignore[arg-type]
         self.processor.reply_topics = ReplyTopics(self.processor.reply_topics)  # type: ignore[assignment]
         self.processor.owned = {0}
 
@@ -183,3 +185,85 @@ async def test_the_state_an_attempt_finished_in_is_written_even_when_the_batch_c
     assert finishes_an_attempt(finished) and finished.attempts[-1].status == "succeeded"
     assert not finishes_an_attempt(newest) and newest.cause_time == 13.0
     assert newest.attempts[-1].end_time == finished.cause_time == 10.0
+
+
+def _event_id(record: ConsumerRecord[bytes, bytes], codec: Codec) -> str:
+    return codec.decode(record.value or b"", RolloutEvent).event_id
+
+
+def _claim_event_read_back(h: Harness) -> ConsumerRecord[bytes, bytes]:
+    """The claim event the processor just wrote (the last record of agl.rollouts), read back."""
+    *_, event = h.events_sent()
+    key = h.codec.decode(event.value or b"", RolloutEvent).rollout_id.encode()
+    return ConsumerRecord(EVENTS, 0, h.ends[(EVENTS, 0)] - 1, 0, 0, key, event.value, None, 0, 0, event.headers)
+
+
+async def test_an_enqueue_past_the_partitions_limit_is_refused_and_room_comes_back_with_a_claim() -> None:
+    h = Harness(Settings(topic_prefix="t", max_queued_per_partition=2))
+    first, second, third = h.enqueue(), h.enqueue(), h.enqueue()
+    await h.handle(first, second, third)
+    [refused] = _answers_to(h, _event_id(third, h.codec))
+    assert refused.outcome == "rejected" and refused.error is not None and refused.error.startswith(QUEUE_FULL)
+    assert "partition 0" in refused.error and "2 queued" in refused.error
+    assert [a.outcome for a in h.answers()] == ["applied", "applied", "rejected"]
+    assert h.written(DLQ) == []  # its writer heard why
+    assert h.processor.counts["enqueues_refused"] == 1
+    assert h.processor.queue.queued_on(0) == 2
+    # A claim takes one; until its event is folded the rollout is still queued in the log.
+    request_id, claim = h.claim()
+    await h.handle(claim)
+    await h.handle(fourth := h.enqueue())
+    assert _answers_to(h, _event_id(fourth, h.codec))[0].outcome == "rejected"
+    claim_event = _claim_event_read_back(h)
+    await h.handle(claim_event)
+    assert _claimed(h.answers(), request_id).rollout.status == "preparing"
+    await h.handle(fifth := h.enqueue())
+    assert _answers_to(h, _event_id(fifth, h.codec))[0].outcome == "applied"
+
+
+async def test_a_refused_enqueue_is_refused_again_by_a_processor_that_replays_it() -> None:
+    """A processor restarted (or the next owner after a rebalance) rebuilds its state from the
+    changelog and folds again what was not committed. The queue has room by then (a claim
+    folded after the refusal), but the enqueue was refused the first time: it is refused again,
+    and a later one is admitted."""
+    limited = Settings(topic_prefix="t", max_queued_per_partition=1)
+    a = Harness(limited)
+    first, second = a.enqueue(), a.enqueue()
+    await a.handle(first, second)
+    assert [r.outcome for r in a.answers()] == ["applied", "rejected"]
+    _, claim = a.claim()
+    await a.handle(claim)
+    claim_event = _claim_event_read_back(a)
+    await a.handle(claim_event)
+    assert a.processor.queue.queued_on(0) == 0  # room now
+    # A dies before committing anything; B reads A's changelog, then agl.rollouts from the start.
+    b = Harness(limited, a.ends)
+    b.processor.owned = {0}
+    for _, value, _ in a.written(STATES):
+        assert value is not None
+        key = a.codec.decode(value, RolloutState).rollout.rollout_id.encode()
+        b.processor._recovered(ConsumerRecord(STATES, 0, 0, 0, 0, key, value, None, 0, 0, []), 0)
+    await b.handle(first, second, claim_event)
+    assert [r.outcome for r in b.answers()] == ["applied", "rejected", "applied"]
+    again = b.answers()[1].error
+    assert again is not None and again.startswith(QUEUE_FULL) and "not admitted when its enqueue was first" in again
+    assert second.key is not None and second.key.decode() not in b.processor.states
+    await b.handle(third := b.enqueue())
+    assert _answers_to(b, _event_id(third, b.codec))[0].outcome == "applied"
+
+
+async def test_a_queued_rollout_is_held_encoded_and_decoded_when_claimed() -> None:
+    h = Harness()
+    await h.handle(enqueue := h.enqueue())
+    rollout_id = (enqueue.key or b"").decode()
+    assert isinstance(h.processor.states._held[rollout_id], bytes)  # compact while it waits
+    assert h.processor.states.decoded(rollout_id) is None
+    state = h.processor.states[rollout_id]  # decoded on demand, the same state
+    assert state.rollout.rollout_id == rollout_id and state.watchers == [CLIENT]
+    request_id, claim = h.claim()
+    await h.handle(claim)
+    claim_event = _claim_event_read_back(h)
+    await h.handle(claim_event)
+    claimed = _claimed(h.answers(), request_id)
+    assert claimed.rollout.status == "preparing" and claimed.watchers == [CLIENT]
+    assert h.processor.states.decoded(rollout_id) == claimed  # not queued any more: kept decoded
