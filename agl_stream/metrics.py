@@ -59,6 +59,7 @@ __all__ = [
     "FOLD_SECONDS",
     "HANDLE_SECONDS",
     "INFERENCE_REQUEST_SECONDS",
+    "INGRESS_REQUESTS",
     "PROXY_CALL_SECONDS",
     "REBALANCES",
     "RECORDS_IN",
@@ -149,6 +150,12 @@ INFERENCE_REQUEST_SECONDS = Histogram(
     buckets=_SECONDS,
 )
 RUNNER_ATTEMPTS = Counter("agl_runner_attempts", "Runner: attempts it ran, by final status.", ["role", "status"])
+INGRESS_REQUESTS = Counter(
+    "agl_ingress_requests",
+    "Ingress: task requests it handled, by outcome (enqueued; already_enqueued: a copy, answered, "
+    "no dead letter; refused: sent to the DLQ).",
+    ["role", "outcome"],
+)
 
 ALL: tuple[MetricWrapperBase, ...] = (
     RECORDS_IN,
@@ -167,6 +174,7 @@ ALL: tuple[MetricWrapperBase, ...] = (
     PROXY_CALL_SECONDS,
     INFERENCE_REQUEST_SECONDS,
     RUNNER_ATTEMPTS,
+    INGRESS_REQUESTS,
 )
 """Every metric agl-stream defines (the Grafana dashboard may use these and no others)."""
 

@@ -10,8 +10,13 @@ rules (agl_stream/domain/ingress.py) before anything is sent:
 - all valid: each is produced to agl.task-requests keyed by its request id and, once the broker
   acknowledged all of them, 202 ``{"accepted": [{"request_id", "rollout_id"}]}``.
 
-202 means "queued for the ingress processor", which then enqueues the rollout (or refuses it
-on agl.dlq: an unknown ``resources_id`` or a duplicate request id is only known there).
+202 means "queued for the ingress processor", which then enqueues the rollout, answers a copy
+of a request already enqueued as "already enqueued" (counted in its metrics, no dead letter), or
+refuses it on agl.dlq: an unknown ``resources_id``, or a request whose rollout holds a different
+request (its request id reused with another input, a rollout id collision:
+``RequestConflictError``), is only known there. The ``rollout_id`` of the answer is the derived
+one (``ro-`` + 32 hex, agl_stream.domain.ingress.rollout_id_for). A request id repeated inside
+one body is refused here (``DuplicateRequestError`` item).
 400 for a body that is not JSON, 413 over the size limits, 503 (``Retry-After``) while the
 gateway's producer is not up or the broker does not answer.
 """

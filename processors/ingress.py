@@ -3,18 +3,22 @@
 Each request is decoded and validated by the pure rules of agl_stream/domain/ingress.py, its
 ``resources_id`` is looked up in a local copy of agl.resources (ResourcesCache), and a valid,
 new request becomes one ``RolloutEnqueued`` keyed by its derived rollout id
-(``ro-`` + SHA-256(request_id)[:12]). Everything else goes to agl.dlq with the reason and the
-request's own bytes. Nothing is dropped silently and bad input never stops the loop.
+(``ro-`` + SHA-256(request_id)[:32 hex]). Invalid requests, and requests whose rollout holds a
+different request (a reused request id with another input, a collision of rollout ids:
+``RequestConflictError``), go to agl.dlq with the reason and the request's own bytes. A copy of
+a request already enqueued is an answer, not a dead letter: it is counted
+(``agl_ingress_requests_total{outcome="already_enqueued"}``, ``already_enqueued``) and logged
+per batch, and changes nothing. Nothing is dropped silently and bad input never stops the loop.
 
 A handler of the processor skeleton (agl_stream/kafka/processor.py), processing what one poll
 returns as a batch: events and DLQ records are sent, *all* acknowledged by the broker, and only
 then are the batch's offsets committed (coalesced by the skeleton). A crash before the commit
 re-reads the batch and sends the same events again (same rollout id, same event id); the
-rollout processor refuses an
-enqueue of a rollout it knows ("rollout ... already exists", on agl.dlq). Repeats this process
-saw enqueued lately, and repeats of rollouts ClickHouse already holds (asked once per batch,
-so a repeat long after the processor forgot the rollout is caught too), are refused here,
-before they reach agl.rollouts, as "duplicate request".
+rollout processor refuses an enqueue of a rollout it knows ("rollout ... already exists", on
+agl.dlq). What a rollout holds is known from this process's memory of what it enqueued lately
+(request id and input) and, for older rollouts, from ClickHouse (the input, asked once per
+batch, under the derived id and under the legacy 12-hex id of rollouts enqueued before
+128-bit ids), so a copy long after the processor forgot the rollout is answered too.
 """
 
 from __future__ import annotations
@@ -30,16 +34,21 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
     WRITER,
-    DuplicateRequestError,
+    AlreadyEnqueued,
+    HeldRequest,
     IngressLimits,
     RecentRequests,
     TaskRequestError,
     TaskRequestTooLargeError,
     UnknownResourcesError,
     check_key,
+    classify,
     decode_request,
     enqueue_event,
+    held_from_rows,
     rollout_id_for,
+    stored_for,
+    stored_rollouts_query,
 )
 from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
@@ -75,6 +84,7 @@ class IngressProcessor:
         self.recent = RecentRequests()
         self.enqueued = 0
         self.rejected = 0
+        self.already_enqueued = 0
         self._producer = producer
         self._dead_letters = DeadLetters(settings, producer, processor=PROCESSOR, codec=self.codec)
         self._resources = ResourcesCache(settings, self.codec)
@@ -82,7 +92,7 @@ class IngressProcessor:
         self.unchecked = 0  # requests enqueued while ClickHouse could not be asked (see _known)
 
     async def assigned(self, partitions: set[TopicPartition]) -> None:
-        pass  # nothing kept per partition: repeats are refused by request id wherever they land
+        pass  # nothing kept per partition: copies are recognized by rollout id wherever they land
 
     def revoked(self, partitions: set[TopicPartition]) -> None:
         pass
@@ -96,15 +106,29 @@ class IngressProcessor:
     async def handle(self, batch: Batch) -> None:
         """Turn one poll's records into events and DLQ records and send them all (the skeleton
         commits after; a broker error re-runs the batch: same events, DLQ at-least-once)."""
-        events, rejected = await self._decide(batch)
+        events, rejected, copies = await self._decide(batch)
         await self._send(events, rejected)
-        for request_id, _, _ in events:
-            self.recent.add(request_id)
+        for held, _ in events:
+            self.recent.add(held)
         self.enqueued += len(events)
         self.rejected += len(rejected)
+        self.already_enqueued += len(copies)
+        outcomes = {"enqueued": len(events), "already_enqueued": len(copies), "refused": len(rejected)}
+        for outcome, count in outcomes.items():
+            if count:
+                metrics.INGRESS_REQUESTS.labels(metrics.role(), outcome).inc(count)
+        if copies:
+            log.info(
+                "already enqueued: copies answered, nothing sent",
+                copies=len(copies),
+                first=str(copies[0]),
+            )
 
-    async def _decide(self, fetched: Batch) -> tuple[list[tuple[str, str, bytes]], list[Rejected]]:
-        """(request id, rollout id, encoded event) per new valid request; the rest rejected."""
+    async def _decide(
+        self, fetched: Batch
+    ) -> tuple[list[tuple[HeldRequest, bytes]], list[Rejected], list[AlreadyEnqueued]]:
+        """(what the new rollout holds, encoded event) per new valid request; the rejected ones;
+        the copies of requests already enqueued."""
         assert self._resources is not None
         rejected: list[Rejected] = []
         valid: list[tuple[ConsumerRecord[bytes, bytes], TaskRequest]] = []
@@ -122,69 +146,72 @@ class IngressProcessor:
             await cache.catch_up()  # once per batch: snapshots written before the request are found
         # Beyond this process's memory: rollouts ClickHouse already holds were enqueued by an
         # earlier copy, even one the rollout processor has long forgotten.
-        known = await self._known([rollout_id_for(r.request_id) for _, r in valid if r.request_id not in self.recent])
+        unknown = [r.request_id for _, r in valid if rollout_id_for(r.request_id) not in self.recent]
+        stored = await self._stored(unknown)
         now = time.time()
-        events: list[tuple[str, str, bytes]] = []
-        in_batch: set[str] = set()
+        events: list[tuple[HeldRequest, bytes]] = []
+        copies: list[AlreadyEnqueued] = []
+        in_batch: dict[str, HeldRequest] = {}
         for message, request in valid:
             request_id = request.request_id
             rollout_id = rollout_id_for(request_id)
-            error: TaskRequestError | None = None
-            if request.resources_id is not None and request.resources_id not in cache.by_id:
-                error = UnknownResourcesError(
-                    f"resources_id {request.resources_id!r} names no snapshot on {cache.topic}; "
-                    "publish the resources first, or send null for the latest"
-                )
-            elif request_id in in_batch or request_id in self.recent or rollout_id in known:
-                error = DuplicateRequestError(
-                    f"duplicate request: request_id {request_id!r} was already enqueued as rollout {rollout_id}; "
-                    "this copy changed nothing"
-                )
-            else:
-                data = self.codec.encode(enqueue_event(request, now))
-                if len(data) > MAX_EVENT_BYTES:
-                    error = TaskRequestTooLargeError(
-                        f"the rollout event would be {len(data):,} bytes, over the {MAX_EVENT_BYTES:,}-byte limit "
-                        "of agl.rollouts: send less input or metadata"
-                    )
-                else:
-                    events.append((request_id, rollout_id, data))
-                    in_batch.add(request_id)
-            if error is not None:
-                rejected.append(Rejected.of(message, error))
-        return events, rejected
+            held = in_batch.get(rollout_id) or self.recent.held(rollout_id) or stored_for(stored, request_id)
+            try:
+                answer = classify(request, held)
+                if answer is not None:
+                    copies.append(answer)
+                    continue
+                data = self._event(request, now)
+            except TaskRequestError as refused:
+                rejected.append(Rejected.of(message, refused))
+                continue
+            new = HeldRequest.of(request)
+            events.append((new, data))
+            in_batch[rollout_id] = new
+        return events, rejected, copies
 
-    async def _known(self, rollout_ids: list[str]) -> set[str]:
-        """Which of these rollouts the read side already holds (one query per batch).
+    def _event(self, request: TaskRequest, now: float) -> bytes:
+        """The encoded enqueue event of a new request, or why it cannot be one."""
+        cache = self._resources
+        if request.resources_id is not None and request.resources_id not in cache.by_id:
+            raise UnknownResourcesError(
+                f"resources_id {request.resources_id!r} names no snapshot on {cache.topic}; "
+                "publish the resources first, or send null for the latest"
+            )
+        data = self.codec.encode(enqueue_event(request, now))
+        if len(data) > MAX_EVENT_BYTES:
+            raise TaskRequestTooLargeError(
+                f"the rollout event would be {len(data):,} bytes, over the {MAX_EVENT_BYTES:,}-byte limit "
+                "of agl.rollouts: send less input or metadata"
+            )
+        return data
+
+    async def _stored(self, request_ids: list[str]) -> dict[str, HeldRequest]:
+        """What ClickHouse says the rollouts of these requests hold (one query per batch; see
+        agl_stream.domain.ingress.stored_rollouts_query), by rollout id.
 
         When it cannot be asked (the gateway not up yet, or down), the batch goes on: the rollout
         processor still refuses a rollout it knows (live, or finished less than its retention
         ago), and only a repeat older than that could enqueue again; counted in ``unchecked``.
         """
-        if not rollout_ids:
-            return set()
+        if not request_ids:
+            return {}
+        sql, parameters = stored_rollouts_query(self.settings.clickhouse_database, request_ids)
         try:
             if self._reads is None:
                 self._reads = read_side_for(self.settings)
-            result = await self._reads.query(
-                f"SELECT rollout_id FROM {self.settings.clickhouse_database}.rollouts "
-                "WHERE rollout_id IN {ids:Array(String)}",
-                {"ids": rollout_ids},
-                timeout=_KNOWN_TIMEOUT_S,
-            )
+            result = await self._reads.query(sql, parameters, timeout=_KNOWN_TIMEOUT_S)
         except (AglError, OSError) as error:
-            self.unchecked += len(rollout_ids)
+            self.unchecked += len(request_ids)
             self._reads = None  # the gateway may come back elsewhere (a new port): look it up again
             log.warning(
-                "could not ask ClickHouse for known rollouts", error=str(error)[:300], requests=len(rollout_ids)
+                "could not ask ClickHouse for known rollouts", error=str(error)[:300], requests=len(request_ids)
             )
-            return set()
-        return {str(row[0]) for row in result.rows}
+            return {}
+        return held_from_rows(result.rows)
 
-    async def _send(self, events: list[tuple[str, str, bytes]], rejected: list[Rejected]) -> None:
-        futures = [
-            await self._producer.send(self.output, data, key=rollout_id.encode()) for _, rollout_id, data in events
-        ]
+    async def _send(self, events: list[tuple[HeldRequest, bytes]], rejected: list[Rejected]) -> None:
+        futures = [await self._producer.send(self.output, data, key=held.rollout_id.encode()) for held, data in events]
         if rejected:
             await self._dead_letters.send_many(rejected)
         for future in futures:
@@ -217,7 +244,13 @@ async def run_ingress(settings: Settings, stop: asyncio.Event | None = None) -> 
         if processor._reads is not None:
             await processor._reads.aclose()
         await producer.stop()
-    log.info("ingress stopped", enqueued=processor.enqueued, rejected=processor.rejected, unchecked=processor.unchecked)
+    log.info(
+        "ingress stopped",
+        enqueued=processor.enqueued,
+        already_enqueued=processor.already_enqueued,
+        rejected=processor.rejected,
+        unchecked=processor.unchecked,
+    )
 
 
 def main(settings: Settings) -> None:

@@ -17,8 +17,12 @@ The contract for clients is docs/contract.md; what each check refuses:
   a config with ``max_attempts < 1``, a non-positive or non-finite timeout, or a retry
   condition other than failed/timeout/unresponsive (:class:`InvalidTaskRequestError`).
 
-The rollout id is derived from the request id, so a client knows it without asking and the
-same request sent twice names the same rollout (which the rollout processor creates once).
+The rollout id is derived from the request id (128 bits of its SHA-256), so a client knows it
+without asking and the same request sent twice names the same rollout (which the rollout
+processor creates once). Whether a request is new, a copy of one already enqueued (an answer,
+"already enqueued", never a dead letter) or one whose rollout holds a *different* request (a
+reused request id with another input, or a collision of rollout ids: refused) is decided by
+:func:`classify` from what the rollout holds (:class:`HeldRequest`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import math
 import re
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -78,8 +82,10 @@ class UnknownResourcesError(TaskRequestError):
     """``resources_id`` names no snapshot on agl.resources."""
 
 
-class DuplicateRequestError(TaskRequestError):
-    """A request with this request id was already turned into a rollout."""
+class RequestConflictError(TaskRequestError):
+    """The request's rollout already holds a different request: its request id was used before
+    for another input, or (never seen with 128-bit ids, but checked) another request id derives
+    the same rollout id. Nothing is enqueued; a new task needs a new request id."""
 
 
 class KeyMismatchError(TaskRequestError):
@@ -96,9 +102,22 @@ def request_digest(request_id: str) -> bytes:
     return hashlib.sha256(request_id.encode("utf-8")).digest()
 
 
+ROLLOUT_ID_HEX = 32
+"""Hex digits of SHA-256(request_id) in a derived rollout id: 128 bits, so finding two request
+ids with one rollout id takes ~2**64 hashes (48 bits, the first version's, took 24 s of CPU)."""
+LEGACY_ROLLOUT_ID_HEX = 12
+"""What the first version kept (``ro-`` + 12 hex); rollouts it made are still recognized."""
+
+
 def rollout_id_for(request_id: str) -> str:
-    """``ro-`` + the first 12 hex digits of SHA-256(request_id as UTF-8) (docs/contract.md)."""
-    return "ro-" + request_digest(request_id).hex()[:12]
+    """``ro-`` + the first 32 hex digits of SHA-256(request_id as UTF-8) (docs/contract.md)."""
+    return "ro-" + request_digest(request_id).hex()[:ROLLOUT_ID_HEX]
+
+
+def legacy_rollout_id_for(request_id: str) -> str:
+    """The rollout id the first version derived (``ro-`` + 12 hex of the same digest): a copy of
+    a request enqueued before 128-bit ids is found under it (see :func:`classify`)."""
+    return "ro-" + request_digest(request_id).hex()[:LEGACY_ROLLOUT_ID_HEX]
 
 
 def event_id_for(request_id: str) -> str:
@@ -333,32 +352,140 @@ def enqueue_event(request: TaskRequest, now: float) -> RolloutEvent:
     )
 
 
-class RecentRequests:
-    """The request ids this process turned into rollouts lately (the newest ``capacity``).
+# --------------------------------------------------------------------------------------------
+# New, already enqueued, or conflicting
+# --------------------------------------------------------------------------------------------
 
-    A repeat of one of them is refused as a duplicate with the request's own bytes in the DLQ.
+INPUT_DIGEST_BYTES = 16
+
+
+def input_digest(value: Any) -> bytes:
+    """The first 16 bytes of SHA-256 of the input's JSON text as the codec writes it (sorted keys,
+    compact): equal for equal inputs, and computable by ClickHouse from the stored text
+    (``substring(SHA256(input), 1, 16)``), since the rollouts table keeps that very text."""
+    return hashlib.sha256(dump_json(value).encode("utf-8")).digest()[:INPUT_DIGEST_BYTES]
+
+
+@dataclass(frozen=True)
+class HeldRequest:
+    """What an existing rollout tells about the request that made it.
+
+    ``request_digest`` (SHA-256 of the request id) is known where the request itself was seen
+    (the ingress's memory, the batch at hand); a rollout read from ClickHouse tells only its
+    input (rollouts carry no request id), and a rollout found under its legacy 12-hex id is
+    marked ``legacy``.
+    """
+
+    rollout_id: str
+    input_digest: bytes
+    request_digest: bytes | None = None
+    legacy: bool = False
+
+    @classmethod
+    def of(cls, request: TaskRequest) -> HeldRequest:
+        """What the rollout of ``request`` holds once it is enqueued."""
+        return cls(rollout_id_for(request.request_id), input_digest(request.input), request_digest(request.request_id))
+
+
+@dataclass(frozen=True)
+class AlreadyEnqueued:
+    """The answer to a copy of a request already enqueued: it changed nothing."""
+
+    request_id: str
+    rollout_id: str
+
+    def __str__(self) -> str:
+        return (
+            f"already enqueued: request_id {self.request_id!r} is rollout {self.rollout_id}; this copy changed nothing"
+        )
+
+
+def classify(request: TaskRequest, held: HeldRequest | None) -> AlreadyEnqueued | None:
+    """None: the request is new (enqueue it). :class:`AlreadyEnqueued`: a copy of a request whose
+    rollout exists (a retry, a re-run of a task file, a re-read after a crash): answer it, it is
+    no dead letter. :class:`RequestConflictError` when the rollout holds a different request:
+
+    - another request id derives the same rollout id (a collision: a different
+      ``request_digest``; with 128 bits never seen, but a second task must not be answered with
+      the first one's rollout and never run);
+    - this request id was enqueued before with a different input (a reused request id).
+
+    A rollout found only under the request's legacy 12-hex id counts as this request's when it
+    holds the same input; otherwise it is another request that collided in 48 bits, and the
+    request is new (its own 32-hex rollout id is free).
+    """
+    if held is None:
+        return None
+    same_input = held.input_digest == input_digest(request.input)
+    if held.legacy:
+        return AlreadyEnqueued(request.request_id, held.rollout_id) if same_input else None
+    if held.request_digest is not None and held.request_digest != request_digest(request.request_id):
+        raise RequestConflictError(
+            f"rollout id collision: request_id {request.request_id!r} derives rollout {held.rollout_id}, which "
+            "already holds a request with another request_id; nothing was enqueued: send it with another request_id"
+        )
+    if not same_input:
+        raise RequestConflictError(
+            f"request_id {request.request_id!r} was already enqueued as rollout {held.rollout_id} with a different "
+            "input; nothing was enqueued: a request id names one task, send a new task with a new request_id"
+        )
+    return AlreadyEnqueued(request.request_id, held.rollout_id)
+
+
+def stored_rollouts_query(database: str, request_ids: Iterable[str]) -> tuple[str, dict[str, Any]]:
+    """SQL and parameters asking ClickHouse what the rollouts of these requests hold: the
+    rollout id and the input digest (:func:`input_digest`, hex) of each request's derived
+    rollout and of its legacy 12-hex one, those that exist. Rows for :func:`held_from_rows`."""
+    ids = {rollout_id_for(i) for i in request_ids} | {legacy_rollout_id_for(i) for i in request_ids}
+    sql = (
+        "SELECT rollout_id, lower(hex(substring(SHA256(input), 1, {digest:UInt8}))) "
+        f"FROM {database}.rollouts FINAL WHERE rollout_id IN {{ids:Array(String)}}"
+    )
+    return sql, {"ids": sorted(ids), "digest": INPUT_DIGEST_BYTES}
+
+
+def held_from_rows(rows: Iterable[Sequence[Any]]) -> dict[str, HeldRequest]:
+    """The answer to :func:`stored_rollouts_query`, by rollout id (legacy ids marked ``legacy``)."""
+    held: dict[str, HeldRequest] = {}
+    for rollout_id, digest in ((str(row[0]), str(row[1])) for row in rows):
+        legacy = len(rollout_id) == len("ro-") + LEGACY_ROLLOUT_ID_HEX
+        held[rollout_id] = HeldRequest(rollout_id, bytes.fromhex(digest), legacy=legacy)
+    return held
+
+
+def stored_for(stored: Mapping[str, HeldRequest], request_id: str) -> HeldRequest | None:
+    """What the stored rollout of ``request_id`` holds: under its own id, else its legacy one."""
+    return stored.get(rollout_id_for(request_id)) or stored.get(legacy_rollout_id_for(request_id))
+
+
+class RecentRequests:
+    """What the rollouts this process enqueued lately hold (the newest ``capacity``).
+
     The rollout processor's refusal of a second enqueue of a known rollout is the guarantee;
-    this is what makes the common case (a client retrying soon) say "duplicate request".
-    Keys are 16 bytes of the request digest, so memory stays small (~100 B per id).
+    this is what answers the common case (a client retrying soon) without asking ClickHouse,
+    and the one place that knows each rollout's request id, so it tells a collision from a copy.
+    Per rollout: its id and 48 bytes (the request digest, the input digest), ~250 B in all.
     """
 
     def __init__(self, capacity: int = 200_000) -> None:
         self.capacity = capacity
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._held: OrderedDict[str, bytes] = OrderedDict()
 
-    @staticmethod
-    def key(request_id: str) -> bytes:
-        return request_digest(request_id)[:16]
+    def held(self, rollout_id: str) -> HeldRequest | None:
+        packed = self._held.get(rollout_id)
+        if packed is None:
+            return None
+        return HeldRequest(rollout_id, packed[32:], packed[:32])
 
-    def __contains__(self, request_id: str) -> bool:
-        return self.key(request_id) in self._seen
+    def __contains__(self, rollout_id: str) -> bool:
+        return rollout_id in self._held
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return len(self._held)
 
-    def add(self, request_id: str) -> None:
-        key = self.key(request_id)
-        self._seen[key] = None
-        self._seen.move_to_end(key)
-        while len(self._seen) > self.capacity:
-            self._seen.popitem(last=False)
+    def add(self, held: HeldRequest) -> None:
+        assert held.request_digest is not None, "the ingress remembers requests it saw"
+        self._held[held.rollout_id] = held.request_digest + held.input_digest
+        self._held.move_to_end(held.rollout_id)
+        while len(self._held) > self.capacity:
+            self._held.popitem(last=False)

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,22 +28,33 @@ import avro.schema
 import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect, monitor, stack
+from agl_stream.auth import auth_headers
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.domain.ingress import rollout_id_for
+from agl_stream.domain.ingress import (
+    WRITER,
+    IngressLimits,
+    enqueue_event,
+    legacy_rollout_id_for,
+    rollout_id_for,
+    validate_request,
+)
 from agl_stream.kafka import admin
-from agl_stream.kafka.offsets import committed_offsets
+from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, RolloutState, Worker
 from agl_stream.models.rollouts import Rollout
-from agl_stream.processes import role_environment
+from agl_stream.processes import role_alive, role_environment
 from agl_stream.supervisor import RoleStatus, read_status
 from tests.integration.helpers import dlq_records, read_to_end, start_role, stop_role
 
 pytestmark = pytest.mark.asyncio
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
+COLLIDING = ("legacy-4100084", "legacy-39543213")
+"""Two request ids whose first 48 bits of SHA-256 agree (tests/unit/test_ingress.py)."""
 CODEC = Codec.default()
 
 
@@ -142,6 +154,41 @@ def _new_id(tag: str) -> str:
     return f"{tag}-{uuid.uuid4().hex[:12]}"
 
 
+async def _ingress_caught_up(settings: Settings, *, timeout: float = 60.0) -> None:
+    """Wait until the ingress committed every request on agl.task-requests as of now (so what it
+    wrote for them, DLQ records included, is acknowledged: it commits after its sends)."""
+    ends = await end_offsets(settings, settings.topic("task-requests"))
+    group = f"{settings.topic_prefix}.{WRITER}"
+    deadline = time.monotonic() + timeout
+    while True:
+        committed = await committed_offsets(settings, group)
+        if all(committed.get(tp, 0) >= end for tp, end in ends.items()):
+            return
+        assert time.monotonic() < deadline, f"the ingress did not commit up to {ends} in {timeout}s: {committed}"
+        await asyncio.sleep(0.05)
+
+
+async def _dlq_of(settings: Settings, keys: set[bytes]) -> list[DlqRecord]:
+    """Every record on agl.dlq about task requests with these keys, as of now."""
+    source = settings.topic("task-requests")
+    records = [CODEC.decode(r.value or b"", DlqRecord) for r in await read_to_end(settings, settings.topic("dlq"))]
+    return [r for r in records if r.source_topic == source and r.key in keys]
+
+
+async def _ingress_count(settings: Settings, outcome: str) -> float:
+    """agl_ingress_requests_total{outcome} of the stack's ingress, from its metrics endpoint."""
+    [endpoint] = [e for e in monitor.read_endpoints(settings) if e.role == "ingress" and role_alive(e.pid)]
+    async with httpx.AsyncClient(headers=auth_headers(settings), trust_env=False, timeout=60) as client:
+        response = await client.get(endpoint.url)
+    response.raise_for_status()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == "agl_ingress_requests_total" and sample.labels.get("outcome") == outcome
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Tests on the shared stack
 # --------------------------------------------------------------------------------------------
@@ -231,24 +278,68 @@ async def test_bad_requests_go_to_the_dlq_with_reasons(stack_settings: Settings,
     assert await store.query_rollouts(rollout_id_in=[rollout_id_for(i) for i in refused]) == []
 
 
-async def test_duplicates_make_one_rollout_and_are_recorded(stack_settings: Settings, store: AglStore) -> None:
+async def test_copies_are_answered_and_a_reused_request_id_is_refused(
+    stack_settings: Settings, store: AglStore
+) -> None:
     writer = AvroTaskWriter()
     request_id = _new_id("dup")
     first = _datum(request_id, input=json.dumps({"v": 1}))
     key = request_id.encode()
-    # Two copies together (one poll), then a third, with other content, after the rollout exists.
+    copies_before = await _ingress_count(stack_settings, "already_enqueued")
+    # Two copies together (one poll), then a third after the rollout exists: answers, no DLQ.
     await _produce(stack_settings, [(key, writer.encode(first)), (key, writer.encode(first))])
     rollout_id = rollout_id_for(request_id)
     [rollout] = (await _rollouts(store, [rollout_id])).values()
+    await _produce(stack_settings, [(key, writer.encode({**first, "request_time": time.time()}))])
+    await _ingress_caught_up(stack_settings)
+    assert await _dlq_of(stack_settings, {key}) == []
+    assert await _ingress_count(stack_settings, "already_enqueued") >= copies_before + 2
+    # The same request id with another input: refused, with the reason, and nothing changed.
     await _produce(stack_settings, [(key, writer.encode(_datum(request_id, input=json.dumps({"v": 2}))))])
-    records = await _dlq(stack_settings, {key}, count=2)
-    assert [r.error_type for r in records] == ["DuplicateRequestError"] * 2
-    assert all(
-        f"duplicate request: request_id {request_id!r} was already enqueued as rollout {rollout_id}" in r.reason
-        for r in records
+    [record] = await _dlq(stack_settings, {key}, count=1)
+    assert (record.error_type, record.processor) == ("RequestConflictError", "processor.ingress")
+    assert f"request_id {request_id!r} was already enqueued as rollout {rollout_id} with a different input" in (
+        record.reason
     )
+    await _ingress_caught_up(stack_settings)
+    assert len(await _dlq_of(stack_settings, {key})) == 1
     [again] = await store.query_rollouts(rollout_id_in=[rollout_id])
     assert again.input == {"v": 1} == rollout.input and again.start_time == rollout.start_time
+
+
+async def test_a_copy_of_a_request_enqueued_under_a_legacy_id_is_answered(
+    stack_settings: Settings, store: AglStore
+) -> None:
+    """A rollout the first version made (``ro-`` + 12 hex) still answers its request's copies; a
+    request whose old id collided with it in 48 bits gets a rollout of its own."""
+    writer = AvroTaskWriter()
+    tag = uuid.uuid4().hex[:8]
+    old_id, other_id = COLLIDING  # one legacy rollout id, ro-ffa9082b3c38
+    assert legacy_rollout_id_for(old_id) == legacy_rollout_id_for(other_id)
+    old = validate_request({**_datum(old_id), "input": {"q": tag}, "metadata": None}, IngressLimits())
+    event = enqueue_event(old, time.time())  # what the first version wrote, under its 12-hex id
+    legacy = legacy_rollout_id_for(old_id)
+    assert isinstance(event.payload, RolloutEnqueued)
+    rollout = event.payload.rollout.model_copy(update={"rollout_id": legacy})
+    event = event.model_copy(update={"rollout_id": legacy, "payload": RolloutEnqueued(rollout=rollout)})
+    producer = AIOKafkaProducer(bootstrap_servers=stack_settings.bootstrap_servers, acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(stack_settings.topic("rollouts"), CODEC.encode(event), key=legacy.encode())
+    finally:
+        await producer.stop()
+    await _rollouts(store, [legacy])
+    await _produce(
+        stack_settings,
+        [
+            (old_id.encode(), writer.encode(_datum(old_id, input=json.dumps({"q": tag})))),
+            (other_id.encode(), writer.encode(_datum(other_id, input=json.dumps({"q": "other"})))),
+        ],
+    )
+    await _rollouts(store, [rollout_id_for(other_id)])
+    await _ingress_caught_up(stack_settings)
+    assert await store.query_rollouts(rollout_id_in=[rollout_id_for(old_id)]) == []  # answered, not enqueued
+    assert await _dlq_of(stack_settings, {old_id.encode(), other_id.encode()}) == []
 
 
 async def test_post_tasks(stack_settings: Settings, store: AglStore) -> None:
@@ -291,7 +382,13 @@ async def test_post_tasks(stack_settings: Settings, store: AglStore) -> None:
     assert await store.query_rollouts(rollout_id_in=[rollout_id_for(ok_id)]) == []
 
 
-async def test_enqueue_file_twice_makes_no_duplicates(
+def _enqueue(settings: Settings, tasks: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "agl_stream", "enqueue", "--file", str(tasks), *args]
+    environment = {**role_environment(settings), **env}
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=180)
+
+
+async def test_enqueue_file_again_is_already_enqueued_not_dead_letters(
     stack_settings: Settings, store: AglStore, tmp_path: Path
 ) -> None:
     salt = uuid.uuid4().hex
@@ -300,30 +397,122 @@ async def test_enqueue_file_twice_makes_no_duplicates(
     lines.insert(9, json.dumps({"input": 1, "config": {"max_attempts": 0}}))
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("\n".join(lines) + "\n")
-    env = role_environment(stack_settings)
 
     def run(ids_file: Path) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "agl_stream", "enqueue", "--file", str(tasks), "--id-salt", salt]
-        return subprocess.run([*command, "--ids", str(ids_file)], env=env, capture_output=True, text=True, timeout=120)
+        return _enqueue(stack_settings, tasks, "--id-salt", salt, "--ids", str(ids_file))
+
+    def ids_of(ids_file: Path) -> list[tuple[int, str, str]]:
+        records = [json.loads(line) for line in ids_file.read_text().splitlines()]
+        return sorted((r["line"], r["request_id"], r["rollout_id"]) for r in records)
 
     first = await asyncio.to_thread(run, tmp_path / "ids1.jsonl")
-    assert first.returncode == 1, first.stderr  # two bad lines
+    assert first.returncode == 3, first.stderr  # two refused lines
     assert "line 6" in first.stderr and "not JSON" in first.stderr
     assert "line 10" in first.stderr and "max_attempts" in first.stderr
-    assert "sent 20 of 22 task requests" in first.stdout and "2 bad lines" in first.stdout
-    sent = [json.loads(line) for line in (tmp_path / "ids1.jsonl").read_text().splitlines()]
-    rollout_ids = [s["rollout_id"] for s in sent]
+    assert "sent 20 of 22 task requests" in first.stdout and "2 refused lines" in first.stdout, first.stdout
+    sent = ids_of(tmp_path / "ids1.jsonl")
+    rollout_ids = [rollout_id for _, _, rollout_id in sent]
     assert len(set(rollout_ids)) == 20
-    await _rollouts(store, rollout_ids)
+    keys = {request_id.encode() for _, request_id, _ in sent}
+    # Again at once: whatever ClickHouse does not hold yet is sent, and the ingress answers it.
     second = await asyncio.to_thread(run, tmp_path / "ids2.jsonl")
-    assert second.returncode == 1 and "sent 20 of 22" in second.stdout
-    assert [json.loads(line) for line in (tmp_path / "ids2.jsonl").read_text().splitlines()] == sent
-    # The rerun's 20 requests are refused as duplicates; still one rollout per line.
-    records = await _dlq(stack_settings, {s["request_id"].encode() for s in sent}, count=20)
-    assert {r.error_type for r in records} == {"DuplicateRequestError"}
+    assert second.returncode == 3, second.stderr
+    assert ids_of(tmp_path / "ids2.jsonl") == sent
+    [(sent_again, already)] = [
+        (int(m[1].replace(",", "")), int(m[2].replace(",", "")))
+        for m in [__import__("re").search(r"sent ([\d,]+) of 22 .*; ([\d,]+) already enqueued", second.stdout)]
+        if m is not None
+    ]
+    assert sent_again + already == 20, second.stdout
+    # Once the rollouts are in ClickHouse, a third run sends nothing at all.
+    await _rollouts(store, rollout_ids)
+    third = await asyncio.to_thread(run, tmp_path / "ids3.jsonl")
+    assert third.returncode == 3 and "sent 0 of 22" in third.stdout and "20 already enqueued" in third.stdout, (
+        third.stdout
+    )
+    assert {json.loads(line)["outcome"] for line in (tmp_path / "ids3.jsonl").read_text().splitlines()} == {
+        "already_enqueued"
+    }
+    # No dead letter for any copy, and still one rollout per line.
+    await _ingress_caught_up(stack_settings)
+    assert await _dlq_of(stack_settings, keys) == []
     rollouts = await store.query_rollouts(rollout_id_in=rollout_ids)
     assert sorted(r.rollout_id for r in rollouts) == sorted(rollout_ids)
     assert sorted(r.input["i"] for r in rollouts) == list(range(20))
+
+
+async def test_enqueue_refuses_a_reused_request_id_with_another_input(
+    stack_settings: Settings, store: AglStore, tmp_path: Path
+) -> None:
+    request_id = _new_id("reused")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"request_id": request_id, "input": "first task"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"request_id": _new_id("fresh"), "input": 1})
+        + "\n"
+        + json.dumps({"request_id": request_id, "input": "another task"})
+        + "\n"
+    )
+    first = await asyncio.to_thread(_enqueue, stack_settings, tmp_path / "a.jsonl")
+    assert first.returncode == 0, first.stderr
+    await _rollouts(store, [rollout_id_for(request_id)])
+    second = await asyncio.to_thread(_enqueue, stack_settings, tmp_path / "b.jsonl")
+    assert second.returncode == 3, (second.stdout, second.stderr)
+    assert "line 2" in second.stderr and "with a different input" in second.stderr, second.stderr
+    assert "sent 1 of 2" in second.stdout and "1 refused lines" in second.stdout, second.stdout
+    [rollout] = await store.query_rollouts(rollout_id_in=[rollout_id_for(request_id)])
+    assert rollout.input == "first task"
+
+
+async def test_enqueue_without_a_broker_says_so_in_one_line(stack_settings: Settings, tmp_path: Path) -> None:
+    (tmp_path / "t.jsonl").write_text(json.dumps({"input": 1}) + "\n")
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    for bootstrap in (f"127.0.0.1:{port}", "no-such-host.invalid:9092"):
+        result = await asyncio.to_thread(_enqueue, stack_settings, tmp_path / "t.jsonl", AGL_KAFKA_BOOTSTRAP=bootstrap)
+        assert result.returncode == 1, (result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr  # no traceback, no "Unclosed producer"
+        assert lines[0].startswith(f"error: cannot reach Kafka at {bootstrap}"), lines
+        assert result.stdout == ""
+
+
+async def test_enqueue_interrupted_prints_what_it_sent(stack_settings: Settings, tmp_path: Path) -> None:
+    salt = uuid.uuid4().hex
+    tasks = tmp_path / "many.jsonl"
+    tasks.write_text("".join(json.dumps({"input": {"n": i}}) + "\n" for i in range(100_000)))
+    topic = stack_settings.topic("task-requests")
+    before = sum((await end_offsets(stack_settings, topic)).values())
+    command = [sys.executable, "-m", "agl_stream", "enqueue", "--file", str(tasks), "--id-salt", salt]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        "--batch-size",
+        "100",
+        env=role_environment(stack_settings),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        # Interrupt once its first batch of 100 was acknowledged: the broker holds a 101st record
+        # (a batch is sent only after the one before it was acknowledged).
+        deadline = time.monotonic() + 120
+        while sum((await end_offsets(stack_settings, topic)).values()) - before <= 100:
+            assert process.returncode is None, await process.communicate()
+            assert time.monotonic() < deadline, "enqueue sent nothing in 120 s"
+            await asyncio.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        raw_out, raw_err = await asyncio.wait_for(process.communicate(), timeout=120)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.communicate()
+    out, err = raw_out.decode(), raw_err.decode()
+    assert process.returncode == 130, (out, err)
+    assert "Traceback" not in err, err
+    [line] = [line for line in out.splitlines() if line.startswith("interrupted: sent ")]
+    sent = int(line.split()[2].replace(",", ""))
+    assert 100 <= sent < 100_000, line
+    assert line.endswith("run the same command again to resume"), line
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,8 +591,9 @@ async def _enqueue_events(settings: Settings) -> dict[str, int]:
     return counts
 
 
-async def test_a_repeat_after_the_processor_forgot_its_rollout_is_still_refused(settings: Settings) -> None:
-    """The rollout processor forgets finished rollouts; ClickHouse does not, and the ingress asks it."""
+async def test_a_repeat_after_the_processor_forgot_its_rollout_is_still_answered(settings: Settings) -> None:
+    """The rollout processor forgets finished rollouts; ClickHouse does not, and the ingress asks it
+    (the rollout's metadata changed meanwhile: a copy is told by its input)."""
     short = settings.model_copy(update={"finished_retention_s": 0.1, "gateway_port": 0})
     await asyncio.to_thread(stack.up, short)
     try:
@@ -434,8 +624,9 @@ async def test_a_repeat_after_the_processor_forgot_its_rollout_is_still_refused(
                 assert time.monotonic() < restart_deadline, "the supervisor did not start the ingress again"
                 await asyncio.sleep(0.05)  # polling the supervisor's status file
             await _produce(running, [(key, writer.encode(_datum(request_id)))])
-            [record] = await _dlq(running, {key}, count=1)
-            assert record.error_type == "DuplicateRequestError" and rollout_id in record.reason
+            await _ingress_caught_up(running)
+            assert await _dlq_of(running, {key}) == []  # an answer ("already enqueued"), no dead letter
+            assert await _ingress_count(running, "already_enqueued") == 1  # the restarted ingress's count
             [rollout] = await store.query_rollouts(rollout_id_in=[rollout_id])
             assert rollout.status == "succeeded"
         events = await _rollout_events(running, rollout_id)

@@ -1,4 +1,4 @@
-"""The pure ingress rules: validation, ids, the enqueue event, duplicate memory."""
+"""The pure ingress rules: validation, ids, the enqueue event, new / already enqueued / conflict."""
 
 from __future__ import annotations
 
@@ -11,19 +11,28 @@ import pytest
 from agl_stream.codec import Codec
 from agl_stream.domain.fold import fold
 from agl_stream.domain.ingress import (
+    AlreadyEnqueued,
+    HeldRequest,
     IngressLimits,
     InvalidTaskRequestError,
     KeyMismatchError,
     RecentRequests,
+    RequestConflictError,
     TaskRequestTooLargeError,
     check_key,
+    classify,
     decode_request,
     enqueue_event,
     event_id_for,
+    held_from_rows,
+    input_digest,
+    legacy_rollout_id_for,
     line_request_id,
     request_from_json,
     request_from_line,
     rollout_id_for,
+    stored_for,
+    stored_rollouts_query,
     validate_request,
 )
 from agl_stream.errors import MalformedRecordError, NotSingleObjectEncodedError, RecordTypeError
@@ -48,13 +57,90 @@ def _request(**overrides: Any) -> dict[str, Any]:
     return datum
 
 
+# Two request ids whose first 48 bits of SHA-256 agree (found by a birthday search over
+# "legacy-<n>", about a minute of CPU): the first version gave both rollout ro-ffa9082b3c38.
+COLLIDING = ("legacy-4100084", "legacy-39543213")
+
+
 def test_rollout_id_is_the_documented_digest() -> None:
-    expected = "ro-" + hashlib.sha256(b"req-1").hexdigest()[:12]
-    assert rollout_id_for("req-1") == expected
+    expected = "ro-" + hashlib.sha256(b"req-1").hexdigest()[:32]
+    assert rollout_id_for("req-1") == expected and len(expected) == 35
     assert is_rollout_id(expected)
-    assert rollout_id_for("réq-ü") == "ro-" + hashlib.sha256("réq-ü".encode()).hexdigest()[:12]
+    assert rollout_id_for("réq-ü") == "ro-" + hashlib.sha256("réq-ü".encode()).hexdigest()[:32]
     assert rollout_id_for("req-1") != rollout_id_for("req-2")
     assert event_id_for("req-1") == event_id_for("req-1") != event_id_for("req-2")
+    assert rollout_id_for("order-1234") == "ro-71983129e5088fcbbb2be5a2e186253a"  # docs/contract.md
+    # The first version's ids: 12 hex of the same digest, still rollout ids.
+    assert legacy_rollout_id_for("req-1") == expected[:15] and is_rollout_id(expected[:15])
+
+
+@pytest.mark.parametrize("value", ["ro-" + "a" * 20, "ro-" + "A" * 32, "ro-" + "a" * 33, "ro-", "rx-" + "a" * 32])
+def test_other_shapes_are_no_rollout_ids(value: str) -> None:
+    assert not is_rollout_id(value)
+
+
+def test_colliding_request_ids_of_the_first_version_get_distinct_rollouts() -> None:
+    a, b = COLLIDING
+    assert a != b and legacy_rollout_id_for(a) == legacy_rollout_id_for(b)
+    assert rollout_id_for(a) != rollout_id_for(b)
+
+
+def _req(request_id: str = "req-1", **overrides: Any) -> TaskRequest:
+    return validate_request(_request(request_id=request_id, **overrides), LIMITS)
+
+
+def test_a_new_request_is_new() -> None:
+    assert classify(_req(), None) is None
+
+
+def test_a_copy_is_already_enqueued_not_an_error() -> None:
+    request = _req()
+    answer = classify(_req(request_time=99.0, metadata={"other": 1}), HeldRequest.of(request))
+    assert answer == AlreadyEnqueued("req-1", rollout_id_for("req-1"))
+    assert str(answer).startswith("already enqueued: request_id 'req-1' is rollout ro-")
+    # Known from ClickHouse only (the input, no request id): the same answer.
+    assert classify(request, HeldRequest(rollout_id_for("req-1"), input_digest(request.input))) == answer
+
+
+def test_a_reused_request_id_with_another_input_is_refused() -> None:
+    held = HeldRequest.of(_req())
+    with pytest.raises(RequestConflictError, match=r"was already enqueued as rollout ro-.* with a different input"):
+        classify(_req(input={"question": "3+3?"}), held)
+    stored = HeldRequest(held.rollout_id, held.input_digest)  # as ClickHouse tells it
+    with pytest.raises(RequestConflictError, match="different input"):
+        classify(_req(input="other"), stored)
+
+
+def test_a_collision_of_rollout_ids_is_refused_even_with_the_same_input() -> None:
+    first = _req("req-1")
+    # What the rollout holds names another request id (as a collision in 128 bits would).
+    held = HeldRequest(rollout_id_for("req-2"), input_digest(first.input), hashlib.sha256(b"req-1").digest())
+    with pytest.raises(RequestConflictError, match="rollout id collision: request_id 'req-2' derives rollout"):
+        classify(_req("req-2"), held)
+
+
+def test_a_legacy_rollout_counts_only_with_the_same_input() -> None:
+    a, b = COLLIDING
+    legacy = HeldRequest(legacy_rollout_id_for(a), input_digest(_req(a).input), legacy=True)
+    assert classify(_req(a), legacy) == AlreadyEnqueued(a, legacy_rollout_id_for(a))
+    # Another request that collided with it in 48 bits is new: its own 32-hex id is free.
+    assert classify(_req(b, input="another task"), legacy) is None
+
+
+def test_stored_rollouts_query_and_rows() -> None:
+    sql, parameters = stored_rollouts_query("agl", ["req-1", "req-2"])
+    assert "FROM agl.rollouts FINAL" in sql and "SHA256(input)" in sql
+    expected = {rollout_id_for(i) for i in ("req-1", "req-2")} | {legacy_rollout_id_for(i) for i in ("req-1", "req-2")}
+    assert set(parameters["ids"]) == expected and parameters["digest"] == 16
+    # ClickHouse hashes the stored JSON text, which is the codec's: the same digest as here.
+    text = json.dumps({"question": "2+2?"}, sort_keys=True, separators=(",", ":"))
+    row_digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    held = held_from_rows([[rollout_id_for("req-1"), row_digest], [legacy_rollout_id_for("req-2"), row_digest]])
+    assert held[rollout_id_for("req-1")] == HeldRequest(rollout_id_for("req-1"), input_digest({"question": "2+2?"}))
+    assert held[legacy_rollout_id_for("req-2")].legacy
+    assert stored_for(held, "req-1") is held[rollout_id_for("req-1")]
+    assert stored_for(held, "req-2") is held[legacy_rollout_id_for("req-2")]
+    assert stored_for(held, "req-3") is None
 
 
 def test_valid_request_passes_unchanged() -> None:
@@ -180,11 +266,14 @@ def test_json_requests_and_file_lines() -> None:
         request_from_line("{oops", 1, LIMITS)
 
 
-def test_recent_requests_are_bounded() -> None:
+def test_recent_requests_are_bounded_and_remember_what_each_rollout_holds() -> None:
     recent = RecentRequests(capacity=2)
+    held = {i: HeldRequest.of(_req(i)) for i in ("a", "b", "c", "d")}
     for request_id in ("a", "b", "c"):
-        recent.add(request_id)
-    assert "a" not in recent and "b" in recent and "c" in recent and len(recent) == 2
-    recent.add("b")  # refreshed: now the newest
-    recent.add("d")
-    assert "b" in recent and "c" not in recent
+        recent.add(held[request_id])
+    ro = {i: rollout_id_for(i) for i in held}
+    assert ro["a"] not in recent and ro["b"] in recent and ro["c"] in recent and len(recent) == 2
+    assert recent.held(ro["b"]) == held["b"] and recent.held(ro["a"]) is None
+    recent.add(held["b"])  # refreshed: now the newest
+    recent.add(held["d"])
+    assert ro["b"] in recent and ro["c"] not in recent
