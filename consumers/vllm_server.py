@@ -21,19 +21,31 @@ never retried, and the previous folder is served again; a child that exits on it
 again on the folder it served. The command is vLLM's OpenAI server by default; anything that takes
 ``--model``, ``--served-model-name``, ``--host`` and ``--port`` and answers ``GET /health`` can
 stand in for it (tests use ``agl-stream inference --no-follow``).
+
+The API token: the child requires it whenever an agl-stream listener on the same host would
+(``agl_stream.auth.listener_token``: always beyond loopback, on loopback with
+``AGL_REQUIRE_TOKEN``; a host beyond loopback without a token is refused before anything starts).
+vLLM takes it as its ``api-key`` from a YAML options file (``--config``; created 0600 in a private
+0700 directory, removed at exit), never on its command line or in its environment, where other
+users of the machine could read it. vLLM then asks every ``/v1`` request for
+``Authorization: Bearer <token>``; its ``/health`` stays open, which is what the manager polls.
+A stand-in command must take ``--config`` too when a token applies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -67,6 +79,7 @@ class VllmOptions:
     ready_timeout_s: float = 900.0  # a large model's first load, CUDA graphs included
     stop_timeout_s: float = 60.0
     poll_s: float = 0.5  # between looks at /health while the child starts
+    options_file: Path | None = None  # a YAML file of more server options (the api-key): --config
 
 
 def server_command(options: VllmOptions, model: Path) -> list[str]:
@@ -81,8 +94,27 @@ def server_command(options: VllmOptions, model: Path) -> list[str]:
         options.host,
         "--port",
         str(options.port),
+        *(("--config", str(options.options_file)) if options.options_file is not None else ()),
         *options.extra_args,
     ]
+
+
+API_KEY_FILE = "vllm-options.yaml"
+
+
+def api_key_options(token: str) -> str:
+    """The YAML options file that makes vLLM require ``token`` (its ``--api-key``)."""
+    return f"api-key: {json.dumps(token)}\n"  # a JSON string is a YAML scalar, quoted
+
+
+def write_api_key_options(directory: Path, token: str) -> Path:
+    """Write :func:`api_key_options` to ``directory`` (0600); returns the file's path."""
+    path = directory / API_KEY_FILE
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(api_key_options(token))
+    return path
 
 
 def parse_command(text: str | None) -> tuple[str, ...]:
@@ -344,6 +376,15 @@ async def run_vllm(settings: Settings | None, options: VllmOptions) -> None:
     await manager.run()
 
 
-def main(settings: Settings | None, options: VllmOptions) -> None:
-    """Serve until SIGTERM/SIGINT (``agl-stream inference --engine vllm``)."""
-    asyncio.run(run_vllm(settings, options))
+def main(settings: Settings | None, options: VllmOptions, token: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (``agl-stream inference --engine vllm``). ``token``: the API
+    token the server requires (``listener_token`` of the settings and host), None for none."""
+    if token is None:
+        asyncio.run(run_vllm(settings, options))
+        return
+    private = Path(tempfile.mkdtemp(prefix="agl-vllm-"))  # 0700
+    try:
+        options = replace(options, options_file=write_api_key_options(private, token))
+        asyncio.run(run_vllm(settings, options))
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

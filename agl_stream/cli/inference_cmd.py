@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from agl_stream import metrics
+from agl_stream.auth import listener_token
 from agl_stream.cli.context import settings_of
 
 
@@ -71,12 +72,17 @@ def inference(
     --served-model-name; each newer published checkpoint restarts it on that folder (a managed
     restart, waiting for /health); the responses are vLLM's own.
 
+    Both engines require the API token (AGL_API_TOKEN, else the data dir's, as `up` writes it)
+    beyond loopback, and refuse to start there without one; on loopback only with
+    AGL_REQUIRE_TOKEN=1. vLLM gets it as its api-key through a 0600 options file (--config).
+
     Example: agl-stream inference --port 8000 --model-name agl-tiny
     Example: agl-stream inference --engine vllm --model ./qwen --model-name qwen --vllm-arg=--gpu-memory-utilization=0.5
     """
     settings = settings_of(ctx)
     if engine not in ("cpu", "vllm"):
         raise typer.BadParameter(f"unknown engine {engine!r}: cpu or vllm", param_hint="--engine")
+    token = listener_token(settings, host)  # ConfigError beyond loopback without one, before any start
     if engine == "vllm":
         if port == 0:
             raise typer.BadParameter(
@@ -101,13 +107,14 @@ def inference(
                 extra_args=tuple(vllm_arg or ()),
                 ready_timeout_s=ready_timeout,
             ),
+            token,
         )
         return
     from consumers import inference
 
     metrics.set_role("inference")  # served on its own app, at /metrics
     inference.main(
-        settings if follow else None,
+        settings,  # also without --follow: its token and data dir (the server reads no topic then)
         host,
         port,
         torch_threads=torch_threads,
