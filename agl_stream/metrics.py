@@ -47,7 +47,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from agl_stream.config import Settings
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 
 __all__ = [
     "ALL",
@@ -149,7 +149,11 @@ INFERENCE_REQUEST_SECONDS = Histogram(
     ["role"],
     buckets=_SECONDS,
 )
-RUNNER_ATTEMPTS = Counter("agl_runner_attempts", "Runner: attempts it ran, by final status.", ["role", "status"])
+RUNNER_ATTEMPTS = Counter(
+    "agl_runner_attempts",
+    "Runner: attempts it claimed, by how each ended (succeeded, failed, released, already_closed, abandoned).",
+    ["role", "status"],
+)
 INGRESS_REQUESTS = Counter(
     "agl_ingress_requests",
     "Ingress: task requests it handled, by outcome (enqueued; already_enqueued: a copy, answered, "
@@ -279,5 +283,5 @@ def _serve(host: str, port: int) -> tuple[Any, Any]:
             raise
         # Several instances of a role on one host cannot share a fixed port: the later ones
         # take any free port; the endpoint file says which.
-        log.warning("metrics port taken; serving on any free port", port=port, error=str(error))
+        log.warning("metrics port taken; serving on any free port", port=port, error=describe(error))
         return _start_http_server(0, addr=host)

@@ -66,7 +66,7 @@ from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError, MalformedRecordError, RecordTypeError
 from agl_stream.kafka.io import DeadLetters, Fetched, Rejected, make_producer, prepare_records
 from agl_stream.kafka.processor import Batch, run_processor
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import MODELS, ResourcesUpdate
 from agl_stream.resources import resource_path
 
@@ -626,7 +626,7 @@ class TableSink:
                         continue
                     checked = probed
                 # The engine is down or refusing: keep the batch (offsets stay uncommitted) and retry.
-                log.warning("insert failed, retrying", error=str(exc)[:300], retry_in_s=delay)
+                log.warning("insert failed, retrying", error=describe(exc)[:300], retry_in_s=delay)
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
                 delay = min(delay * 2, 30.0)
 

@@ -47,7 +47,7 @@ from agl_stream.domain.batching import Batcher, BatchPolicy, JournalEntry, Recov
 from agl_stream.errors import CodecError, TopicError
 from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
 from agl_stream.kafka.processor import Batch, run_processor
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import TripletBatch, TripletRecord
 from agl_stream.topics import load_topic_specs
 
@@ -270,7 +270,7 @@ class BatcherProcessor:
                 if self._stopping.is_set():
                     raise
                 # Resending is harmless: same ids, same content, and the journal reads either copy.
-                log.warning("sending batches failed, retrying", error=str(exc)[:300], retry_in_s=delay)
+                log.warning("sending batches failed, retrying", error=describe(exc)[:300], retry_in_s=delay)
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
                 delay = min(delay * 2, 30.0)
         self.batches_sent += len(batches)
@@ -325,7 +325,9 @@ class BatcherProcessor:
                 try:
                     name, value = self.codec.decode_dict(message.value or b"")
                 except CodecError as error:
-                    log.warning("unreadable record in the batches topic", offset=message.offset, error=str(error)[:200])
+                    log.warning(
+                        "unreadable record in the batches topic", offset=message.offset, error=describe(error)[:200]
+                    )
                     continue
                 if name == TripletBatch.avro_name:
                     entries.append(JournalEntry.of_dict(value))

@@ -57,7 +57,7 @@ from agl_stream.domain.trace_collector import (
 from agl_stream.errors import CodecError
 from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
 from agl_stream.kafka.processor import Batch, run_processor
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import RolloutState, TripletRecord
 from agl_stream.span_records import spans_of
 from agl_stream.store.resources_cache import ResourcesCache
@@ -156,7 +156,7 @@ class TripletBuilder:
         try:
             await self._flush()
         except (KafkaError, TimeoutError) as error:  # kept: the next batch or tick sends them
-            log.warning("sending settled attempts failed, will retry", error=str(error)[:300])
+            log.warning("sending settled attempts failed, will retry", error=describe(error)[:300])
 
     # -- folding and sending ----------------------------------------------------------------
 

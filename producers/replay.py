@@ -49,7 +49,7 @@ from agl_stream.domain.replay import (
 from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.admin import create_topic_like
 from agl_stream.kafka.io import make_consumer, make_producer
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import ResourcesUpdate
 from agl_stream.span_records import span_dicts_of
 from agl_stream.store.readside import read_side_for
@@ -414,7 +414,7 @@ async def _resources(consumer: AIOKafkaConsumer, settings: Settings, codec: Code
             try:
                 update = codec.decode(message.value, ResourcesUpdate)
             except CodecError as error:
-                log.warning("undecodable resources snapshot skipped", offset=message.offset, error=str(error))
+                log.warning("undecodable resources snapshot skipped", offset=message.offset, error=describe(error))
                 continue
             by_id[update.resources_id] = update
     return by_id

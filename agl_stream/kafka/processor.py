@@ -42,7 +42,7 @@ from aiokafka.structs import OffsetAndMetadata, RecordMetadata
 from agl_stream import metrics
 from agl_stream.config import Settings
 from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 
 __all__ = ["Batch", "Handler", "HoldsRecords", "Outbox", "Record", "run_processor"]
 
@@ -242,7 +242,7 @@ class _Loop:
             self.commits_ok.inc()
         except (CommitFailedError, KafkaError) as error:  # a rebalance: the next owner re-reads (idempotent)
             self.commits_failed.inc()
-            log.warning("commit failed; handled records will be read again", error=str(error))
+            log.warning("commit failed; handled records will be read again", error=describe(error))
 
     async def step(self, stop: asyncio.Event) -> None:
         if self.failure is not None:

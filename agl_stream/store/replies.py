@@ -30,7 +30,7 @@ from agl_stream.config import Settings
 from agl_stream.domain.queue import QUEUE_FULL
 from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.admin import admin_client, broker_count
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import Reply
 
 __all__ = [
@@ -194,7 +194,7 @@ class ReplyChannel:
             await admin.start()
             await admin.delete_topics([self.topic])
         except Exception as error:
-            log.warning("could not delete the reply topic; prune it later", topic=self.topic, error=str(error))
+            log.warning("could not delete the reply topic; prune it later", topic=self.topic, error=describe(error))
         finally:
             await admin.close()
 
@@ -206,7 +206,7 @@ class ReplyChannel:
                 try:
                     await self.send_keepalive(self.topic, record)
                 except Exception as error:
-                    log.warning("keepalive failed; the next one tries again", topic=self.topic, error=str(error))
+                    log.warning("keepalive failed; the next one tries again", topic=self.topic, error=describe(error))
             await asyncio.sleep(KEEPALIVE_S)  # the keepalive's period, not a wait on state
 
     def expect(self, request_id: str) -> asyncio.Future[Reply]:
@@ -229,7 +229,7 @@ class ReplyChannel:
             except asyncio.CancelledError:
                 raise
             except Exception as error:
-                log.warning("reading replies failed; retrying", error=str(error))
+                log.warning("reading replies failed; retrying", error=describe(error))
                 continue
             for messages in batches.values():
                 for message in messages:
@@ -239,7 +239,7 @@ class ReplyChannel:
         try:
             reply = self.codec.decode(value, Reply)
         except CodecError as error:
-            log.warning("undecodable reply", error=str(error))
+            log.warning("undecodable reply", error=describe(error))
             return
         self.received += 1
         if reply.state is not None and self.on_state is not None:

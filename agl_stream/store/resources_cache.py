@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import ResourcesUpdate
 
 log = get_logger("agl.store.resources")
@@ -121,7 +121,7 @@ class ResourcesCache:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a broker hiccup must not freeze the cache for good
-                log.warning("reading resources failed; retrying", error=str(error))
+                log.warning("reading resources failed; retrying", error=describe(error))
                 continue
             for tp, messages in batches.items():
                 for message in messages:
@@ -136,7 +136,7 @@ class ResourcesCache:
             update = self.codec.decode(value, ResourcesUpdate)
         except AglError as error:  # the sink dead-letters it; here it is only skipped
             self.undecodable += 1
-            log.warning("undecodable resources snapshot", partition=partition, offset=offset, error=str(error))
+            log.warning("undecodable resources snapshot", partition=partition, offset=offset, error=describe(error))
             return
         self.by_id[update.resources_id] = update
         if (partition, offset) >= self._latest_position:

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from agl_stream.algorithm.report import ModeReport, rewards_by_mode
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.trainer.run_store import RunStore
 
 log = get_logger("agl.trainer")
@@ -105,7 +105,7 @@ class RunProgress:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the display must never end a run (a gateway restarting...)
-                log.debug("progress read failed", error=str(error))
+                log.debug("progress read failed", error=describe(error))
             else:
                 self.update(
                     enqueued=len(ids), modes=modes, version=latest.policy_version if latest is not None else None

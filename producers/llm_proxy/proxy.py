@@ -80,7 +80,7 @@ from agl_stream.http_serving import (
     parse_json,
     server_config,
 )
-from agl_stream.logs import configure_logging, get_logger
+from agl_stream.logs import configure_logging, describe, get_logger
 from agl_stream.store.client import AglStore
 from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport
 from producers.llm_proxy.sequence_ids import SequenceBlocks, SpanStore
@@ -523,7 +523,7 @@ class LLMProxy:
                 "an LLM call could not become a span (a proxy bug: please report it with this error)",
                 rollout_id=rollout_id,
                 attempt_id=attempt_id,
-                error=str(error),
+                error=describe(error),
             )
             return
         timeout = self.options.span_write_timeout_s
