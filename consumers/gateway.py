@@ -411,7 +411,7 @@ class Gateway:
         )
         self.queries = QueryRunner(settings, size=query_clients, time_limit_s=query_time_limit_s)
         self.traces = TraceIngest(settings)
-        self.tasks = TaskSubmitter(settings)
+        self.tasks = TaskSubmitter(settings, query=self.queries.run)  # copies and conflicts answered before sending
         self.started = time.monotonic()
         self.stopping = False
         self.url: str | None = None

@@ -6,25 +6,34 @@ which a retry then does not deduplicate). Every item is checked with the ingress
 rules (agl_stream/domain/ingress.py) before anything is sent:
 
 - any item invalid: 422 ``{"error": "invalid_task_requests", "message", "items": [{"index",
-  "request_id", "error", "reason"}]}``, and nothing is sent;
-- all valid: each is produced to agl.task-requests keyed by its request id and, once the broker
-  acknowledged all of them, 202 ``{"accepted": [{"request_id", "rollout_id"}]}``.
+  "request_id", "error", "reason"}]}``, and nothing is sent (a request id repeated inside one
+  body is such an item, ``DuplicateRequestError``);
+- then the gateway's own ClickHouse is asked what the items' rollouts hold, and each item is
+  classified as the ingress would (``classify``): any item whose rollout holds a different
+  request (its request id used before with another input, or a rollout id collision): 409
+  ``{"error": "conflicting_task_requests", ...}`` with the same items list
+  (``RequestConflictError``), and nothing is sent;
+- otherwise the new ones are produced to agl.task-requests keyed by their request ids and, once
+  the broker acknowledged all of them, 202 ``{"accepted": [{"request_id", "rollout_id",
+  "outcome"}]}``, ``outcome`` being ``queued`` (sent) or ``already_enqueued`` (a copy of a
+  request whose rollout exists: not sent, nothing changes). The ``rollout_id`` is the derived
+  one (``ro-`` + 32 hex), or the legacy ``ro-`` + 12 hex one of a request enqueued before
+  128-bit ids.
 
-202 means "queued for the ingress processor", which then enqueues the rollout, answers a copy
-of a request already enqueued as "already enqueued" (counted in its metrics, no dead letter), or
-refuses it on agl.dlq: an unknown ``resources_id``, or a request whose rollout holds a different
-request (its request id reused with another input, a rollout id collision:
-``RequestConflictError``), is only known there. The ``rollout_id`` of the answer is the derived
-one (``ro-`` + 32 hex, agl_stream.domain.ingress.rollout_id_for). A request id repeated inside
-one body is refused here (``DuplicateRequestError`` item).
+202 ``queued`` means "queued for the ingress processor", which then enqueues the rollout; what
+ClickHouse did not hold yet (a copy sent moments after the first) the ingress answers itself
+(counted, no dead letter), and an unknown ``resources_id`` or a conflict it meets first is
+refused there on agl.dlq. When ClickHouse cannot be asked, every valid item is sent.
 400 for a body that is not JSON, 413 over the size limits, 503 (``Retry-After``) while the
 gateway's producer is not up or the broker does not answer.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -36,7 +45,17 @@ from agl_stream import metrics
 from agl_stream.background import BackgroundClient
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.domain.ingress import IngressLimits, TaskRequestError, request_from_json, rollout_id_for
+from agl_stream.domain.ingress import (
+    HeldRequest,
+    IngressLimits,
+    TaskRequestError,
+    classify,
+    held_from_rows,
+    request_from_json,
+    rollout_id_for,
+    stored_for,
+    stored_rollouts_query,
+)
 from agl_stream.errors import AglError
 from agl_stream.http_serving import MAX_BODY_BYTES, BodyTooLargeError, MalformedBodyError, parse_json, read_body
 from agl_stream.kafka.io import make_producer
@@ -45,7 +64,15 @@ from agl_stream.models import TaskRequest
 
 log = get_logger("agl.gateway.tasks")
 
+LOOKUP_TIMEOUT_S = 10.0
+"""How long a POST waits for ClickHouse's answer about its rollouts before sending unchecked."""
+QUEUED = "queued"
+ALREADY = "already_enqueued"
+
 MAX_ITEMS = 10_000
+
+Query = Callable[[str, Mapping[str, Any]], Awaitable[bytes]]
+"""The gateway's read-only query runner: SQL and parameters -> ``{"columns", "rows"}`` as JSON."""
 
 
 class TasksUnavailableError(AglError):
@@ -56,8 +83,9 @@ class TaskSubmitter:
     """The gateway's producer to agl.task-requests; started with the gateway, in the background
     (a broker that is down must not stop the gateway from serving reads), closed with it."""
 
-    def __init__(self, settings: Settings, codec: Codec | None = None) -> None:
+    def __init__(self, settings: Settings, codec: Codec | None = None, *, query: Query | None = None) -> None:
         self.settings = settings
+        self._query = query
         self.codec = codec or Codec.default()
         self.limits = IngressLimits.of(settings)
         self.topic = settings.topic("task-requests")
@@ -84,6 +112,19 @@ class TaskSubmitter:
     async def close(self) -> None:
         await self._client.close()
 
+    async def stored(self, requests: list[TaskRequest]) -> dict[str, HeldRequest]:
+        """What ClickHouse says the rollouts of these requests hold (empty when it cannot be
+        asked: the ingress then answers the copies itself)."""
+        if self._query is None or not requests:
+            return {}
+        sql, parameters = stored_rollouts_query(self.settings.clickhouse_database, [r.request_id for r in requests])
+        try:
+            body = json.loads(await asyncio.wait_for(self._query(sql, parameters), LOOKUP_TIMEOUT_S))
+        except Exception as error:  # any failure of the look-up: the ingress still classifies
+            log.warning("could not ask ClickHouse what task rollouts hold", error=f"{type(error).__name__}: {error}")
+            return {}
+        return held_from_rows(body["rows"])
+
     async def submit(self, requests: list[TaskRequest]) -> None:
         """Produce every request and wait until the broker acknowledged all of them."""
         producer = await self.producer()
@@ -102,6 +143,12 @@ class TaskSubmitter:
 
 def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": kind, "message": message, **extra}, status_code=status)
+
+
+def _unavailable(exc: TasksUnavailableError) -> JSONResponse:
+    response = _error(503, "unavailable", str(exc))
+    response.headers["Retry-After"] = "2"
+    return response
 
 
 def check_items(body: Any, limits: IngressLimits) -> tuple[list[TaskRequest], list[dict[str, Any]]]:
@@ -159,12 +206,41 @@ def tasks_router(submitter: TaskSubmitter, stopping: Callable[[], bool]) -> APIR
                 items=problems,
             )
         try:
-            await submitter.submit(requests)
+            await submitter.producer()  # nothing can be sent: 503 at once, before asking ClickHouse
         except TasksUnavailableError as exc:
-            response = _error(503, "unavailable", str(exc))
-            response.headers["Retry-After"] = "2"
-            return response
-        accepted = [{"request_id": r.request_id, "rollout_id": rollout_id_for(r.request_id)} for r in requests]
+            return _unavailable(exc)
+        stored = await submitter.stored(requests)
+        accepted: list[dict[str, Any]] = []
+        conflicts: list[dict[str, Any]] = []
+        new: list[TaskRequest] = []
+        for index, item in enumerate(requests):
+            try:
+                answer = classify(item, stored_for(stored, item.request_id))
+            except TaskRequestError as error:
+                conflicts.append(
+                    {"index": index, "request_id": item.request_id, "error": type(error).__name__, "reason": str(error)}
+                )
+                continue
+            if answer is not None:
+                accepted.append({"request_id": item.request_id, "rollout_id": answer.rollout_id, "outcome": ALREADY})
+            else:
+                new.append(item)
+                accepted.append(
+                    {"request_id": item.request_id, "rollout_id": rollout_id_for(item.request_id), "outcome": QUEUED}
+                )
+        if conflicts:
+            return _error(
+                409,
+                "conflicting_task_requests",
+                f"{len(conflicts)} of {len(requests)} task requests name rollouts that hold other requests; "
+                "nothing was sent",
+                items=conflicts,
+            )
+        if new:
+            try:
+                await submitter.submit(new)
+            except TasksUnavailableError as exc:
+                return _unavailable(exc)
         return JSONResponse({"accepted": accepted}, status_code=202)
 
     return router

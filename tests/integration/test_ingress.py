@@ -350,7 +350,8 @@ async def test_post_tasks(stack_settings: Settings, store: AglStore) -> None:
     async with httpx.AsyncClient(base_url=recorded.gateway_url, timeout=30) as http:
         one = await http.post("/v1/tasks", json={"request_id": ids[0], "input": {"q": 1}, "mode": "val"})
         assert one.status_code == 202, one.text
-        assert one.json() == {"accepted": [{"request_id": ids[0], "rollout_id": rollout_id_for(ids[0])}]}
+        queued = {"request_id": ids[0], "rollout_id": rollout_id_for(ids[0]), "outcome": "queued"}
+        assert one.json() == {"accepted": [queued]}
         many = await http.post("/v1/tasks", json=[{"request_id": ids[1], "input": [1, 2]}, {"input": "no id"}])
         assert many.status_code == 202, many.text
         [_, generated] = many.json()["accepted"]
@@ -380,6 +381,34 @@ async def test_post_tasks(stack_settings: Settings, store: AglStore) -> None:
     assert rollouts[rollout_id_for(ids[0])].mode == "val" and rollouts[generated["rollout_id"]].input == "no id"
     # Nothing of the refused request was sent, not even its valid item.
     assert await store.query_rollouts(rollout_id_in=[rollout_id_for(ok_id)]) == []
+    fresh = _new_id("fresh")
+    async with httpx.AsyncClient(base_url=recorded.gateway_url, timeout=30) as http:
+        # A retry once the rollout exists: answered, not sent; a new item beside it is queued.
+        again = await http.post(
+            "/v1/tasks", json=[{"request_id": ids[0], "input": {"q": 1}}, {"request_id": fresh, "input": 2}]
+        )
+        assert again.status_code == 202, again.text
+        assert again.json()["accepted"] == [
+            {**queued, "outcome": "already_enqueued"},
+            {"request_id": fresh, "rollout_id": rollout_id_for(fresh), "outcome": "queued"},
+        ]
+        # The same request id with another input: 409, and nothing of the body is sent.
+        other = _new_id("other")
+        conflict = await http.post(
+            "/v1/tasks", json=[{"request_id": other, "input": 3}, {"request_id": ids[1], "input": "changed"}]
+        )
+        assert conflict.status_code == 409, conflict.text
+        body = conflict.json()
+        assert body["error"] == "conflicting_task_requests"
+        [item] = body["items"]
+        assert (item["index"], item["request_id"], item["error"]) == (1, ids[1], "RequestConflictError")
+        assert "with a different input" in item["reason"]
+    await _rollouts(store, [rollout_id_for(fresh)])
+    await _ingress_caught_up(stack_settings)
+    assert await store.query_rollouts(rollout_id_in=[rollout_id_for(other)]) == []
+    assert await _dlq_of(stack_settings, {ids[0].encode(), ids[1].encode()}) == []
+    [kept] = await store.query_rollouts(rollout_id_in=[rollout_id_for(ids[1])])
+    assert kept.input == [1, 2]
 
 
 def _enqueue(settings: Settings, tasks: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
