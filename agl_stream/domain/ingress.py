@@ -432,6 +432,14 @@ def classify(request: TaskRequest, held: HeldRequest | None) -> AlreadyEnqueued 
     return AlreadyEnqueued(request.request_id, held.rollout_id)
 
 
+def is_copy(existing: Rollout, enqueued: Rollout) -> bool:
+    """Whether an enqueue of a rollout that already exists is a copy of the request that made it
+    (same rollout id, same input): the rule :func:`classify` applies, for the rollout processor's
+    last check (an ingress re-sending after a crash, a copy that met no earlier check). Such an
+    enqueue changes nothing and is an answer, not a dead letter; another input is a conflict."""
+    return existing.rollout_id == enqueued.rollout_id and input_digest(existing.input) == input_digest(enqueued.input)
+
+
 def stored_rollouts_query(database: str, request_ids: Iterable[str]) -> tuple[str, dict[str, Any]]:
     """SQL and parameters asking ClickHouse what the rollouts of these requests hold: the
     rollout id and the input digest (:func:`input_digest`, hex) of each request's derived

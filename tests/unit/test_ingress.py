@@ -26,6 +26,7 @@ from agl_stream.domain.ingress import (
     event_id_for,
     held_from_rows,
     input_digest,
+    is_copy,
     legacy_rollout_id_for,
     line_request_id,
     request_from_json,
@@ -277,3 +278,16 @@ def test_recent_requests_are_bounded_and_remember_what_each_rollout_holds() -> N
     recent.add(held["b"])  # refreshed: now the newest
     recent.add(held["d"])
     assert ro["b"] in recent and ro["c"] not in recent
+
+
+def test_is_copy_tells_a_resent_enqueue_from_a_conflicting_one() -> None:
+    """The rule the rollout processor would apply to an enqueue of a rollout it holds."""
+    first = enqueue_event(_req(), 1.0).payload
+    again = enqueue_event(_req(request_time=5.0, metadata={"x": 1}), 2.0).payload
+    other = enqueue_event(_req(input="another task"), 2.0).payload
+    another_id = enqueue_event(_req("req-2"), 2.0).payload
+    assert isinstance(first, RolloutEnqueued) and isinstance(again, RolloutEnqueued)
+    assert isinstance(other, RolloutEnqueued) and isinstance(another_id, RolloutEnqueued)
+    assert is_copy(first.rollout, again.rollout)
+    assert not is_copy(first.rollout, other.rollout)
+    assert not is_copy(first.rollout, another_id.rollout)
