@@ -57,7 +57,7 @@ from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.fold import fold
-from agl_stream.domain.queue import Admission, ClaimQueue, claim_attempt_id
+from agl_stream.domain.queue import QUEUE_FULL, Admission, ClaimQueue, claim_attempt_id
 from agl_stream.domain.trace_collector import finishes_an_attempt
 from agl_stream.domain.watchdog import due_verdicts, next_deadline
 from agl_stream.errors import CodecError
@@ -413,8 +413,8 @@ class RolloutProcessor:
             )
         result = fold(state, event, admission)
         if result.outcome == "rejected":
-            if admission is not None:
-                self.counts["enqueues_refused"] += 1
+            if admission is not None and (result.error or "").startswith(QUEUE_FULL):
+                self.counts["enqueues_refused"] += 1  # the queue of its partition is full
             refused = RejectedEvent(result.error or "rejected")
             if reply_to:  # the writer hears why and raises it: a DLQ copy would only pile up
                 out.answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(refused)))
