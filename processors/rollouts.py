@@ -31,7 +31,7 @@ out claims (so a claim written before a crash is folded before any new one).
 
 Memory and admission: every rollout the processor holds is in memory until it finished and its
 retention passed. A rollout that waits in the queue unclaimed and has no attempt yet is held as
-its encoded state record (``_States``; about a tenth of the decoded objects), decoded again when
+its encoded state record (``_States``; a fifth of the memory of its decoded objects), decoded when
 something touches it. The queue of each partition is bounded (``Settings.max_queued_per_partition``):
 the fold refuses an enqueue past it (``agl_stream.domain.queue.Admission``), counted per partition
 from that partition's states so that a replay after a restart, or the next owner after a
