@@ -59,7 +59,7 @@ from agl_stream.domain.ingress import (
 from agl_stream.errors import AglError
 from agl_stream.http_serving import MAX_BODY_BYTES, BodyTooLargeError, MalformedBodyError, parse_json, read_body
 from agl_stream.kafka.io import make_producer
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import TaskRequest
 
 log = get_logger("agl.gateway.tasks")
@@ -101,7 +101,7 @@ class TaskSubmitter:
         try:
             await producer.start()
         except Exception as error:
-            log.warning("the task producer did not start", error=f"{type(error).__name__}: {error}")
+            log.warning("the task producer did not start", error=describe(error))
             await producer.stop()
             raise
         return producer
@@ -121,7 +121,7 @@ class TaskSubmitter:
         try:
             body = json.loads(await asyncio.wait_for(self._query(sql, parameters), LOOKUP_TIMEOUT_S))
         except Exception as error:  # any failure of the look-up: the ingress still classifies
-            log.warning("could not ask ClickHouse what task rollouts hold", error=f"{type(error).__name__}: {error}")
+            log.warning("could not ask ClickHouse what task rollouts hold", error=describe(error))
             return {}
         return held_from_rows(body["rows"])
 

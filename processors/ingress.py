@@ -53,7 +53,7 @@ from agl_stream.domain.ingress import (
 from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
 from agl_stream.kafka.processor import Batch, run_processor
-from agl_stream.logs import get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.models import TaskRequest
 from agl_stream.store.readside import ReadSide, read_side_for
 from agl_stream.store.resources_cache import ResourcesCache
@@ -205,7 +205,7 @@ class IngressProcessor:
             self.unchecked += len(request_ids)
             self._reads = None  # the gateway may come back elsewhere (a new port): look it up again
             log.warning(
-                "could not ask ClickHouse for known rollouts", error=str(error)[:300], requests=len(request_ids)
+                "could not ask ClickHouse for known rollouts", error=describe(error)[:300], requests=len(request_ids)
             )
             return {}
         return held_from_rows(result.rows)

@@ -62,6 +62,7 @@ from agl_stream.domain.ingress import (
 )
 from agl_stream.errors import AglError
 from agl_stream.kafka.io import make_producer
+from agl_stream.logs import describe
 from agl_stream.models import TaskRequest
 from agl_stream.stack import local_stack_settings
 from agl_stream.store.readside import ReadSide, read_side_for
@@ -151,7 +152,7 @@ class _Run:
                 self._reads = read_side_for(self.settings)
             result = await self._reads.query(sql, parameters, timeout=_ASK_TIMEOUT_S)
         except (AglError, OSError) as error:
-            self.summary.unchecked = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            self.summary.unchecked = describe(error).splitlines()[0][:200]
             return {}
         return held_from_rows(result.rows)
 
