@@ -150,8 +150,9 @@ class _Run:
         try:
             if self._reads is None:
                 self._reads = read_side_for(self.settings)
-            result = await self._reads.query(sql, parameters, timeout=_ASK_TIMEOUT_S)
-        except (AglError, OSError) as error:
+            # At most this long in all: a gateway recorded but gone would be asked again for a minute.
+            result = await asyncio.wait_for(self._reads.query(sql, parameters, timeout=_ASK_TIMEOUT_S), _ASK_TIMEOUT_S)
+        except (AglError, OSError) as error:  # OSError includes the TimeoutError of wait_for
             self.summary.unchecked = describe(error).splitlines()[0][:200]
             return {}
         return held_from_rows(result.rows)

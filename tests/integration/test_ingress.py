@@ -470,6 +470,33 @@ async def test_enqueue_file_again_is_already_enqueued_not_dead_letters(
     assert sorted(r.input["i"] for r in rollouts) == list(range(20))
 
 
+async def test_enqueue_without_clickhouse_sends_and_the_ingress_answers_the_copies(
+    stack_settings: Settings, store: AglStore, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"input": {"i": i}}) + "\n" for i in range(5)))
+    with socket.socket() as closed:  # a gateway that is gone
+        closed.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    salt = uuid.uuid4().hex
+
+    def run(ids_file: Path) -> subprocess.CompletedProcess[str]:
+        return _enqueue(stack_settings, tasks, "--id-salt", salt, "--ids", str(ids_file), AGL_GATEWAY_URL=gone)
+
+    first = await asyncio.to_thread(run, tmp_path / "ids1.jsonl")
+    assert first.returncode == 0, first.stderr
+    assert "sent 5 of 5" in first.stdout and "ClickHouse not asked" in first.stdout, first.stdout
+    sent = [json.loads(line) for line in (tmp_path / "ids1.jsonl").read_text().splitlines()]
+    await _rollouts(store, [s["rollout_id"] for s in sent])
+    copies_before = await _ingress_count(stack_settings, "already_enqueued")
+    second = await asyncio.to_thread(run, tmp_path / "ids2.jsonl")
+    assert second.returncode == 0 and "sent 5 of 5" in second.stdout, second.stdout
+    await _ingress_caught_up(stack_settings)
+    assert await _dlq_of(stack_settings, {s["request_id"].encode() for s in sent}) == []
+    assert await _ingress_count(stack_settings, "already_enqueued") >= copies_before + 5
+    assert len(await store.query_rollouts(rollout_id_in=[s["rollout_id"] for s in sent])) == 5
+
+
 async def test_enqueue_refuses_a_reused_request_id_with_another_input(
     stack_settings: Settings, store: AglStore, tmp_path: Path
 ) -> None:
