@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import json
+import math
+import re
 import socket
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+import h11
 import pydantic_core
 import uvicorn
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agl_stream.auth import LOOPBACK
 from agl_stream.errors import AglError
@@ -25,11 +31,61 @@ from agl_stream.errors import AglError
 # 502s from the LLM proxy while the inference server was busy loading a checkpoint.
 KEEP_ALIVE_S = 75
 
+HEAD_TIMEOUT_S = 15.0
+"""The longest a request's head (request line and headers) may take to arrive, from the
+connection's start or the request's first byte. Clients send a head in one write; a head that
+trickles in (slowloris) would otherwise hold its connection open for ever, as uvicorn's h11
+protocol has no such limit."""
 
-def server_config(app: ASGIApp) -> uvicorn.Config:
-    """How every role serves: no uvicorn logging or lifespan, keep-alive past the clients'."""
+
+class HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head (:data:`HEAD_TIMEOUT_S`): a
+    connection whose head has not completed by then is closed. The deadline starts when the
+    connection opens and again at the first byte of each later request on it; it stops once the
+    head is parsed, so a slow body or a slow answer is not cut short."""
+
+    head_timeout_s: float = HEAD_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.head_timeout_s, self._head_overdue)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_overdue)
+        super().data_received(data)
+        self._head_check()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may parse a pipelined request's head
+        self._head_check()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _head_check(self) -> None:
+        if self.conn.their_state is not h11.IDLE:  # the head is in
+            self._stop_head_timer()
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def server_config(app: ASGIApp, *, head_timeout_s: float = HEAD_TIMEOUT_S) -> uvicorn.Config:
+    """How every role serves: no uvicorn logging or lifespan, keep-alive past the clients', and
+    a deadline on every request head (:class:`HeadTimeoutProtocol`)."""
+    protocol = type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"head_timeout_s": head_timeout_s})
     return uvicorn.Config(
         app,
+        http=protocol,
         log_config=None,
         access_log=False,
         lifespan="off",
@@ -286,10 +342,60 @@ async def read_body(request: Request, limit: int, advice: str = "send less per r
     return b"".join(chunks)
 
 
+_MAYBE_OVERFLOW = re.compile(rb"[eE]\+?[0-9]{3}|[0-9]{300}")
+"""What a JSON number that overflows a double looks like (a three-digit exponent, or 300
+digits and more); bodies without it cannot hold one, and skip the walk below."""
+
+
 def parse_json(body: bytes) -> Any:
-    """A JSON body as Python values; MalformedBodyError for bad JSON, bad UTF-8 or nesting too deep
-    (the parser stops at a fixed depth, so no body can exhaust the stack)."""
+    """A JSON body as Python values; MalformedBodyError for bad JSON, bad UTF-8, nesting too deep
+    (the parser stops at a fixed depth, so no body can exhaust the stack) and numbers that are
+    not finite. JSON has no infinity, but the parser turns a number too large for a double
+    (``1e400``) into one; no answer could carry it back (:class:`FiniteJSONResponse`)."""
     try:
-        return pydantic_core.from_json(body, allow_inf_nan=False)
+        value = pydantic_core.from_json(body, allow_inf_nan=False)
     except ValueError as error:
         raise MalformedBodyError(f"the body is not JSON: {error}") from None
+    if _MAYBE_OVERFLOW.search(body) and not all_finite(value):
+        raise MalformedBodyError("the body holds a number that is not finite (too large for a double, such as 1e400)")
+    return value
+
+
+def all_finite(value: Any) -> bool:
+    """Whether every float in a JSON value (dicts, lists, scalars) is finite."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
+
+
+def finite_or_null(value: Any) -> Any:
+    """A JSON value with every non-finite float replaced by None (JSON's null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
+class FiniteJSONResponse(JSONResponse):
+    """A JSON answer that renders a non-finite number as null where Starlette's refuses the
+    whole answer: a value another writer stored (agl-stream's own client takes infinities) must
+    not make every read of it fail."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:  # "Out of range float values are not JSON compliant"
+            return json.dumps(
+                finite_or_null(content), ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+            ).encode("utf-8")

@@ -27,7 +27,8 @@ Routes (paths, bodies and answers as the seed's server has them; bodies are JSON
 - ``POST spans`` (one span, 201); ``GET spans`` and ``POST spans/search`` (a page);
   ``POST spans/next`` ``{"rollout_id", "attempt_id"}`` -> ``{"sequence_id"}``.
 - ``POST waits/rollouts`` ``{"rollout_ids", "timeout"}``: the finished subset after at most
-  ``timeout`` seconds (null or over :data:`MAX_WAIT_SECONDS`: that many).
+  ``timeout`` seconds (null or over :data:`MAX_WAIT_SECONDS`: that many); at most
+  :data:`MAX_ITEMS` ids, watched :data:`WAIT_BATCH` at a time.
 
 Errors are JSON ``{"error": kind, "message", "detail"}`` (``detail`` is what the seed's
 FastAPI answers carry: a message, or the list of validation errors): 422 ``invalid_request``
@@ -35,17 +36,23 @@ for a body or query that is not what the route takes (``malformed_json`` for one
 JSON), 400 ``bad_request`` for paging the seed refuses (limit 0, negative offset) and for a
 field sent as null that cannot be null, 400 ``rejected`` when the store refuses a change (an
 illegal transition), 404 ``not_found`` for an unknown rollout, attempt or resources id in a
-change (reads of one item answer null instead, as the seed's), 413 over the size limits, 503
+change (reads of one item answer null instead, as the seed's), 413 over the size limits (the
+body, :data:`MAX_ITEMS`, a record over the broker's or the store's record limit), 503
 (``Retry-After``) while the store client is not up, the processor does not answer or the gateway
-stops; the seed's client retries 5xx answers and gives up at once on 4xx ones.
+stops; the seed's client retries 5xx answers and gives up at once on 4xx ones. A caller's
+mistake is always a 4xx: numbers JSON cannot carry back (``1e400``, which parses as infinity)
+are refused with the body (422 ``malformed_json``), integers outside 64 bits and negative
+sequence ids with 422 ``invalid_request``, a value the records' schema cannot hold with 422,
+all before anything is written. Answers render a stored non-finite number (one written through
+another path) as null rather than failing.
 
 Where this differs from the seed's server, deliberately:
 - The seed answers a store error (an unknown rollout in an update, an illegal transition) with
   500 and a traceback, which its client retries for seconds; here it is the 4xx above, once.
 - ``GET rollouts/{id}`` for an unknown id answers null (the seed's server fails it with 500 and
   its client turns that into None after its retries).
-- A page's ``total`` is exact; when the page is full the gateway counts the matches with the
-  same query unpaged (the store client has no count query).
+- A page's ``total`` is exact; when the page is full the gateway counts the matches with one
+  COUNT query (the store client's ``count_*`` methods).
 - A span's fields beyond agl-stream's Span (the seed's model keeps unknown fields as extras)
   are dropped; ``kind``, ``scope_name`` and ``scope_version`` are kept when given.
 - ``POST rollouts/{id}/attempts`` with a ``worker_id`` starts the attempt, then assigns the
@@ -58,20 +65,28 @@ Where this differs from the seed's server, deliberately:
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, TypeVar
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.datastructures import QueryParams
 
-from agl_stream.errors import AglError
-from agl_stream.http_serving import MAX_BODY_BYTES, BodyTooLargeError, MalformedBodyError, parse_json, read_body
+from agl_stream.errors import AglError, CodecError
+from agl_stream.http_serving import (
+    MAX_BODY_BYTES,
+    BodyTooLargeError,
+    FiniteJSONResponse,
+    MalformedBodyError,
+    parse_json,
+    read_body,
+)
 from agl_stream.logs import get_logger
-from agl_stream.models import Span
+from agl_stream.models import Rollout, Span
 from agl_stream.models.base import AttemptStatus, EpochSeconds, RolloutMode, RolloutStatus, WorkerStatus
 from agl_stream.models.resources import Resource
 from agl_stream.models.rollouts import RolloutConfig
@@ -83,7 +98,12 @@ log = get_logger("agl.gateway.agl")
 
 PREFIX = "/v1/agl"
 MAX_ITEMS = 10_000
-"""Rollouts one enqueue may carry, and claims one dequeue may make."""
+"""Rollouts one enqueue may carry, claims one dequeue may make, and ids one wait may name."""
+WAIT_BATCH = 500
+"""Ids of one wait that are watched in one stretch (one store request each): between batches
+the event loop serves everything else, so a wait for many ids never holds the gateway."""
+MAX_INT64 = 2**63 - 1
+"""The largest integer the store's records and ClickHouse's columns hold (Avro long, Int64)."""
 MAX_WAIT_SECONDS = 25.0
 """The longest one ``waits/rollouts`` request is held (its ``timeout`` null included): under the
 seed client's 30 s request timeout, so a wait without a timeout ends with the finished subset
@@ -111,6 +131,8 @@ class _Paging(_Shape):
 P = TypeVar("P", bound=_Paging)
 Listing: TypeAlias = Callable[[AglStore, P, Mapping[str, Any], int, int], Awaitable[Sequence[BaseModel]]]
 """One listing's store call: (client, query, path parameters, limit, offset) -> the page."""
+Counting: TypeAlias = Callable[[AglStore, P, Mapping[str, Any]], Awaitable[int]]
+"""One listing's count: (client, query, path parameters) -> how many match, unpaged."""
 
 
 class RolloutsQuery(_Paging):
@@ -261,6 +283,9 @@ def check_paging(paging: _Paging) -> None:
         raise Refusal(400, "bad_request", f"limit must be -1 (no limit) or at least 1, not {paging.limit}")
     if paging.offset < 0:
         raise Refusal(400, "bad_request", f"offset must be 0 or more, not {paging.offset}")
+    for name, value in (("limit", paging.limit), ("offset", paging.offset)):
+        if value > MAX_INT64:
+            raise Refusal(400, "bad_request", f"{name} must be at most {MAX_INT64}, not {value}")
 
 
 def explicit_changes(body: BaseModel, not_null: Collection[str]) -> dict[str, Any]:
@@ -288,11 +313,18 @@ def page_body(items: Sequence[BaseModel], limit: int, offset: int, total: int) -
 
 
 _NOT_FOUND = re.compile(r"^unknown (rollout|attempt)\b|\bdo(es)? not exist\b")
+_TOO_LARGE = re.compile(r"\bbytes, over the [0-9,]+-byte limit\b")
 
 
 def store_refusal(error: ValueError) -> tuple[int, str]:
-    """HTTP status and kind of a ValueError of the store: an unknown id or a refused change."""
-    return (404, "not_found") if _NOT_FOUND.search(str(error)) else (400, "rejected")
+    """HTTP status and kind of a ValueError of the store: an unknown id, an event over the
+    record size limit, or a refused change."""
+    message = str(error)
+    if _NOT_FOUND.search(message):
+        return 404, "not_found"
+    if _TOO_LARGE.search(message):
+        return 413, "too_large"
+    return 400, "rejected"
 
 
 def _known(model: type[BaseModel], value: Any) -> Any:
@@ -316,6 +348,21 @@ def _link(value: Any) -> Any:
     return link
 
 
+def _out_of_range(value: Any) -> list[str | int] | None:
+    """Where in a JSON value an integer lies outside the 64 bits a record holds; None if nowhere."""
+    stack: list[tuple[list[str | int], Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not -MAX_INT64 - 1 <= item <= MAX_INT64:
+                return path
+        elif isinstance(item, dict):
+            stack.extend(([*path, key], child) for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend(([*path, index], child) for index, child in enumerate(item))
+    return None
+
+
 def span_from_wire(data: Any) -> Span:
     """A span as the seed's client sends it -> agl-stream's Span.
 
@@ -324,6 +371,11 @@ def span_from_wire(data: Any) -> Span:
     """
     if not isinstance(data, dict):
         return Span.model_validate(data)
+    where = _out_of_range(data)
+    if where is not None:  # the model would take it as a float, or the records refuse it
+        message = f"{'.'.join(map(str, where))}: an integer must be from {-MAX_INT64 - 1} to {MAX_INT64}"
+        detail = [{"type": "out_of_range", "loc": ["body", *where], "msg": message}]
+        raise Refusal(422, "invalid_request", f"the request is not what this route takes: {message}", detail)
     body = _known(Span, data)
     for key, model in (
         ("status", SpanStatus),
@@ -339,7 +391,12 @@ def span_from_wire(data: Any) -> Span:
         body["links"] = [_link(link) for link in body["links"]]
     if "kind" in body:
         body["kind"] = _kind(body["kind"])
-    return Span.model_validate(body)
+    span = Span.model_validate(body)
+    if span.sequence_id < 0:
+        message = f"sequence_id must be 0 or more, not {span.sequence_id}"
+        detail = [{"type": "out_of_range", "loc": ["body", "sequence_id"], "msg": message}]
+        raise Refusal(422, "invalid_request", f"the request is not what this route takes: {message}", detail)
+    return span
 
 
 _LIST_PARAMETERS = frozenset({"status_in", "rollout_id_in"})
@@ -397,19 +454,26 @@ def _query(request: Request, shape: type[M]) -> M:
 
 
 def _json(value: Any, status: int = 200) -> JSONResponse:
+    """An answer; a stored number that JSON cannot carry (infinity) is null in it."""
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     elif isinstance(value, list):
         value = [item.model_dump(mode="json") if isinstance(item, BaseModel) else item for item in value]
-    return JSONResponse(value, status_code=status)
+    return FiniteJSONResponse(value, status_code=status)
 
 
-async def _paged(fetch: Callable[[int, int], Awaitable[Sequence[BaseModel]]], limit: int, offset: int) -> JSONResponse:
+async def _paged(
+    fetch: Callable[[int, int], Awaitable[Sequence[BaseModel]]],
+    count: Callable[[], Awaitable[int]],
+    limit: int,
+    offset: int,
+) -> JSONResponse:
+    """A page and its total: told by the page itself, or else counted (one COUNT query)."""
     items = await fetch(limit, offset)
     total = known_total(limit, offset, len(items))
     if total is None:
-        total = len(await fetch(-1, 0))
-    return JSONResponse(page_body(items, limit, offset, total))
+        total = await count()
+    return FiniteJSONResponse(page_body(items, limit, offset, total))
 
 
 def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
@@ -425,6 +489,10 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
             return refusal.response()
         except ValidationError as exc:  # a value the store's records refuse (checked after parsing)
             return validation_refusal(exc, "body").response()
+        except CodecError as exc:  # a value the records' schema cannot hold: nothing was written
+            return error_response(422, "invalid_request", f"a value cannot be stored: {exc}")
+        except MessageSizeTooLargeError as exc:  # one record over the producer's limit: not sent
+            return error_response(413, "too_large", f"a record is too large to store: {exc}; send smaller values")
         except ValueError as exc:  # the store's verdict (RejectedError included)
             status, kind = store_refusal(exc)
             return error_response(status, kind, str(exc))
@@ -434,7 +502,9 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
             log.exception("agl route failed", error=f"{type(exc).__name__}: {exc}")
             return error_response(500, "internal", f"the gateway failed this request ({type(exc).__name__})")
 
-    def listing(path: str, shape: type[P], fetch: Listing[P], *, body_required: bool = False) -> None:
+    def listing(
+        path: str, shape: type[P], fetch: Listing[P], count: Counting[P], *, body_required: bool = False
+    ) -> None:
         """One paged listing, served twice as the seed serves it: ``GET path`` with the query
         in the query string and ``POST path/search`` with it as a JSON body."""
 
@@ -443,6 +513,7 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
             client = await store()
             return await _paged(
                 lambda limit, offset: fetch(client, query, request.path_params, limit, offset),
+                lambda: count(client, query, request.path_params),
                 query.limit,
                 query.offset,
             )
@@ -536,6 +607,12 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
             limit=limit,
             offset=offset,
         ),
+        lambda client, query, _: client.count_rollouts(
+            status_in=query.status_in,
+            rollout_id_in=query.rollout_id_in,
+            rollout_id_contains=query.rollout_id_contains,
+            filter_logic=query.filter_logic,
+        ),
     )
 
     @router.get("/rollouts/{rollout_id}")
@@ -571,6 +648,7 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
         lambda client, query, path, limit, offset: client.query_attempts(
             path["rollout_id"], sort_by=query.sort_by, sort_order=query.sort_order, limit=limit, offset=offset
         ),
+        lambda client, _, path: client.count_attempts(path["rollout_id"]),
     )
 
     @router.get("/rollouts/{rollout_id}/attempts/latest")
@@ -601,6 +679,9 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
             sort_order=query.sort_order,
             limit=limit,
             offset=offset,
+        ),
+        lambda client, query, _: client.count_workers(
+            status_in=query.status_in, worker_id_contains=query.worker_id_contains, filter_logic=query.filter_logic
         ),
     )
 
@@ -644,7 +725,12 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
                     offset=offset,
                 )
 
-            return await _paged(fetch, query.limit, query.offset)
+            async def count() -> int:
+                return await client.count_resources(
+                    resources_id=query.resources_id, resources_id_contains=query.resources_id_contains
+                )
+
+            return await _paged(fetch, count, query.limit, query.offset)
 
         return await answer(work)
 
@@ -698,6 +784,7 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
         lambda client, query, _, limit, offset: client.query_spans(
             query.rollout_id, query.attempt_id, **{**query.filters(), "limit": limit, "offset": offset}
         ),
+        lambda client, query, _: client.count_spans(query.rollout_id, query.attempt_id, **query.filters()),
         body_required=True,
     )
 
@@ -716,8 +803,27 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
     async def wait_for_rollouts(request: Request) -> Response:
         async def work() -> Response:
             body = await _body(request, WaitBody)
+            if len(body.rollout_ids) > MAX_ITEMS:
+                raise Refusal(
+                    413, "too_large", f"{len(body.rollout_ids):,} rollout ids in one wait, over {MAX_ITEMS:,}"
+                )
             timeout = MAX_WAIT_SECONDS if body.timeout is None else min(body.timeout, MAX_WAIT_SECONDS)
-            return _json(await (await store()).wait_for_rollouts(rollout_ids=body.rollout_ids, timeout=timeout))
+            client = await store()
+            # A wait per batch of ids, each started after the loop served whatever else was
+            # waiting: the ids the client has not heard of are watched (a store request each)
+            # a batch at a time instead of all in one stretch of the loop.
+            ids = list(dict.fromkeys(body.rollout_ids))
+            waits: list[asyncio.Task[list[Rollout]]] = []
+            try:
+                for start in range(0, len(ids), WAIT_BATCH):
+                    batch = ids[start : start + WAIT_BATCH]
+                    waits.append(asyncio.create_task(client.wait_for_rollouts(rollout_ids=batch, timeout=timeout)))
+                    await asyncio.sleep(0)
+                finished = {rollout.rollout_id: rollout for done in await asyncio.gather(*waits) for rollout in done}
+            finally:
+                for wait in waits:
+                    wait.cancel()
+            return _json([finished[rid] for rid in body.rollout_ids if rid in finished])
 
         return await answer(work)
 

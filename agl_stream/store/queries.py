@@ -525,6 +525,11 @@ FROM (
         )
 
 
+def count_of(query: Query) -> Query:
+    """How many rows ``query`` (unpaged) gives: one row with the column ``total``."""
+    return Query(f"SELECT count() AS total FROM (\n{query.sql}\n)", query.parameters)
+
+
 # -- rows -> models ------------------------------------------------------------------------
 
 
@@ -561,6 +566,10 @@ def worker_from_row(row: Mapping[str, Any]) -> Worker:
     return Worker.model_validate(
         {**{k: row[k] for k in WORKER_COLUMNS}, "heartbeat_stats": _json(row["heartbeat_stats"])}
     )
+
+
+def total_from_row(row: Mapping[str, Any]) -> int:
+    return int(row["total"])
 
 
 def statistics_from_row(row: Mapping[str, Any]) -> dict[str, int]:

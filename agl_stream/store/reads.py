@@ -16,10 +16,12 @@ from agl_stream.store.queries import (
     Query,
     StoreQueries,
     attempt_from_row,
+    count_of,
     resources_from_row,
     rollout_from_row,
     span_from_row,
     statistics_from_row,
+    total_from_row,
     worker_from_row,
 )
 from agl_stream.store.readside import ReadSide, read_side_for
@@ -62,10 +64,22 @@ class StoreReads:
         rows = await self._rows(query, *sources)
         return convert(rows[0]) if rows else None
 
+    async def _count(self, query: Query, *sources: str) -> int:
+        """How many rows ``query`` gives, counted by the engine (one COUNT query)."""
+        return await self._one(count_of(query), total_from_row, *sources) or 0
+
     async def _require_rollout(self, rollout_id: str) -> None:
         # Existence only: not get_rollout_by_id, whose latest-attempt query this does not need.
         if await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state") is None:
             raise ValueError(f"unknown rollout id {rollout_id}")
+
+    async def _require_attempt(self, rollout_id: str, attempt_id: str | None) -> None:
+        """The rollout exists and so does the attempt (None and ``"latest"`` name none)."""
+        await self._require_rollout(rollout_id)
+        if attempt_id not in (None, "latest"):
+            known = {a.attempt_id for a in await self.query_attempts(rollout_id)}
+            if attempt_id not in known:
+                raise ValueError(f"unknown attempt {attempt_id} of rollout {rollout_id}")
 
     # -- rollouts and attempts -------------------------------------------------------------
 
@@ -98,6 +112,24 @@ class StoreReads:
             offset=offset,
         )
         return await self._with_attempts(await self._all(query, rollout_from_row, "rollout-state"))
+
+    async def count_rollouts(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        rollout_id_in: Sequence[str] | None = None,
+        rollout_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+    ) -> int:
+        """How many rollouts :meth:`query_rollouts` with these filters gives, unpaged (a page's
+        total), counted by the engine without reading them."""
+        query = self.sql.rollouts(
+            status_in=status_in,
+            rollout_id_in=rollout_id_in,
+            rollout_id_contains=rollout_id_contains,
+            filter_logic=filter_logic,
+        )
+        return await self._count(query, "rollout-state")
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
         """The rollout (an :class:`AttemptedRollout` with its latest attempt once it has one), or
@@ -133,6 +165,11 @@ class StoreReads:
         query = self.sql.attempts(rollout_id, sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset)
         return await self._all(query, attempt_from_row, "rollout-state")
 
+    async def count_attempts(self, rollout_id: str) -> int:
+        """How many attempts the rollout has. ValueError for an unknown rollout."""
+        await self._require_rollout(rollout_id)
+        return await self._count(self.sql.attempts(rollout_id), "rollout-state")
+
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
         """The rollout's newest attempt; None while it has none. ValueError for an unknown
         rollout."""
@@ -145,12 +182,15 @@ class StoreReads:
         """The spans of a rollout (of one attempt, or ``"latest"``), by sequence id; ``filters``
         as the seed's (e.g. ``name``). Sees every span this client added. ValueError for an
         unknown rollout or attempt."""
-        await self._require_rollout(rollout_id)
-        if attempt_id not in (None, "latest"):
-            known = {a.attempt_id for a in await self.query_attempts(rollout_id)}
-            if attempt_id not in known:
-                raise ValueError(f"unknown attempt {attempt_id} of rollout {rollout_id}")
+        await self._require_attempt(rollout_id, attempt_id)
         return await self._all(self.sql.spans(rollout_id, attempt_id, **filters), span_from_row, "spans")
+
+    async def count_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> int:
+        """How many spans :meth:`query_spans` with these filters gives, unpaged (``limit``,
+        ``offset`` and sorting are ignored). ValueError for an unknown rollout or attempt."""
+        await self._require_attempt(rollout_id, attempt_id)
+        unpaged = {k: v for k, v in filters.items() if k not in ("limit", "offset", "sort_by", "sort_order")}
+        return await self._count(self.sql.spans(rollout_id, attempt_id, **unpaged), "spans")
 
     # -- resources -----------------------------------------------------------------------------
 
@@ -176,6 +216,13 @@ class StoreReads:
             offset=offset,
         )
         return await self._all(query, resources_from_row, "resources")
+
+    async def count_resources(
+        self, *, resources_id: str | None = None, resources_id_contains: str | None = None
+    ) -> int:
+        """How many snapshots :meth:`query_resources` with these filters gives, unpaged."""
+        query = self.sql.resources(resources_id=resources_id, resources_id_contains=resources_id_contains)
+        return await self._count(query, "resources")
 
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
         """The snapshot with this id, as the read side holds it (API keys redacted)."""
@@ -210,6 +257,17 @@ class StoreReads:
             offset=offset,
         )
         return await self._all(query, worker_from_row, "workers", "rollout-state")
+
+    async def count_workers(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        worker_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+    ) -> int:
+        """How many workers :meth:`query_workers` with these filters gives, unpaged."""
+        query = self.sql.workers(status_in=status_in, worker_id_contains=worker_id_contains, filter_logic=filter_logic)
+        return await self._count(query, "workers", "rollout-state")
 
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
         """The worker, or None when none has this id."""
