@@ -884,11 +884,16 @@ class AglStore(StoreReads):
         return await self._publish_resources(update)
 
     async def update_resources(self, resources_id: str, resources: Mapping[str, Any]) -> ResourcesUpdate:
-        """Replace the contents of existing resources (version + 1), which become the latest.
-        ValueError when ``resources_id`` does not exist."""
+        """Replace the contents of resources (version + 1), which become the latest; an id that
+        does not exist yet is created (version 1), as the seed's stores do (its algorithms
+        publish their first resources under an id of their own this way)."""
         current = await self.get_resources_by_id(resources_id)
         if current is None:
-            raise ValueError(f"resources {resources_id!r} do not exist")
+            now = time.time()
+            created = ResourcesUpdate(
+                resources_id=resources_id, create_time=now, update_time=now, version=1, resources=dict(resources)
+            )
+            return await self._publish_resources(created)
         update = ResourcesUpdate(
             resources_id=resources_id,
             create_time=current.create_time,

@@ -228,12 +228,8 @@ SEQUENCES: dict[str, list[Op]] = {
         {"op": "dequeue_rollout", "worker": "w1"},
         {"op": "get_rollout_by_id", "rollout": "r3"},
         {"op": "enqueue_rollout", "input": {"p": 6}, "resources": "rs-000000000bad", "by_design": "unknown_resources"},
-        {
-            "op": "update_resources",
-            "target": "rs-000000000bad",
-            "resources": {"policy": {"model": "x"}},
-            "by_design": "unknown_resources",
-        },
+        {"op": "update_resources", "target": "rs-000000000new", "resources": {"policy": {"model": "x"}}},
+        {"op": "get_resources_by_id", "target": "rs-000000000new"},
     ],
     "workers_follow_their_attempts": [
         {"op": "update_worker", "worker": "w1", "stats": {"gpu": 0.5}},
@@ -387,9 +383,10 @@ def _refused_change(seed: Any, step: Op) -> Any:
 # seed's in-memory store departs from it).
 BY_DESIGN: dict[str, Callable[[Any, Op], Any]] = {
     # The seed's own contract (the LightningStore docstrings) says these raise ValueError; its
-    # in-memory store does not check: enqueue takes an unknown resources id, update_resources
-    # creates it, sequence ids are issued and spans, attempts and the latest attempt are read
-    # for any id. agl-stream keeps the contract (README: "the same ... errors").
+    # in-memory store does not check: enqueue takes an unknown resources id, sequence ids are
+    # issued and spans, attempts and the latest attempt are read for any id. agl-stream keeps
+    # the contract (README: "the same ... errors"). (update_resources on an unknown id creates
+    # it in both: the seed's algorithms rely on it.)
     "unknown_resources": _contract_error,
     "unknown_ids": _contract_error,
     # "The counter may be scoped per rollout or per attempt" (the contract): the seed counts

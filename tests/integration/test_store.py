@@ -157,8 +157,10 @@ async def test_resources_latest_and_update(store: AglStore) -> None:
     assert fetched is not None and fetched.resources["policy"].model == "m2"  # type: ignore[union-attr]
     started = await store.start_rollout({"q": 7})
     assert started.resources_id == first.resources_id  # start_rollout resolves the latest
-    with pytest.raises(ValueError):
-        await store.update_resources("rs-000000000bad", {})
+    fresh_id = f"rs-new-{uuid.uuid4().hex[:8]}"
+    created = await store.update_resources(fresh_id, {"policy": llm})  # a new id is created, as the seed does
+    assert (created.resources_id, created.version) == (fresh_id, 1)
+    assert (await store.get_latest_resources()).resources_id == fresh_id  # type: ignore[union-attr]
 
 
 async def test_api_keys_reach_the_store_but_never_the_sql_tables(store: AglStore) -> None:
