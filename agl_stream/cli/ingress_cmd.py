@@ -20,7 +20,8 @@ def ingress(ctx: typer.Context) -> None:
     Validates every TaskRequest on agl.task-requests (schema, sizes, mode, config, resources id)
     and enqueues it as rollout ro-<first 32 hex of sha256(request_id)>, answers a copy of a
     request already enqueued (counted, not dead-lettered), or sends it to agl.dlq with the
-    reason (a request id reused with another input included). `agl-stream up` starts one; run more to share the partitions.
+    reason (a request id reused with another input included). `agl-stream up` starts one; run
+    more to share the partitions.
     Limits: --set ingress_max_input_bytes=N, --set ingress_max_metadata_bytes=N.
     """
     from processors import ingress

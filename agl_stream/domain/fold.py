@@ -108,6 +108,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agl_stream.domain.ingress import is_copy
 from agl_stream.domain.queue import Admission, admission_refusal
 from agl_stream.domain.watchdog import due_verdicts
 from agl_stream.models.base import QUEUING_STATUSES, RUNNING_STATUSES, TERMINAL_STATUSES, AttemptStatus
@@ -302,7 +303,11 @@ def _enqueued(
 ) -> FoldResult:
     rollout = payload.rollout
     if state is not None:
-        return _rejected(f"rollout {state.rollout.rollout_id} already exists")
+        # A copy of the enqueue that made it (a producer re-sending after a crash) changes nothing
+        # and is answered; another rollout under the same id is refused.
+        if is_copy(state.rollout, rollout):
+            return _IGNORED
+        return _rejected(f"rollout {state.rollout.rollout_id} already exists (with another input)")
     if rollout.rollout_id != event.rollout_id:
         return _rejected(
             f"event {event.event_id} is keyed by rollout {event.rollout_id} but enqueues {rollout.rollout_id}"

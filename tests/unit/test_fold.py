@@ -215,7 +215,7 @@ def payload_for(kind: str, state: RolloutState) -> RolloutEventPayload:
     latest = state.attempts[-1].attempt_id if state.attempts else aid(1)
     new = len(state.attempts) + 1
     payloads: dict[str, RolloutEventPayload] = {
-        "enqueue": RolloutEnqueued(rollout=make_rollout()),
+        "enqueue": RolloutEnqueued(rollout=make_rollout().model_copy(update={"input": {"q": 2}})),  # a copy is answered
         "claim": claim(new),
         "manual": claim(new, manual=True),
         "heartbeat": AttemptHeartbeat(attempt_id=latest, worker_id="w-1"),
@@ -292,9 +292,11 @@ def test_start_rollout_creates_the_first_attempt_and_no_task() -> None:
     assert attempt.start_time == T0 + 3 and attempt.worker_id == "w-9" and attempt.end_time is None
 
 
-def test_enqueue_twice_is_rejected() -> None:
+def test_a_copy_of_an_enqueue_is_answered_and_another_rollout_under_its_id_refused() -> None:
     state = applied(None, RolloutEnqueued(rollout=make_rollout()))
-    assert rejected(state, RolloutEnqueued(rollout=make_rollout())) == f"rollout {RID} already exists"
+    assert run(state, RolloutEnqueued(rollout=make_rollout()), T0 + 100).outcome == "ignored"  # a re-send
+    other = make_rollout().model_copy(update={"input": {"q": 2}})
+    assert rejected(state, RolloutEnqueued(rollout=other)) == f"rollout {RID} already exists (with another input)"
 
 
 @pytest.mark.parametrize("status", [s for s in ROLLOUT_STATUSES if s != "queuing"])

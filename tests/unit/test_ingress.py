@@ -240,9 +240,9 @@ def test_enqueue_event_folds_into_a_queued_rollout() -> None:
     )
     assert rollout.config.timeout_seconds == 30.0 and rollout.metadata == {"source": "crm"}
     assert len(result.tasks) == 1
-    # The same request again: refused by the fold, the first state unchanged.
+    # The same request again: a copy, answered by the fold without a change (no dead letter).
     again = fold(result.state, enqueue_event(request, now=200.0))
-    assert again.outcome == "rejected" and "already exists" in (again.error or "")
+    assert again.outcome == "ignored" and again.state is None and again.error is None
     assert CODEC.encode(enqueue_event(request, now=1.0)) == CODEC.encode(enqueue_event(request, now=1.0))
 
 

@@ -83,8 +83,11 @@ def test_the_fold_refuses_a_new_queued_rollout_when_its_partition_is_full() -> N
 
 def test_other_rejections_come_first() -> None:
     existing = fold(None, enqueued()).state
-    result = fold(existing, enqueued(), Admission(0, queued=5, limit=5))
+    assert existing is not None
+    other = existing.rollout.model_copy(update={"input": {"q": 2}})
+    result = fold(existing, event(RolloutEnqueued(rollout=other)), Admission(0, queued=5, limit=5))
     assert result.outcome == "rejected" and result.error is not None and "already exists" in result.error
+    assert fold(existing, enqueued(), Admission(0, queued=5, limit=5)).outcome == "ignored"  # a copy
 
 
 def test_a_started_rollout_does_not_enter_the_queue_and_is_never_refused() -> None:
