@@ -368,6 +368,7 @@ class AglStore(StoreReads):
             if rollout.rollout_id not in self._finished and len(self._finished) >= _FINISHED_MEMORY:
                 self._finished.pop(next(iter(self._finished)))
             self._finished[rollout.rollout_id] = rollout
+            self._watched.pop(rollout.rollout_id, None)  # nothing more to hear of it
             self._finish_seen.set()
         else:
             self._finished.pop(rollout.rollout_id, None)
@@ -658,9 +659,11 @@ class AglStore(StoreReads):
         if unseen:
             await self._watch(unseen)
         deadline = None if timeout is None else time.monotonic() + timeout
+        got: dict[str, Rollout] = {}  # kept here: the client's memory of finished ones is bounded
         while True:
             self._finish_seen.clear()
-            if all(rid in self._finished for rid in wanted):
+            got.update((rid, self._finished[rid]) for rid in wanted if rid not in got and rid in self._finished)
+            if len(got) == len(wanted):
                 break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -669,7 +672,7 @@ class AglStore(StoreReads):
                 await asyncio.wait_for(self._finish_seen.wait(), left)
             except TimeoutError:
                 break
-        return [self._finished[rid] for rid in rollout_ids if rid in self._finished]
+        return [got[rid] for rid in rollout_ids if rid in got]
 
     async def _watch(self, rollout_ids: list[str]) -> None:
         """Ask the processor to tell us when these rollouts finish; look up those it forgot."""
@@ -684,8 +687,8 @@ class AglStore(StoreReads):
         for rid, answer in zip(rollout_ids, answers, strict=True):
             if answer.outcome == "unknown":
                 forgotten.append(rid)
-            else:
-                self._watched[rid] = time.monotonic()  # finished ones were recorded by _on_state already
+            elif rid not in self._finished:  # finished ones were recorded by _on_state already
+                self._watched[rid] = time.monotonic()
         if forgotten:
             found = {r.rollout_id: r for r in await self.query_rollouts(rollout_id_in=forgotten)}
             unknown = [rid for rid in forgotten if rid not in found]
@@ -918,10 +921,12 @@ class AglStore(StoreReads):
         return worker
 
 
-_FINISHED_MEMORY = 200_000
-"""Finished rollouts a client remembers for wait_for_rollouts (older ones are asked again)."""
+_FINISHED_MEMORY = 20_000
+"""Finished rollouts a client remembers for wait_for_rollouts (older ones are asked again; a
+wait keeps what it saw finish itself). At 200,000 a runner, which never waits, grew by ~1 KB a
+rollout for its first 200,000 (benchmarks/soak.py), more with large inputs."""
 
-_KNOWN_ATTEMPTS_MEMORY = 100_000
+_KNOWN_ATTEMPTS_MEMORY = 20_000
 """Attempts a client remembers as existing (older ones are verified by the processor again)."""
 
 
