@@ -217,7 +217,7 @@ async def main(url: str) -> dict[str, Any]:
             "latest_attempt": await client.get_latest_attempt("ro-000000000bad"),
             "worker": await client.get_worker_by_id(f"seed-{tag}-nobody"),
             "update_attempt": await status_of(client.update_attempt("ro-000000000bad", "latest", status="failed")),
-            "update_resources": await status_of(client.update_resources("rs-000000000bad", {})),
+            "update_resources": await status_of(client.update_resources(f"rs-{tag}-new", {})),
             "next_sequence_id": await status_of(client.get_next_span_sequence_id("ro-000000000bad", "at-1")),
             "illegal": await status_of(client.update_attempt(rid, "latest", status="running")),
         }
