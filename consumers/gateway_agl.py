@@ -39,7 +39,8 @@ illegal transition), 404 ``not_found`` for an unknown rollout, attempt or resour
 change (reads of one item answer null instead, as the seed's), 413 over the size limits (the
 body, :data:`MAX_ITEMS`, a record over the broker's or the store's record limit), 503
 (``Retry-After``) while the store client is not up, the processor does not answer or the gateway
-stops; the seed's client retries 5xx answers and gives up at once on 4xx ones. A caller's
+stops, and 503 ``queue_full`` (``Retry-After``) when an enqueue finds its partition's queue at
+``AGL_MAX_QUEUED_PER_PARTITION``; the seed's client retries 5xx answers and gives up at once on 4xx ones. A caller's
 mistake is always a 4xx: numbers JSON cannot carry back (``1e400``, which parses as infinity)
 are refused with the body (422 ``malformed_json``), integers outside 64 bits and negative
 sequence ids with 422 ``invalid_request``, a value the records' schema cannot hold with 422,
@@ -92,6 +93,7 @@ from agl_stream.models.resources import Resource
 from agl_stream.models.rollouts import RolloutConfig
 from agl_stream.models.spans import OtelResource, SpanContext, SpanEvent, SpanLink, SpanStatus
 from agl_stream.store.client import AglStore
+from agl_stream.store.replies import QueueFullError
 from agl_stream.store.types import AttemptedRollout, EnqueueRolloutRequest
 
 log = get_logger("agl.gateway.agl")
@@ -493,6 +495,8 @@ def agl_router(store: StoreGetter, stopping: Callable[[], bool]) -> APIRouter:
             return error_response(422, "invalid_request", f"a value cannot be stored: {exc}")
         except MessageSizeTooLargeError as exc:  # one record over the producer's limit: not sent
             return error_response(413, "too_large", f"a record is too large to store: {exc}; send smaller values")
+        except QueueFullError as exc:  # back-pressure, not a mistake: 503, which the seed's client retries
+            return error_response(503, "queue_full", str(exc), headers={"Retry-After": "5"})
         except ValueError as exc:  # the store's verdict (RejectedError included)
             status, kind = store_refusal(exc)
             return error_response(status, kind, str(exc))

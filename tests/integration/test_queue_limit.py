@@ -74,3 +74,20 @@ async def test_an_enqueue_past_the_limit_is_refused_and_admitted_again_after_cla
         for rollout_id in again:
             rollout = await store.get_rollout_by_id(rollout_id)
             assert rollout is not None and rollout.status == "queuing"
+
+
+async def test_a_full_queue_over_rest_is_a_503_with_retry_after(limited_stack: Settings) -> None:
+    """Back-pressure, not the caller's mistake: the seed's client retries a 503 (and gives up on
+    a 4xx at once)."""
+    import httpx
+
+    info = stack.read_stack(limited_stack)
+    assert info is not None and info.gateway_url
+    async with connect(**limited_stack.model_dump(exclude_none=True)) as store:
+        partitions = len(await store._producer.partitions_for(limited_stack.topic("rollouts")))
+    body = {"rollouts": [{"input": {"rest": i}} for i in range(LIMIT * partitions + 1)]}
+    async with httpx.AsyncClient(base_url=info.gateway_url, trust_env=False, timeout=120) as http:
+        response = await http.post("/v1/agl/queues/rollouts/enqueue", json=body)
+    assert response.status_code == 503, response.text
+    assert response.headers.get("Retry-After") and response.json()["error"] == "queue_full"
+    assert "AGL_MAX_QUEUED_PER_PARTITION" in response.json()["message"]
