@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -98,3 +99,20 @@ def tcp_bytes(port: int, *, local: bool) -> dict[tuple[str, str], tuple[int | No
         sockets[key] = (pid, int(sent.group(1)) if sent else 0, int(received.group(1)) if received else 0)
         key = None
     return sockets
+
+
+def bench_settings(data_dir: Path, prefix: str) -> Any:
+    """Settings of a benchmark's own stack in ``data_dir``: a fresh topic prefix, any free gateway
+    port, quiet logs, and (unless AGL_KAFKA_BOOTSTRAP names a cluster) a local broker on free ports."""
+    import uuid
+
+    from agl_stream.config import Settings
+    from agl_stream.kafka import broker
+
+    settings = Settings(
+        data_dir=data_dir, gateway_port=0, topic_prefix=f"{prefix}{uuid.uuid4().hex[:6]}", log_level="WARNING"
+    )
+    if settings.uses_local_broker:
+        port, controller = broker.free_ports(2)
+        settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
+    return settings

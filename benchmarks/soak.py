@@ -21,11 +21,10 @@ import json
 import os
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from _measure import descendants  # type: ignore[import-not-found]
+from _measure import bench_settings, descendants  # type: ignore[import-not-found]
 
 from agl_stream import connect, stack
 from agl_stream.config import Settings
@@ -139,12 +138,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/soak.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="agl-bench-soak-") as tmp:
-        settings = Settings(
-            data_dir=Path(tmp), gateway_port=0, topic_prefix=f"soak{uuid.uuid4().hex[:6]}", log_level="WARNING"
-        )
-        if settings.uses_local_broker:
-            port, controller = broker.free_ports(2)
-            settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
+        settings = bench_settings(Path(tmp), "soak")
         stack.up(settings, training=True)
         try:
             running = stack.local_stack_settings(settings)

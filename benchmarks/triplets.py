@@ -16,17 +16,15 @@ import asyncio
 import json
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from _measure import percentile  # type: ignore[import-not-found]
+from _measure import bench_settings, percentile  # type: ignore[import-not-found]
 from aiokafka import AIOKafkaConsumer
 
 from agl_stream import connect, stack
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
-from agl_stream.kafka import broker
 from agl_stream.models import TripletRecord
 from agl_stream.processes import start_role, stop_role
 
@@ -85,12 +83,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/triplets.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="agl-bench-triplets-") as tmp:
-        settings = Settings(
-            data_dir=Path(tmp), gateway_port=0, topic_prefix=f"b{uuid.uuid4().hex[:6]}", log_level="WARNING"
-        )
-        if settings.uses_local_broker:
-            port, controller = broker.free_ports(2)
-            settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
+        settings = bench_settings(Path(tmp), "b")
         stack.up(settings, training=True)
         try:
             running = stack.local_stack_settings(settings)
