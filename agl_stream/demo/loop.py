@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,14 @@ class DemoResult:
             return sum(n * reward for _, n, reward in versions) / count if count else 0.0
 
         return mean(self.versions[:window]), mean(self.versions[-window:])
+
+    def rose(self, by: float = 0.1, window: int = 3, min_rollouts: int = 8) -> bool:
+        """Whether the reward rose ``by`` from the first ``window`` versions to the last, with at
+        least ``min_rollouts`` rollouts in the last window (a couple of lucky ones prove nothing)."""
+        if len(self.versions) < window + 1 or sum(n for _, n, _ in self.versions[-window:]) < min_rollouts:
+            return False
+        first, last = self.first_and_last(window)
+        return last >= first + by
 
 
 @contextlib.contextmanager
@@ -152,8 +160,16 @@ async def _reward_by_version(store: AglStore, settings: Settings) -> list[tuple[
     return [(int(v), int(n), float(r)) for v, n, r in result.rows]
 
 
-async def drive(settings: Settings, console: Console, *, versions: int, minutes: float) -> DemoResult:
-    """Enqueue rounds of task groups until the trainer published ``versions`` new policies."""
+async def drive(
+    settings: Settings,
+    console: Console,
+    *,
+    versions: int,
+    minutes: float,
+    until: Callable[[DemoResult], bool] | None = None,
+) -> DemoResult:
+    """Enqueue rounds of task groups until the trainer published ``versions`` new policies, or
+    sooner once ``until`` holds for the reward per version so far (e.g. ``DemoResult.rose``)."""
     started = time.monotonic()
     deadline = started + minutes * 60
     done = 0
@@ -202,6 +218,8 @@ async def drive(settings: Settings, console: Console, *, versions: int, minutes:
                 last = f"v{rows[-1][0]}: reward {rows[-1][2]:.2f}" if rows else "no records yet"
                 first = f"v{rows[0][0]}: {rows[0][2]:.2f}" if rows else ""
                 progress.update(bar, completed=min(version, versions), status=f"{done} rollouts | {first} -> {last}")
+                if until is not None and until(DemoResult(rows, time.monotonic() - started, done)):
+                    break
             for task in in_flight:
                 task.cancel()
         rows = await _reward_by_version(store, settings)
