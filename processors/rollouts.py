@@ -23,11 +23,14 @@ Per fetch (up to thousands of records from agl.rollouts and agl.store-requests):
    and a notice to every watcher of a rollout that finished;
 5. the skeleton commits the input offsets. A crash anywhere re-reads the batch: replayed
    events are answered again with the rollout's current state, a replayed claim whose attempt
-   exists is skipped (its attempt id is derived from the request id).
+   exists is answered with that rollout (its attempt id is derived from the request id), one
+   answered empty is answered empty again (remembered, ``ClaimQueue.answered_empty``), and a
+   second claim event of one attempt id is not folded.
 
 State survives restarts as the compacted ``agl.rollout-state`` topic: on assignment the
 processor reads its partitions to the end, then reads agl.rollouts up to its end before it hands
-out claims (so a claim written before a crash is folded before any new one).
+out claims or answers any, not even empty (so a claim event written before a crash or a failed
+batch is folded before any new one, and a claim read again gets the rollout its event gave it).
 
 Memory and admission: every rollout the processor holds is in memory until it finished and its
 retention passed. A rollout that waits in the queue unclaimed and has no attempt yet is held as
@@ -383,15 +386,17 @@ class RolloutProcessor:
                 out.answers.append(_Answer(reply_to, event.event_id, "rejected", error=str(mismatch)))
             return
         rollout_id = event.rollout_id
+        claimed_by: str | None = None  # our own claim event's attempt id: the rollout that has it, if any
         if event.writer == PROCESSOR and isinstance(event.payload, AttemptStarted):
             self.queue.release(rollout_id)  # our own claim is decided now, whatever the fold says
             attempt_id = event.payload.attempt.attempt_id
             self.claims_in_flight.pop(attempt_id, None)
-            owner = self.attempts.get(attempt_id)
-            if owner is not None and owner != rollout_id:
+            claimed_by = self.attempts.get(attempt_id)
+            if claimed_by not in (None, rollout_id) or self.queue.was_answered_empty(event.event_id):
                 # One claim served twice: a batch redone while the first serving's event was still
-                # on its way. The first folded is the claim (its claimer heard of it then); this
-                # rollout stays queued for the next claim.
+                # on its way (landed after the start-over's catch-up). The first folded is the
+                # claim (its claimer heard of it then), or the claim was answered empty (its
+                # claimer moved on); this rollout stays queued for the next claim.
                 self.counts["claims_served_twice"] += 1
                 return
         state = self.states.get(rollout_id)
@@ -401,6 +406,12 @@ class RolloutProcessor:
                 out.answers.append(
                     _Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None)
                 )
+            return
+        if claimed_by is not None:
+            # The same claim served twice to the same rollout: folded once. The fold would refuse
+            # the duplicate attempt and the claimer, told so, would claim anew and leave the
+            # rollout to nobody if the first answer was lost.
+            self.counts["claims_served_twice"] += 1
             return
         admission = None
         if state is None and isinstance(event.payload, RolloutEnqueued):
@@ -476,35 +487,60 @@ class RolloutProcessor:
         """A claim, or the same claim again: replayed after a crash, or sent again by a claimer
         whose answer was lost (a broker failing over). A claim is served once, whatever the
         number of copies: the attempt id is derived from the request id."""
-        attempt_id = claim_attempt_id(request.request_id)
-        rollout_id = self.attempts.get(attempt_id)
-        if rollout_id is not None:
-            # Served and folded: the claimer hears of the same rollout again (a copy nobody
-            # waits for is ignored by its client).
-            state = self.states[rollout_id]
-            out.answers.append(_Answer(request.reply_to, request.request_id, "applied", rollout_id, state))
+        if self._decided(request, out.answers):
             return
-        if attempt_id in self.claims_in_flight:
-            return  # served, its event not folded yet: the answer goes out with that fold
         if any(c.request.request_id == request.request_id for c in out.claims) or any(
             w.request.request.request_id == request.request_id for w in self.queue.waiting
         ):
             return  # the same claim is already waiting or in this batch
         out.claims.append(_Claim(request, record.partition, record.offset))
 
+    def _decided(self, request: StoreRequest, answers: list[_Answer]) -> bool:
+        """Whether the claim was decided before (True: answered as it was, or to be), checked when
+        it is read and again when it would be served or answered empty (it may have waited, or
+        been read again after a start-over, while its claim event was folded).
+
+        Served and folded: the claimer hears of the same rollout again (a copy nobody waits for
+        is ignored by its client). Served, its event not folded yet: the answer goes out with
+        that fold. Answered empty: empty again (its claimer moved on)."""
+        attempt_id = claim_attempt_id(request.request_id)
+        rollout_id = self.attempts.get(attempt_id)
+        if rollout_id is not None:
+            state = self.states[rollout_id]
+            answers.append(_Answer(request.reply_to, request.request_id, "applied", rollout_id, state))
+            return True
+        if attempt_id in self.claims_in_flight:
+            return True
+        if self.queue.was_answered_empty(request.request_id):
+            answers.append(_Answer(request.reply_to, request.request_id, "empty", covered=sorted(self.owned)))
+            return True
+        return False
+
+    def _empty(self, request: StoreRequest, now: float, answers: list[_Answer]) -> None:
+        """Answer the claim empty (nothing queued here), unless it was decided meanwhile."""
+        if self._decided(request, answers):
+            return
+        self.queue.answered_empty(request.request_id, now)
+        answers.append(_Answer(request.reply_to, request.request_id, "empty", covered=sorted(self.owned)))
+
     def _serve_claims(self, claims: list[_Claim], now: float, answers: list[_Answer]) -> list[Record]:
         """Claim events for agl.rollouts; waiting or empty claims otherwise."""
         events: list[Record] = []
-        covered = sorted(self.owned)
-        for claim in self.queue.expired(now):
-            answers.append(_Answer(claim.request.reply_to, claim.request.request_id, "empty", covered=covered))
-        if self.catching_up:  # claims written before a restart must be folded first
+        if self.catching_up:
+            # Claim events written before a restart (or a start-over after a failed batch) must be
+            # folded first, and until then no claim is answered, not even empty at its deadline: a
+            # claim read again may have one among them, and an empty answer would send its claimer
+            # away from the rollout that event gives it (left 'preparing' under nobody).
             for claim in claims:
                 self.queue.wait(claim, now + self._wait_of(claim.request, now))
             return events
+        for claim in self.queue.expired(now):
+            self._empty(claim.request, now, answers)
         waiting = list(self.queue.waiting)
         self.queue.waiting.clear()
         for claim in [w.request for w in waiting] + claims:
+            if self._decided(claim.request, answers):
+                continue
             rollout_id = self.queue.take()
             if rollout_id is not None:
                 events.append(self._claim_event(claim.request, rollout_id, now))
@@ -514,7 +550,7 @@ class RolloutProcessor:
                 deadline = next((w.deadline for w in waiting if w.request is claim), now + wait)
                 self.queue.wait(claim, deadline)
             else:
-                answers.append(_Answer(claim.request.reply_to, claim.request.request_id, "empty", covered=covered))
+                self._empty(claim.request, now, answers)
         return events
 
     @staticmethod
@@ -667,7 +703,7 @@ class RolloutProcessor:
     def poll_timeout(self) -> float:
         now = time.time()
         until = [0.5, self._next_watchdog - now]
-        deadline = self.queue.next_deadline()
+        deadline = None if self.catching_up else self.queue.next_deadline()  # none answered meanwhile
         if deadline is not None:
             until.append(deadline - now)
         return max(0.001, min(until))
@@ -679,12 +715,11 @@ class RolloutProcessor:
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
             self._pruning = asyncio.create_task(self._prune())
         now = time.time()
-        expired = self.queue.expired(now)
-        if expired:
-            covered = sorted(self.owned)
-            await self._reply(
-                [_Answer(c.request.reply_to, c.request.request_id, "empty", covered=covered) for c in expired]
-            )
+        if not self.catching_up:  # until caught up, no claim is answered (``_serve_claims``)
+            answers: list[_Answer] = []
+            for claim in self.queue.expired(now):
+                self._empty(claim.request, now, answers)
+            await self._reply(answers)
         if now < self._next_watchdog:
             return
         self._next_watchdog = now + self.watchdog_interval_s

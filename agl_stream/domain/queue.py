@@ -8,7 +8,10 @@ Pure bookkeeping, no I/O and no clock (times are arguments). The rollout process
 * a rollout handed to a claim is *reserved* until the processor folds the AttemptStarted event
   it wrote for that claim (applied or rejected): no second claim gets it meanwhile;
 * a claim that finds nothing may *wait* (its ``wait_seconds``); waiting claims are served first
-  come, first served as rollouts enter the queue, and answered empty at their deadline.
+  come, first served as rollouts enter the queue, and answered empty at their deadline;
+* a claim *answered empty* is remembered (:data:`EMPTY_MEMORY_S`, at most
+  :data:`EMPTY_MEMORY_MAX`): its claimer moved on, so the same request read again (a start-over
+  after a failed batch re-reads what was not committed) is answered empty again, never served.
 
 Admission: every queued rollout is held in the processor's memory, so the queue of each
 partition of ``agl.rollouts`` is bounded (``Settings.max_queued_per_partition``). The fold
@@ -29,12 +32,27 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["QUEUE_FULL", "Admission", "ClaimQueue", "WaitingClaim", "admission_refusal", "claim_attempt_id"]
+__all__ = [
+    "EMPTY_MEMORY_MAX",
+    "EMPTY_MEMORY_S",
+    "QUEUE_FULL",
+    "Admission",
+    "ClaimQueue",
+    "WaitingClaim",
+    "admission_refusal",
+    "claim_attempt_id",
+]
 
 T = TypeVar("T")
 
 QUEUE_FULL = "queue full"
 """How every admission refusal's message begins (the store client's cue for ``QueueFullError``)."""
+
+EMPTY_MEMORY_S = 600.0
+"""How long a claim answered empty is remembered: well past the ~12 s a broker failover keeps
+commits failing (what a start-over reads again), at ~16 idle claims per runner per second."""
+EMPTY_MEMORY_MAX = 200_000
+"""The most claims answered empty remembered at once (the oldest go first)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +115,7 @@ class ClaimQueue(Generic[T]):
     _on: dict[int, int] = field(default_factory=dict)  # partition -> queued rollouts
     reserved: set[str] = field(default_factory=set)
     waiting: deque[WaitingClaim[T]] = field(default_factory=deque)
+    _empty: dict[str, float] = field(default_factory=dict)  # request id -> answered empty at, oldest first
 
     def __len__(self) -> int:
         """Queued rollouts that a claim could get now."""
@@ -160,6 +179,19 @@ class ClaimQueue(Generic[T]):
                 kept.append(claim)
         self.waiting = kept
         return gone
+
+    def answered_empty(self, request_id: str, now: float) -> None:
+        """The claim was answered empty: remembered, so that it is never served if read again."""
+        self._empty.pop(request_id, None)
+        self._empty[request_id] = now
+        while True:  # the oldest first: O(1) per claim, amortised
+            oldest, at = next(iter(self._empty.items()))
+            if at >= now - EMPTY_MEMORY_S and len(self._empty) <= EMPTY_MEMORY_MAX:
+                break
+            del self._empty[oldest]
+
+    def was_answered_empty(self, request_id: str) -> bool:
+        return request_id in self._empty
 
     def next_deadline(self) -> float | None:
         return min((c.deadline for c in self.waiting), default=None)

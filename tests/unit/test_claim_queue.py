@@ -1,8 +1,12 @@
-"""The processor's claim queue: oldest queued rollout first, reservations, waiting claims."""
+"""The processor's claim queue: oldest queued rollout first, reservations, waiting claims, and
+the claims answered empty it remembers."""
 
 from __future__ import annotations
 
-from agl_stream.domain.queue import ClaimQueue, claim_attempt_id
+import pytest
+
+from agl_stream.domain import queue as queue_module
+from agl_stream.domain.queue import EMPTY_MEMORY_S, ClaimQueue, claim_attempt_id
 
 
 def test_claims_take_the_oldest_queued_rollout_first_whatever_the_insertion_order() -> None:
@@ -47,3 +51,23 @@ def test_claim_attempt_ids_are_derived_from_the_request() -> None:
     assert one == claim_attempt_id("6a4e1f4e-0000-4000-8000-000000000001")
     assert one != claim_attempt_id("6a4e1f4e-0000-4000-8000-000000000002")
     assert one.startswith("at-") and len(one) == 11
+
+
+def test_claims_answered_empty_are_remembered_for_a_while_and_a_bounded_number() -> None:
+    queue: ClaimQueue[str] = ClaimQueue()
+    queue.answered_empty("old", now=0.0)
+    queue.answered_empty("new", now=EMPTY_MEMORY_S)
+    assert queue.was_answered_empty("old") and queue.was_answered_empty("new")
+    queue.clear()  # not forgotten with the queue: a start-over reads answered claims again
+    queue.answered_empty("newer", now=EMPTY_MEMORY_S + 1)
+    assert not queue.was_answered_empty("old")  # past EMPTY_MEMORY_S
+    assert queue.was_answered_empty("new") and queue.was_answered_empty("newer")
+    assert not queue.was_answered_empty("never")
+
+
+def test_at_most_empty_memory_max_claims_answered_empty_are_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(queue_module, "EMPTY_MEMORY_MAX", 2)
+    queue: ClaimQueue[str] = ClaimQueue()
+    for n, request in enumerate(["a", "b", "c"]):
+        queue.answered_empty(request, now=float(n))
+    assert [queue.was_answered_empty(r) for r in "abc"] == [False, True, True]

@@ -22,7 +22,9 @@ from agl_stream.ids import new_event_id, new_rollout_id
 from agl_stream.kafka.io import DeadLetters
 from agl_stream.kafka.processor import Outbox
 from agl_stream.models import (
+    Attempt,
     AttemptHeartbeat,
+    AttemptStarted,
     AttemptUpdated,
     Reply,
     Rollout,
@@ -32,7 +34,7 @@ from agl_stream.models import (
     StoreRequest,
 )
 from agl_stream.store.replies import REPLY_HEADER
-from processors.rollouts import RolloutProcessor
+from processors.rollouts import PROCESSOR, RolloutProcessor
 
 SETTINGS = Settings(topic_prefix="t")
 EVENTS = SETTINGS.topic("rollouts")
@@ -117,10 +119,11 @@ class Harness:
         event = RolloutEvent(event_id=new_event_id(), rollout_id=rollout_id, time=at, writer="test", payload=payload)
         return self.record(EVENTS, rollout_id, self.codec.encode(event), [])
 
-    def claim(self, wait: float = 5.0) -> tuple[str, ConsumerRecord[bytes, bytes]]:
+    def claim(self, wait: float = 5.0, *, sent: float | None = None) -> tuple[str, ConsumerRecord[bytes, bytes]]:
         request = StoreRequest(
-            request_id=new_event_id(), kind="claim", reply_to=CLIENT, time=time.time(), worker_id="w", wait_seconds=wait
-        )
+            request_id=new_event_id(), kind="claim", reply_to=CLIENT, time=time.time() if sent is None else sent,
+            worker_id="w", wait_seconds=wait,
+        )  # fmt: skip
         return request.request_id, self.record(REQUESTS, request.request_id, self.codec.encode(request), [])
 
     def written(self, topic: str) -> list[tuple[int, bytes | None, list[tuple[str, bytes]]]]:
@@ -267,3 +270,93 @@ async def test_a_queued_rollout_is_held_encoded_and_decoded_when_claimed() -> No
     claimed = _claimed(h.answers(), request_id)
     assert claimed.rollout.status == "preparing" and claimed.watchers == [CLIENT]
     assert h.processor.states.decoded(rollout_id) == claimed  # not queued any more: kept decoded
+
+
+def _outcomes(h: Harness, request_id: str) -> set[tuple[str, str | None]]:
+    """What the answers to one request said: outcome and the rollout named, if any."""
+    return {(a.outcome, a.state.rollout.rollout_id if a.state else None) for a in _answers_to(h, request_id)}
+
+
+def _start_over(h: Harness, *, log_end: int | None = None) -> None:
+    """What the skeleton does after a failed batch (``_Loop._start_over``), without a broker: the
+    handler forgets its partitions and rebuilds them from the changelog as written so far, noting
+    where agl.rollouts ends (``log_end``: its end by default) to catch up to before it serves
+    claims; the records since the last commit are then read again (the test hands them in)."""
+    p = h.processor
+    p.revoked({TopicPartition(EVENTS, 0), TopicPartition(REQUESTS, 0)})
+    p.owned = {0}
+    p.folded_through[0] = -1
+    for offset, value, _ in h.written(STATES):
+        key = b"" if value is None else h.codec.decode(value, RolloutState).rollout.rollout_id.encode()
+        p._recovered(ConsumerRecord(STATES, 0, offset, 0, 0, key, value, None, 0, 0, []), 0)
+    p.catching_up[0] = h.ends[(EVENTS, 0)] if log_end is None else log_end
+
+
+async def test_a_claim_read_again_while_the_processor_catches_up_gets_the_rollout_it_was_served() -> None:
+    """The broker-kill bug (test_cluster): a claim was served (its claim event written), the batch
+    that folded that event failed before its answer went out, and the processor started over. It
+    read the claim again while catching up on agl.rollouts, the claim's wait spent by then, and
+    answered it empty; the claimer moved on, and the claim event, folded next, left the rollout
+    'preparing' under a runner that never heard of it. The claim must wait for the catch-up and
+    then be answered with the rollout of its own claim event; no second rollout is taken."""
+    h = Harness()
+    first, second = h.enqueue(), h.enqueue()
+    await h.handle(first, second)
+    request_id, claim = h.claim(wait=1.0, sent=time.time() - 5)
+    await h.handle(claim)
+    claim_event = _claim_event_read_back(h)
+    _start_over(h)  # the batch folding the claim event failed
+    await h.handle(claim)  # read again (not committed), while catching up
+    await h.processor.tick()
+    assert _answers_to(h, request_id) == []  # not empty: its claim event is still to be folded
+    await h.handle(first, second, claim_event)  # caught up
+    await h.processor.tick()
+    assert _outcomes(h, request_id) == {("applied", (first.key or b"").decode())}
+    assert len(h.events_sent()) == 1  # one claim event: the second rollout was not taken
+    assert len(h.processor.queue) == 1 and h.processor.states[(second.key or b"").decode()].rollout.status == "queuing"
+
+
+async def test_a_claim_answered_empty_and_read_again_after_a_failed_batch_is_answered_empty_again() -> None:
+    """Commits fail while the group coordinator fails over, so a start-over reads again claims
+    answered long ago. One answered empty must not take a rollout that arrived since: its
+    claimer moved on. Nor is a claim event written for it ever folded."""
+    h = Harness()
+    request_id, claim = h.claim(wait=0.0)
+    await h.handle(claim)
+    assert [a.outcome for a in _answers_to(h, request_id)] == ["empty"]
+    await h.handle(enqueue := h.enqueue())
+    _start_over(h)
+    await h.handle(enqueue, claim)
+    assert h.events_sent() == []
+    assert {a.outcome for a in _answers_to(h, request_id)} == {"empty"}
+    rollout_id = (enqueue.key or b"").decode()
+    attempt = Attempt(rollout_id=rollout_id, attempt_id=claim_attempt_id(request_id), sequence_id=1, start_time=1.0)
+    late = RolloutEvent(
+        event_id=request_id, rollout_id=rollout_id, time=time.time(), writer=PROCESSOR,
+        payload=AttemptStarted(attempt=attempt, worker_id="w"),
+    )  # fmt: skip
+    await h.handle(h.record(EVENTS, rollout_id, h.codec.encode(late), [(REPLY_HEADER, CLIENT.encode())]))
+    assert h.processor.states[rollout_id].rollout.status == "queuing"  # not 'preparing' under "w"
+    assert {a.outcome for a in _answers_to(h, request_id)} == {"empty"}
+    assert h.processor.counts["claims_served_twice"] == 1
+
+
+async def test_a_claim_served_twice_to_the_same_rollout_is_folded_once_and_never_answered_rejected() -> None:
+    """A claim event whose send failed can still land (a produce that timed out while the ISR
+    shrank). The claim, read again after the start-over, may get the same rollout: its second
+    claim event is the same claim, skipped, not a duplicate attempt refused to the claimer (a
+    refusal makes it claim anew, leaving the rollout to nobody if the first answer was lost)."""
+    h = Harness()
+    await h.handle(enqueue := h.enqueue())
+    request_id, claim = h.claim()
+    await h.handle(claim)
+    landed_late = _claim_event_read_back(h)
+    _start_over(h, log_end=landed_late.offset)  # the send failed: the event was not there yet
+    await h.handle(enqueue, claim)  # caught up, the claim read again and served again
+    again = _claim_event_read_back(h)
+    await h.handle(landed_late)
+    await h.handle(again)
+    assert _outcomes(h, request_id) == {("applied", (enqueue.key or b"").decode())}
+    state = h.processor.states[(enqueue.key or b"").decode()]
+    assert [a.attempt_id for a in state.attempts] == [claim_attempt_id(request_id)]
+    assert h.processor.counts["claims_served_twice"] == 1
