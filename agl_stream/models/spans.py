@@ -16,8 +16,12 @@ AttributeValue: TypeAlias = AttributeScalar | list[AttributeScalar]
 union branches boolean, long, double), so ``True``, ``1`` and ``1.0`` round-trip as such."""
 Attributes: TypeAlias = dict[str, AttributeValue]
 
-TraceId: TypeAlias = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
-SpanId: TypeAlias = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+SPAN_ID_MAX_LENGTH = 128
+TraceId: TypeAlias = Annotated[str, StringConstraints(min_length=1, max_length=SPAN_ID_MAX_LENGTH)]
+SpanId: TypeAlias = Annotated[str, StringConstraints(min_length=1, max_length=SPAN_ID_MAX_LENGTH)]
+"""Trace and span ids: OpenTelemetry writes 32 and 16 lower-case hex digits, and so do the
+tracer and the OTLP receiver; the seed's store takes any text (its users write ``"t1"``), so
+any id of 1 to 128 characters is a span's."""
 
 
 class SpanContext(AglModel):

@@ -110,6 +110,9 @@ class AglStore(StoreReads):
         # Attempts this client has seen in an answer: they exist (attempts are never deleted), so
         # spans for them need no verdict from the processor (see add_many_spans).
         self._known_attempts: dict[tuple[str, str], None] = {}
+        # Spans this client stored with add_span(s), by (rollout, attempt, span id): a span sent
+        # again (a retry whose answer was lost) is a duplicate, answered None as in the seed.
+        self._stored_spans: dict[tuple[str, str, str], None] = {}
         # Rollouts with heartbeats sent without waiting for their fold (rollout id -> attempt
         # id): no answer has raised the read fence past them yet. Any later answer about the
         # rollout does (the processor folds a rollout's events in order); a read of rollout
@@ -705,12 +708,17 @@ class AglStore(StoreReads):
     # -- spans -----------------------------------------------------------------------------
 
     async def add_span(self, span: Span) -> Span | None:
-        """Store one span (see :meth:`add_many_spans`); the span as stored."""
+        """Store one span (see :meth:`add_many_spans`); the span as stored, or None for a
+        duplicate (a span of the same rollout, attempt and span id was stored before)."""
         spans = await self.add_many_spans([span])
         return spans[0] if spans else None
 
     async def add_many_spans(self, spans: Sequence[Span]) -> Sequence[Span]:
-        """Write spans to agl.spans; their arrival is one heartbeat per attempt.
+        """Write spans to agl.spans; their arrival is one heartbeat per attempt. Returns the
+        spans stored: duplicates (the same rollout, attempt and span id as a span this client
+        stored among its last 20,000, or earlier in ``spans``) are left out and not written
+        again. The read side keeps one row per span id anyway, so a duplicate from another
+        client or from before a restart is stored once too; it is only answered as stored.
 
         The contract wants a ValueError for spans of an unknown rollout or attempt. An attempt
         this client has seen in an answer (it claimed or started it, or updated it) exists, so
@@ -719,16 +727,26 @@ class AglStore(StoreReads):
         written once the processor applied their heartbeats: a rejected one raises and none of
         the spans is stored.
         """
-        if not spans:
+        firsts: dict[tuple[str, str, str], Span] = {}
+        for span in spans:
+            key = _span_key(span)
+            if key not in self._stored_spans and key not in firsts:
+                firsts[key] = span
+        fresh = list(firsts.values())
+        if not fresh:
             return []
-        beats = _heartbeats(spans)
+        beats = _heartbeats(fresh)
         if all((rid, beat.attempt_id) in self._known_attempts for rid, beat in beats):
-            await self.export_spans(spans)
+            await self.export_spans(fresh)
         else:
             # The verdict first: spans of an attempt no store knows are refused, not stored.
             await self._acknowledged(beats)
-            await self._write_spans(spans)
-        return list(spans)
+            await self._write_spans(fresh)
+        stored = self._stored_spans
+        stored.update(dict.fromkeys(firsts))
+        while len(stored) > _STORED_SPANS_MEMORY:
+            stored.pop(next(iter(stored)))
+        return fresh
 
     async def export_spans(self, spans: Sequence[Span]) -> None:
         """Write spans and their heartbeats, waiting only for the broker's acknowledgements.
@@ -928,6 +946,13 @@ rollout for its first 200,000 (benchmarks/soak.py), more with large inputs."""
 
 _KNOWN_ATTEMPTS_MEMORY = 20_000
 """Attempts a client remembers as existing (older ones are verified by the processor again)."""
+
+_STORED_SPANS_MEMORY = 20_000
+"""Span keys a client remembers to answer a span sent again as a duplicate (~5 MB)."""
+
+
+def _span_key(span: Span) -> tuple[str, str, str]:
+    return (span.rollout_id, span.attempt_id, span.span_id)
 
 
 def _rotation(partitions: Sequence[int], start: int) -> list[int]:

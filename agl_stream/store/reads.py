@@ -7,6 +7,7 @@ spans for the spans it wrote, and so on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -39,6 +40,7 @@ class StoreReads:
         self.sql = StoreQueries(settings.clickhouse_database)
         self.side: ReadSide | None = None
         self.topics = {name: settings.topic(name) for name in ("rollout-state", "spans", "resources", "workers")}
+        self.started = time.monotonic()
 
     async def _start_reads(self) -> None:
         self.side = read_side_for(self.settings)
@@ -67,19 +69,6 @@ class StoreReads:
     async def _count(self, query: Query, *sources: str) -> int:
         """How many rows ``query`` gives, counted by the engine (one COUNT query)."""
         return await self._one(count_of(query), total_from_row, *sources) or 0
-
-    async def _require_rollout(self, rollout_id: str) -> None:
-        # Existence only: not get_rollout_by_id, whose latest-attempt query this does not need.
-        if await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state") is None:
-            raise ValueError(f"unknown rollout id {rollout_id}")
-
-    async def _require_attempt(self, rollout_id: str, attempt_id: str | None) -> None:
-        """The rollout exists and so does the attempt (None and ``"latest"`` name none)."""
-        await self._require_rollout(rollout_id)
-        if attempt_id not in (None, "latest"):
-            known = {a.attempt_id for a in await self.query_attempts(rollout_id)}
-            if attempt_id not in known:
-                raise ValueError(f"unknown attempt {attempt_id} of rollout {rollout_id}")
 
     # -- rollouts and attempts -------------------------------------------------------------
 
@@ -160,35 +149,29 @@ class StoreReads:
         offset: int = 0,
     ) -> list[Attempt]:
         """The attempts of a rollout, by ``sequence_id`` unless sorted otherwise; paged like
-        :meth:`query_rollouts`. ValueError for an unknown rollout."""
-        await self._require_rollout(rollout_id)
+        :meth:`query_rollouts`. Empty for an unknown rollout, as in the seed's stores."""
         query = self.sql.attempts(rollout_id, sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset)
         return await self._all(query, attempt_from_row, "rollout-state")
 
     async def count_attempts(self, rollout_id: str) -> int:
-        """How many attempts the rollout has. ValueError for an unknown rollout."""
-        await self._require_rollout(rollout_id)
+        """How many attempts the rollout has (0 for an unknown rollout)."""
         return await self._count(self.sql.attempts(rollout_id), "rollout-state")
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
-        """The rollout's newest attempt; None while it has none. ValueError for an unknown
-        rollout."""
-        await self._require_rollout(rollout_id)
+        """The rollout's newest attempt; None while it has none or the rollout is unknown."""
         return await self._one(self.sql.latest_attempt(rollout_id), attempt_from_row, "rollout-state")
 
     # -- spans -------------------------------------------------------------------------------
 
     async def query_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> list[Span]:
         """The spans of a rollout (of one attempt, or ``"latest"``), by sequence id; ``filters``
-        as the seed's (e.g. ``name``). Sees every span this client added. ValueError for an
-        unknown rollout or attempt."""
-        await self._require_attempt(rollout_id, attempt_id)
+        as the seed's (e.g. ``name``). Sees every span this client added. Empty for an unknown
+        rollout or attempt, as in the seed's stores (reads never raise for an id)."""
         return await self._all(self.sql.spans(rollout_id, attempt_id, **filters), span_from_row, "spans")
 
     async def count_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> int:
         """How many spans :meth:`query_spans` with these filters gives, unpaged (``limit``,
-        ``offset`` and sorting are ignored). ValueError for an unknown rollout or attempt."""
-        await self._require_attempt(rollout_id, attempt_id)
+        ``offset`` and sorting are ignored)."""
         unpaged = {k: v for k, v in filters.items() if k not in ("limit", "offset", "sort_by", "sort_order")}
         return await self._count(self.sql.spans(rollout_id, attempt_id, **unpaged), "spans")
 
@@ -274,6 +257,10 @@ class StoreReads:
         return await self._one(self.sql.worker_by_id(worker_id), worker_from_row, "workers", "rollout-state")
 
     async def statistics(self) -> StoreStatistics:
-        """Counts of rollouts by status and of spans, as the seed's ``statistics``."""
+        """The seed's ``statistics``: totals of rollouts, attempts, spans, resources and
+        workers, and this client's uptime in seconds (the gateway's, over REST). The seed's
+        memory fields (span bytes, eviction thresholds) are its in-memory store's, which evicts
+        spans past a memory budget; spans here live in ClickHouse and are never evicted."""
         counts = await self._one(self.sql.statistics(), statistics_from_row, "rollout-state", "spans")
-        return StoreStatistics(name="AglStore", **(counts or {}))  # type: ignore[typeddict-item]
+        uptime = time.monotonic() - self.started
+        return StoreStatistics(name="AglStore", uptime=uptime, **(counts or {}))  # type: ignore[typeddict-item]

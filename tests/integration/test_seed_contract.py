@@ -253,6 +253,7 @@ SEQUENCES: dict[str, list[Op]] = {
         {"op": "get_next_span_sequence_id", "rollout": "r1", "attempt": "r1.a1"},
         {"op": "get_next_span_sequence_id", "rollout": "r1", "attempt": "r1.a1"},
         {"op": "add_span", "rollout": "r1", "attempt": "r1.a1", "sequence_id": 3, "name": "agent"},
+        {"op": "add_span", "rollout": "r1", "attempt": "r1.a1", "sequence_id": 3, "name": "agent"},  # a duplicate
         {"op": "get_rollout_by_id", "rollout": "r1"},
         {
             "op": "add_many_spans",
@@ -274,7 +275,8 @@ SEQUENCES: dict[str, list[Op]] = {
         {"op": "get_rollout_by_id", "rollout": "r1"},
         {"op": "query_spans", "rollout": "r1"},
         {"op": "get_next_span_sequence_id", "rollout": "r1", "attempt": "at-00000bad", "by_design": "unknown_ids"},
-        {"op": "query_spans", "rollout": "r1", "attempt": "at-00000bad", "by_design": "unknown_ids"},
+        {"op": "query_spans", "rollout": "r1", "attempt": "at-00000bad"},
+        {"op": "query_spans", "rollout": "ro-000000000bad"},
     ],
     "sequence_ids_of_a_second_attempt": [
         {"op": "start_rollout", "input": {"seq": 1}, "as": "r1"},
@@ -337,8 +339,8 @@ SEQUENCES: dict[str, list[Op]] = {
         {"op": "query_rollouts", "rollout_id_in": ["ro-000000000bad"]},
         {"op": "query_attempts", "rollout": "r3"},
         {"op": "get_latest_attempt", "rollout": "r1"},
-        {"op": "query_attempts", "rollout": "ro-000000000bad", "by_design": "unknown_ids"},
-        {"op": "get_latest_attempt", "rollout": "ro-000000000bad", "by_design": "unknown_ids"},
+        {"op": "query_attempts", "rollout": "ro-000000000bad"},
+        {"op": "get_latest_attempt", "rollout": "ro-000000000bad"},
     ],
     "illegal_attempt_transitions": [
         {"op": "start_rollout", "input": {"t": 1}, "as": "r1"},
@@ -383,10 +385,11 @@ def _refused_change(seed: Any, step: Op) -> Any:
 # seed's in-memory store departs from it).
 BY_DESIGN: dict[str, Callable[[Any, Op], Any]] = {
     # The seed's own contract (the LightningStore docstrings) says these raise ValueError; its
-    # in-memory store does not check: enqueue takes an unknown resources id, sequence ids are
-    # issued and spans, attempts and the latest attempt are read for any id. agl-stream keeps
-    # the contract (README: "the same ... errors"). (update_resources on an unknown id creates
-    # it in both: the seed's algorithms rely on it.)
+    # in-memory store does not check: enqueue takes an unknown resources id and sequence ids are
+    # issued for any id. agl-stream keeps the contract for these changes (README: "the same ...
+    # errors"). Reads of an unknown id's spans, attempts and latest attempt answer empty in
+    # both, and update_resources on an unknown id creates it in both: the seed's users and
+    # algorithms rely on them.
     "unknown_resources": _contract_error,
     "unknown_ids": _contract_error,
     # "The counter may be scoped per rollout or per attempt" (the contract): the seed counts

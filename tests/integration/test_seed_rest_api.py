@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -62,7 +63,13 @@ async def run_seed_script(python: Path, script: str, *args: str, timeout: float,
     """Run a seed script to its end; the JSON object on its last stdout line."""
     with log.open("wb") as stderr:
         process = await asyncio.create_subprocess_exec(
-            str(python), str(SCRIPTS / script), *args, stdout=asyncio.subprocess.PIPE, stderr=stderr, env=seed_env()
+            str(python),
+            str(SCRIPTS / script),
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            env=seed_env(),
+            cwd=log.parent,  # what the seed writes beside it (its agentops.log) stays in the test's folder
         )
         try:
             stdout, _ = await asyncio.wait_for(process.communicate(), timeout)
@@ -138,6 +145,7 @@ async def test_the_seed_client_drives_a_whole_lifecycle(
     assert queries["workers"] == sorted([worker, f"seed-{out['tag']}-w2", f"seed-{out['tag']}-w3"])
     statistics = queries["statistics"]
     assert statistics["name"] == "AglStore" and statistics["total_rollouts"] >= 4 and statistics["total_spans"] >= 3
+    assert statistics["uptime"] > 0
 
     # Unknown ids: reads of one item are None, changes are refused with 404 (once: no retries;
     # update_resources creates the id, as the seed does),
@@ -203,6 +211,42 @@ async def test_an_unmodified_seed_runner_completes_rollouts(
     finally:
         await _stop(runner)
     assert runner.returncode == 0, _tail(log)
+
+
+async def test_the_seeds_own_trainer_dev_runs_its_baseline_with_initial_resources(
+    seed_python: Path, gateway_url: str, store: AglStore, tmp_path: Path
+) -> None:
+    tag = f"dev-{uuid.uuid4().hex[:8]}"
+    out = await run_seed_script(
+        seed_python, "trainer_dev.py", gateway_url, tag, timeout=300, log=tmp_path / "trainer_dev.log"
+    )
+    # The runner thread got the initial resources with each task (Baseline published them).
+    assert out["seen"] == {str(n): f"{tag}: say {n}" for n in (1, 2, 3)}
+
+    # What it did is agl-stream's state: the resources it created under "default", its rollouts
+    # with their modes and those resources, finished, with the agent's reward as a span.
+    resources = await store.get_resources_by_id("default")
+    assert resources is not None and resources.resources["prompt"].template == f"{tag}: say {{n}}"  # type: ignore[union-attr]
+
+    async def mine() -> list[Any]:
+        return [r for r in await store.query_rollouts() if isinstance(r.input, dict) and r.input.get("tag") == tag]
+
+    rollouts = await wait_until(
+        mine, lambda found: len(found) == 3 and all(r.status == "succeeded" for r in found), what="its 3 rollouts"
+    )
+    by_n = {r.input["n"]: r for r in rollouts}
+    assert {n: (r.mode, r.resources_id) for n, r in by_n.items()} == {
+        1: ("train", resources.resources_id),
+        2: ("train", resources.resources_id),
+        3: ("val", resources.resources_id),
+    }
+    for n, rollout in by_n.items():
+        spans = await wait_until(
+            functools.partial(store.query_spans, rollout.rollout_id),
+            lambda found: find_final_reward(found) is not None,
+            what=f"the reward span of {rollout.rollout_id}",
+        )
+        assert find_final_reward(spans) == pytest.approx(n / 10)
 
 
 def _tail(log: Path) -> str:

@@ -150,6 +150,8 @@ def _scalar(annotation: Any, metadata: list[Any], rng: random.Random) -> Any:
         if pattern is not None:
             size = int(re.findall(r"\{(\d+)\}", str(pattern))[0])
             return "".join(rng.choice("0123456789abcdef") for _ in range(size))
+        if any(isinstance(m, StringConstraints) and m.min_length for m in flat):  # ids: never empty
+            return rng.choice([t for t in _TEXTS if t]) if rng.random() < 0.5 else f"{rng.getrandbits(64):016x}"
         return rng.choice(_TEXTS)
     if annotation is bytes:
         return rng.randbytes(rng.randint(0, 24))

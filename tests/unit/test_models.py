@@ -152,6 +152,8 @@ def _for_annotation(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[A
         for item in metadata:
             if isinstance(item, StringConstraints) and item.pattern:
                 return st.from_regex(str(item.pattern), fullmatch=True)
+            if isinstance(item, StringConstraints):
+                return st.text(min_size=item.min_length or 0, max_size=min(item.max_length or 16, 16))
         return st.text(max_size=16)
     if annotation is bytes:
         return st.binary(max_size=32)
@@ -265,10 +267,12 @@ def test_span_attribute_types_survive_validation() -> None:
     # Beyond int64 an int becomes a double, as fastavro's union writer does on the dict path.
     big = Span.model_validate({**span.model_dump(), "attributes": {"big": 2**64}})
     assert typed(big.attributes) == {"big": ("float", 2.0**64)}
+    # Ids: any text of 1 to 128 characters, as the seed takes (OpenTelemetry's are hex).
+    assert Span.model_validate({**span.model_dump(), "trace_id": "XYZ"}).trace_id == "XYZ"
     with pytest.raises(ValidationError):
-        Span.model_validate({**span.model_dump(), "trace_id": "XYZ"})
+        Span.model_validate({**span.model_dump(), "trace_id": ""})
     with pytest.raises(ValidationError):
-        SpanContext(trace_id="0" * 32, span_id="ABCDEF0123456789")
+        SpanContext(trace_id="0" * 32, span_id="A" * 129)
 
 
 def test_partial_updates_keep_unset_apart_from_null() -> None:

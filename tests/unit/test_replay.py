@@ -82,9 +82,16 @@ def test_spans_read_from_bytes_give_the_adapter_what_validated_spans_give() -> N
     lean = SpanRecordDecoder(codec).decode(record)
     spans = [Span.model_validate(d) for d in history.spans]
     assert extract_triplets(lean, AdapterConfig()) == extract_triplets(spans, AdapterConfig())
-    bad = span_dict_records([{**history.spans[0], "span_id": "XYZ"}], codec)[0][1]
-    with pytest.raises(MalformedRecordError, match="span_id 'XYZ' is not 16 lower-case hex digits"):
+    bad = span_dict_records([{**history.spans[0], "span_id": ""}], codec)[0][1]
+    with pytest.raises(MalformedRecordError, match="span_id '' is not 1 to 128 characters"):
         SpanRecordDecoder(codec).decode(bad)
+    # An id that is not OpenTelemetry's hex (the seed's users write such) is read the codec's way.
+    text_ids = span_dict_records(
+        [{**s, "trace_id": "t1", "span_id": f"s{i}"} for i, s in enumerate(history.spans)], codec
+    )
+    assert [s.span_id for s in SpanRecordDecoder(codec).decode(text_ids[0][1])] == [
+        f"s{i}" for i in range(len(history.spans))
+    ]
 
 
 def test_a_partition_derives_the_records_of_the_codec_path() -> None:

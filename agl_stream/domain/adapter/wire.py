@@ -35,6 +35,7 @@ from agl_stream.codec import HEADER_SIZE, MAGIC, Codec
 from agl_stream.domain.adapter.lean import ADAPTER_KEYS, REWARD_PREFIX, REWARDISH_KEYS, LeanSpan, lean_attributes
 from agl_stream.errors import MalformedRecordError, RecordTypeError
 from agl_stream.models import TripletRecord
+from agl_stream.models.spans import SPAN_ID_MAX_LENGTH
 
 __all__ = [
     "SPAN_BATCH_FINGERPRINT",
@@ -51,10 +52,6 @@ SPAN_FINGERPRINT = 0x482855A0550023DA
 SPAN_BATCH_FINGERPRINT = 0x1B047B30BCBF0B4C
 """The schema versions the decoder reads byte by byte (schemas/Span.avsc, SpanBatch.avsc today)."""
 
-# span_view's checks (replay's hot path never validated more than the ids' shape); the same
-# patterns on bytes (``$`` also before a final newline, as there).
-_TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
-_SPAN_ID = re.compile(r"^[0-9a-f]{16}$")
 
 _STATUS_CODES = 3  # agl.StatusCode symbols
 _unpack_double = struct.Struct("<d").unpack_from
@@ -374,8 +371,8 @@ def _optional_double(data: bytes, pos: int) -> tuple[float | None, int]:
 
 
 _IDS = re.compile(rb"\x40[0-9a-f]{32}\x20([0-9a-f]{16})")
-"""trace_id and span_id as span_view takes them (32 and 16 hex digits); anything else (a
-trailing newline span_view lets through included) goes the codec's way."""
+"""trace_id and span_id as OpenTelemetry writes them (32 and 16 hex digits): the usual case,
+read inline; any other id goes the codec's way (lean_of_datum)."""
 _unpack_times = struct.Struct("<dxd").unpack_from  # start_time, branch, end_time
 
 
@@ -510,14 +507,19 @@ def _fast(data: bytes, batch: bool, memo: _Memo) -> list[LeanSpan]:
 # --------------------------------------------------------------------------------------------
 
 
+def _checked_id(datum: dict[str, Any], name: str) -> str:
+    value = datum.get(name)
+    if not isinstance(value, str) or not 0 < len(value) <= SPAN_ID_MAX_LENGTH:
+        raise MalformedRecordError(f"agl.Span: {name} {str(value)[:64]!r} is not 1 to {SPAN_ID_MAX_LENGTH} characters")
+    return value
+
+
 def lean_of_datum(datum: dict[str, Any]) -> LeanSpan:
-    """A LeanSpan of a decoded agl.Span dict (the codec's dict form), with span_view's checks:
-    the Avro schema guarantees every type; the hex shape of the ids is checked here."""
-    trace_id, span_id = datum.get("trace_id"), datum.get("span_id")
-    if not isinstance(trace_id, str) or not _TRACE_ID.match(trace_id):
-        raise MalformedRecordError(f"agl.Span: trace_id {trace_id!r} is not 32 lower-case hex digits")
-    if not isinstance(span_id, str) or not _SPAN_ID.match(span_id):
-        raise MalformedRecordError(f"agl.Span: span_id {span_id!r} is not 16 lower-case hex digits")
+    """A LeanSpan of a decoded agl.Span dict (the codec's dict form), with the model's checks
+    of the ids (models.spans.TraceId: 1 to 128 characters); the Avro schema guarantees every
+    type."""
+    _checked_id(datum, "trace_id")
+    span_id = _checked_id(datum, "span_id")
     attributes, rewardish = lean_attributes(datum["attributes"])
     return LeanSpan(
         datum["rollout_id"],
@@ -537,8 +539,8 @@ class SpanRecordDecoder:
     """agl.spans record bytes -> the LeanSpans in it, in record order.
 
     Raises CodecError like the codec does (RecordTypeError for a record of another type,
-    MalformedRecordError for ids that are not hex, as ``span_view``): a record is good or bad
-    as a whole.
+    MalformedRecordError for ids the Span model refuses): a record is good or bad as a
+    whole.
     """
 
     def __init__(self, codec: Codec) -> None:
