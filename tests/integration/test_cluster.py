@@ -206,14 +206,6 @@ async def _check_exactly_once(settings: Settings, store: AglStore, run: Run) -> 
 
 
 @pytest.mark.timeout(480)
-@pytest.mark.xfail(
-    strict=False,
-    reason="known open bug (docs/design-notes.md, 'No stranded attempt'): a claim served twice. In a "
-    "clean-clone run 2 of 480 rollouts stayed 'preparing' with attempts naming a runner that never "
-    "heard of them (its counts: every claim it received succeeded, none re-sent): the processor "
-    "served claim requests again after a broker kill. To fix: a claim whose derived attempt id "
-    "already exists answers that rollout, also while the processor rebuilds after a failed batch.",
-)
 async def test_a_broker_and_then_the_controller_die_under_load_and_nothing_is_lost(
     cluster: Settings, cluster_stack: Settings, runners: subprocess.Popen[bytes], store: AglStore
 ) -> None:
