@@ -34,7 +34,12 @@ class Backoff:
 
     def delays(self) -> list[float]:
         """The waits between the tries (one fewer than ``tries``)."""
-        return [min(self.first_s * 2**n, self.max_s) for n in range(self.tries - 1)]
+        return [self.after(n + 1) for n in range(self.tries - 1)]
+
+    def after(self, failures: int) -> float:
+        """The wait after ``failures`` failures in a row (1, 2, ...), for a loop that never gives
+        up (a runner's claims): the same doubling, capped at ``max_s``."""
+        return float(min(self.first_s * 2 ** min(max(failures - 1, 0), 32), self.max_s))
 
 
 FAILOVER = Backoff()

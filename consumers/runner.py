@@ -110,6 +110,7 @@ class RunnerStats:
     released: int = 0
     already_closed: int = 0
     abandoned: int = 0
+    claim_failures: int = 0  # claims that failed (no attempt: the cluster failing over) and were made again
 
     def count(self, ending: Ending) -> None:
         setattr(self, ending, getattr(self, ending) + 1)
@@ -250,11 +251,25 @@ class Runner:
     async def _claim_until(self, stop: asyncio.Event) -> None:
         slots = asyncio.Semaphore(self.options.concurrency)
         limit = self.options.max_rollouts
+        failures = 0
         while not stop.is_set() and (limit is None or self.stats.claimed < limit):
             if not await _acquire_unless(slots, stop):
                 break
             # A long poll: the processor holds the claim up to a second until work arrives.
-            claimed = await self.store.dequeue_rollout(worker_id=self.options.worker_id, wait=1.0)
+            try:
+                claimed = await self.store.dequeue_rollout(worker_id=self.options.worker_id, wait=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the cluster failing over, a processor catching up: claim again
+                slots.release()
+                failures += 1
+                delay = self.options.retry.after(failures)
+                self.stats.claim_failures += 1
+                log.warning("claim failed; claiming again", error=describe(error), retry_in_s=delay, failures=failures)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)  # the backoff, cut short by a stop
+                continue
+            failures = 0
             if claimed is None:
                 slots.release()
                 continue
@@ -552,7 +567,7 @@ def main(settings: Settings, agent: str | LitAgent[Any], options: RunnerOptions,
     print(
         f"runner {options.worker_id}: claimed {stats.claimed}, succeeded {stats.succeeded}, "
         f"failed {stats.failed}, released {stats.released}, already closed {stats.already_closed}, "
-        f"abandoned {stats.abandoned}",
+        f"abandoned {stats.abandoned}, claims failed and made again {stats.claim_failures}",
         flush=True,
     )
     # A sync agent still running in a thread after the grace period would hold the interpreter

@@ -15,6 +15,8 @@ QUICK = Backoff(tries=3, first_s=0.0, max_s=0.0)
 def test_delays_double_up_to_the_cap() -> None:
     assert FAILOVER.delays() == [1.0, 2.0, 4.0, 8.0, 15.0]
     assert Backoff(tries=1).delays() == []
+    # A loop that never gives up (a runner's claims) waits the same way, capped for ever after.
+    assert [FAILOVER.after(n) for n in (1, 2, 5, 6, 10_000)] == [1.0, 2.0, 15.0, 15.0, 15.0]
     with pytest.raises(ValueError, match="tries"):
         Backoff(tries=0)
 

@@ -73,6 +73,7 @@ class FlakyStore:
         if self.claimed:
             await asyncio.sleep(wait)  # the processor's long poll, with nothing to hand out
             return None
+        self._call("dequeue_rollout")
         self.claimed = True
         self.attempt = self.attempt.model_copy(update={"worker_id": worker_id})
         self._set_status("preparing")
@@ -159,6 +160,13 @@ async def test_a_span_flush_that_never_gets_through_releases_the_attempt() -> No
     assert _status(store) == ("requeuing", "failed")  # requeued whatever the rollout's config says
     assert "update_attempt:succeeded" not in store.calls  # an incomplete trace is not reported
     assert store.calls.count("export_spans") == FAST.tries
+
+
+async def test_a_claim_failing_during_a_failover_is_made_again_and_the_runner_keeps_running() -> None:
+    store = FlakyStore({"dequeue_rollout": times(3)})
+    stats = await run_one(store)
+    assert stats.claim_failures == 3 and stats.succeeded == 1
+    assert _status(store) == ("succeeded", "succeeded")
 
 
 async def test_marking_the_attempt_running_is_retried() -> None:
