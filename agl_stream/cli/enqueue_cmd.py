@@ -21,8 +21,10 @@ a summary of what was sent so far).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +72,10 @@ from agl_stream.store.readside import ReadSide, read_side_for
 EXIT_REFUSED = 3
 EXIT_INTERRUPTED = 130
 _ASK_TIMEOUT_S = 10.0
+
+
+class EnqueueInterrupted(Exception):
+    """Ctrl-C: the batch in flight was finished, nothing more is sent."""
 
 
 class EnqueueFailedError(AglError):
@@ -205,6 +211,21 @@ class _Run:
             await self._reads.aclose()
 
 
+def _on_first_interrupt() -> asyncio.Event:
+    """An event the first SIGINT sets; the handler then steps aside for Python's own (a second
+    Ctrl-C raises KeyboardInterrupt). Where the loop cannot take signals, the event is never set."""
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+
+    def first() -> None:
+        interrupted.set()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # no signals off the main thread
+        loop.add_signal_handler(signal.SIGINT, first)
+    return interrupted
+
+
 async def _started_producer(settings: Settings) -> AIOKafkaProducer:
     """A started producer, or EnqueueFailedError saying which bootstrap did not answer."""
     producer = make_producer(settings)
@@ -239,6 +260,11 @@ async def enqueue_file(
     console = console or Console(stderr=True)
     limits = IngressLimits.of(settings)
     summary = summary if summary is not None else EnqueueSummary()
+    # Ctrl-C ends the run between batches (EnqueueInterrupted), so the summary counts exactly
+    # what the broker took. Cancelling the task instead was not reliable: a cancellation that
+    # lands while asyncio.wait_for's inner call completes can be lost on Python 3.11, and the
+    # command then went on sending the whole file. A second Ctrl-C interrupts at once.
+    interrupted = _on_first_interrupt()
     with path.open("rb") as counting:
         total = sum(1 for raw in counting if raw.strip())
     producer = await _started_producer(settings)
@@ -260,6 +286,8 @@ async def enqueue_file(
             try:
                 batch: list[_Pending] = []
                 for number, line in enumerate(lines, start=1):
+                    if interrupted.is_set():
+                        raise EnqueueInterrupted
                     if not line.strip():
                         continue
                     summary.lines += 1
@@ -319,7 +347,7 @@ def enqueue(
         asyncio.run(
             enqueue_file(settings, file, batch_size=batch_size, salt=id_salt, ids_out=ids_file, summary=summary)
         )
-    except KeyboardInterrupt:
+    except (EnqueueInterrupted, KeyboardInterrupt):
         out.print(f"interrupted: {summary.line(topic)}; run the same command again to resume", highlight=False)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except EnqueueFailedError:
