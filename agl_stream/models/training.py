@@ -10,7 +10,7 @@ from agl_stream.models.base import AglModel, JsonObject, RolloutMode
 
 
 class Triplet(AglModel):
-    """One LLM call turned into a training sample."""
+    """A training sample: one LLM call (``transition``) or consecutive calls merged (``trajectory``)."""
 
     avro_name: ClassVar[str] = "agl.Triplet"
 
@@ -21,6 +21,14 @@ class Triplet(AglModel):
     metadata: JsonObject = Field(default_factory=dict)
     prompt_extra: JsonObject | None = None
     response_extra: JsonObject | None = None
+    # Trajectory aggregation (agl_stream/domain/adapter/trajectory.py): one sample may hold several
+    # consecutive calls; the response part then holds inserted tokens (tool results, user turns)
+    # between the calls' responses, marked 0 here. None: every response token was generated.
+    response_mask: list[int] | None = None
+    # Lineage: the LLM-call span ids the sample was built from, in call order (empty in records
+    # written before the field existed; their metadata still has the one span_id).
+    span_ids: list[str] = Field(default_factory=list)
+    calls: int = 1
 
 
 class TripletRecord(AglModel):

@@ -202,6 +202,7 @@ def test_unvalidated_triplets_are_the_validated_ones() -> None:
             response_logprobs=triplet.response_logprobs,
             reward=triplet.reward,
             metadata=triplet.metadata,
+            span_ids=[triplet.metadata["span_id"]],
         )
         assert triplet == validated
         assert triplet.__dict__ == validated.__dict__

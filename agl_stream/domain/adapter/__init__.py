@@ -3,6 +3,16 @@
 No I/O here: the triplet processor feeds spans in and publishes what comes out.
 """
 
+from agl_stream.domain.adapter.trajectory import (
+    AGGREGATIONS,
+    BRANCH,
+    DRIFT,
+    REWRITTEN,
+    Aggregated,
+    Aggregation,
+    aggregate_triplets,
+    break_reason,
+)
 from agl_stream.domain.adapter.tree import (
     VIRTUAL_ROOT_ID,
     TraceNode,
@@ -20,14 +30,22 @@ from agl_stream.domain.adapter.triplets import (
 )
 
 __all__ = [
+    "AGGREGATIONS",
+    "BRANCH",
     "DEFAULT_LLM_CALL_MATCH",
+    "DRIFT",
+    "REWRITTEN",
     "VIRTUAL_ROOT_ID",
     "AdapterConfig",
     "AdapterResult",
+    "Aggregated",
+    "Aggregation",
     "RewardMatchPolicy",
     "TraceNode",
     "TraceTree",
     "agent_name_of",
+    "aggregate_triplets",
+    "break_reason",
     "build_tree",
     "extract_triplets",
     "repair_hierarchy",

@@ -12,6 +12,7 @@ import json
 import math
 import numbers
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
 from agl_stream.domain.adapter.lean import LeanSpan
+from agl_stream.domain.adapter.trajectory import Aggregation, aggregate_triplets
 from agl_stream.domain.adapter.tree import TraceNode, agent_name_of, build_tree, node_key, repair_hierarchy
 from agl_stream.emitters import get_reward_value
 from agl_stream.models import Span, Triplet
@@ -92,6 +94,10 @@ class AdapterConfig(BaseModel):
         repair_hierarchy: Re-parent floating top-level spans first (:func:`repair_hierarchy`).
         final_reward_to_last: When the last triplet got no reward from matching, give it the
             trace's final reward. Off by default, as in the seed's adapter.
+        aggregation: ``transition`` (default): one triplet per kept call. ``trajectory``:
+            consecutive calls whose prompts continue the sample before them merged into one
+            sample with a response mask (:func:`~agl_stream.domain.adapter.trajectory.aggregate_triplets`).
+            The trainer does not read response masks yet: keep ``transition`` for training.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -103,6 +109,7 @@ class AdapterConfig(BaseModel):
     reward_match: RewardMatchPolicy = RewardMatchPolicy.FIRST_OCCURRENCE
     repair_hierarchy: StrictBool = True
     final_reward_to_last: StrictBool = False
+    aggregation: Aggregation = "transition"
 
     @field_validator("llm_call_match", "agent_match")
     @classmethod
@@ -120,14 +127,18 @@ class AdapterResult:
     """What :func:`extract_triplets` found.
 
     Attributes:
-        triplets: One per kept LLM call, in call order (start time, then sequence id, span id).
+        triplets: The training samples in call order (start time, then sequence id, span id):
+            one per kept LLM call, or with ``aggregation="trajectory"`` consecutive calls merged.
         final_reward: The primary reward of the last reward span (highest sequence id), or None.
         issues: One human-readable line per span skipped or repaired, and per dropped reward.
+        breaks: With ``aggregation="trajectory"``, per reason, the calls that started a new
+            sample (:data:`~agl_stream.domain.adapter.trajectory.DRIFT`, ``REWRITTEN``, ``BRANCH``).
     """
 
     triplets: list[Triplet] = field(default_factory=list)
     final_reward: float | None = None
     issues: list[str] = field(default_factory=list)
+    breaks: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -443,7 +454,9 @@ def _final_reward(nodes: Sequence[TraceNode], rewards: Mapping[str, float]) -> T
 # ---------------------------------------------------------------------------------------------
 
 
-_TRIPLET_FIELDS_SET = frozenset({"prompt_token_ids", "response_token_ids", "response_logprobs", "reward", "metadata"})
+_TRIPLET_FIELDS_SET = frozenset(
+    {"prompt_token_ids", "response_token_ids", "response_logprobs", "reward", "metadata", "span_ids"}
+)
 
 
 def _triplet(call: _Call, reward: float | None, reward_span: TraceNode | None, source: str | None) -> Triplet:
@@ -471,6 +484,9 @@ def _triplet(call: _Call, reward: float | None, reward_span: TraceNode | None, s
             },
             "prompt_extra": None,
             "response_extra": None,
+            "response_mask": None,
+            "span_ids": [call.node.id],
+            "calls": 1,
         },
     )
     object.__setattr__(triplet, "__pydantic_fields_set__", set(_TRIPLET_FIELDS_SET))
@@ -486,8 +502,9 @@ def extract_triplets(spans: Sequence[Span | LeanSpan], config: AdapterConfig | N
     Steps: build the span tree (:func:`agl_stream.domain.adapter.tree.build_tree`), optionally repair
     it, read every reward span, select LLM calls (name, agent scope, not under a reward span,
     dedup by response id, valid token ids and logprobs), match rewards to the selected calls
-    by ``config.reward_match``, order triplets by call, and put the final reward on the last
-    triplet if it has none (``config.final_reward_to_last``).
+    by ``config.reward_match``, order triplets by call, put the final reward on the last
+    triplet if it has none (``config.final_reward_to_last``), and with
+    ``config.aggregation == "trajectory"`` merge consecutive calls into samples.
     """
     config = config or AdapterConfig()
     if not spans:
@@ -524,4 +541,7 @@ def extract_triplets(spans: Sequence[Span | LeanSpan], config: AdapterConfig | N
             triplets.append(_triplet(call, None, None, None))
     if config.final_reward_to_last and triplets and triplets[-1].reward is None and final_node is not None:
         triplets[-1] = _triplet(calls[-1], final_reward, final_node, "final_reward")
-    return AdapterResult(triplets=triplets, final_reward=final_reward, issues=issues)
+    if config.aggregation == "transition":
+        return AdapterResult(triplets=triplets, final_reward=final_reward, issues=issues)
+    samples, breaks = aggregate_triplets(triplets, config.aggregation)
+    return AdapterResult(triplets=samples, final_reward=final_reward, issues=issues, breaks=breaks)
