@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+from verl.utils import torch_functional as verl_F
 
 from agl_stream.models.training import Triplet, TripletBatch, TripletRecord
 from agl_stream.policy import Generation, build_model, build_tokenizer, generate
@@ -165,6 +166,60 @@ def test_a_batch_with_nothing_in_the_loss_changes_nothing(tokenizer: PreTrainedT
     assert metrics["updates"] == 0.0 and backend.policy_version == 0
     after = _weights(backend.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _multi_turn(tool_logprob: float = 0.0) -> DataProto:
+    """A group of two: a trajectory sample (tool tokens 30 31 inserted between two calls, mask
+    [1, 1, 0, 0, 1]) rewarded 1, and a two-token answer rewarded 0."""
+    prompt = [32, 14, 38, 40, 14]
+    triplets = [
+        Triplet(
+            prompt_token_ids=prompt,
+            response_token_ids=[7, 8, 30, 31, 9],
+            response_logprobs=[-2.0, -2.5, tool_logprob, tool_logprob, -3.0],
+            response_mask=[1, 1, 0, 0, 1],
+        ),
+        Triplet(prompt_token_ids=prompt, response_token_ids=[12, 13], response_logprobs=[-2.2, -2.8]),
+    ]
+    records = [
+        TripletRecord(
+            rollout_id=f"r{i}", attempt_id="a", group_id="g", triplets=[t], final_reward=1.0 - i, finish_time=0.0
+        )
+        for i, t in enumerate(triplets)
+    ]
+    return batch_to_dataproto(TripletBatch(batch_id="tb", records=records, created_time=0.0), pad_token_id=0)
+
+
+def test_inserted_tokens_are_out_of_the_loss_entropy_and_token_count(tokenizer: PreTrainedTokenizerFast) -> None:
+    data = _multi_turn()
+    backend = _backend(tokenizer, recompute_old_log_probs=True)
+    b = data.batch
+    with torch.no_grad():
+        logits = backend.model(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+        ).logits
+    mask = b["response_mask"].float()
+    entropy = verl_F.entropy_from_logits(logits[:, -6:-1].float())
+    metrics = backend.step(data)
+    # Ratio 1 (old log-probs recomputed): token-mean PPO loss = -sum(advantage over loss tokens) / their
+    # count. GRPO gives +-1/sqrt(2): -(3 - 2) / sqrt(2) / 5; with the tool tokens in, -(5 - 2) / sqrt(2) / 7.
+    assert metrics["pg_loss"] == pytest.approx(-1 / 2**0.5 / 5, rel=1e-4)
+    assert metrics["response_tokens"] == 5.0
+    assert metrics["entropy"] == pytest.approx(float((entropy * mask).sum() / mask.sum()), rel=1e-4)
+    assert metrics["advantage_abs_mean"] == pytest.approx(1 / 2**0.5, rel=1e-4)
+
+
+def test_old_log_probs_of_inserted_tokens_change_nothing(tokenizer: PreTrainedTokenizerFast) -> None:
+    """The sampler's logprobs are 0.0 on inserted tokens (never sampled); any value there is ignored."""
+    runs = []
+    for tool_logprob in (0.0, -4.0):
+        backend = _backend(tokenizer, entropy_coeff=0.01)
+        runs.append((backend.step(_multi_turn(tool_logprob)), _weights(backend.model)))
+    (m1, w1), (m2, w2) = runs
+    for key in ("loss", "pg_loss", "ppo_kl", "pg_clipfrac", "entropy", "grad_norm"):
+        assert m1[key] == m2[key], key
+    assert m1["ppo_kl"] != 0.0  # the given old log-probs are not the policy's: the KL term is live
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
 def test_a_malformed_dataproto_is_an_invalid_batch(tokenizer: PreTrainedTokenizerFast) -> None:

@@ -155,6 +155,63 @@ def test_truncation_keeps_prompt_ends_and_response_starts() -> None:
     assert data.meta_info["n_masked_rows"] == 0
 
 
+def _multi_turn() -> TripletBatch:
+    """A trajectory sample (two calls, tool tokens 30 31 inserted between them) and a plain triplet."""
+    merged = Triplet(
+        prompt_token_ids=[5, 6],
+        response_token_ids=[7, 8, 30, 31, 9],
+        response_logprobs=[-0.1, -0.2, 0.0, 0.0, -0.5],
+        response_mask=[1, 1, 0, 0, 1],
+        calls=2,
+    )
+    plain = Triplet(prompt_token_ids=[5], response_token_ids=[12, 13, 14, 15, 16, 17], response_logprobs=[-0.3] * 6)
+    return _batch(_record("r1", "g", [merged], final_reward=1.0), _record("r2", "g", [plain], final_reward=0.5))
+
+
+def test_the_triplets_response_mask_is_the_loss_mask_after_padding() -> None:
+    data = batch_to_dataproto(_multi_turn(), pad_token_id=PAD)
+    b = data.batch
+    assert torch.equal(b["responses"], _long([[7, 8, 30, 31, 9, 0], [12, 13, 14, 15, 16, 17]]))
+    # Inserted tokens are attended to (later tokens are predicted from them) but out of the loss.
+    assert torch.equal(b["attention_mask"][:, -6:], _long([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]))
+    assert torch.equal(b["response_mask"], _long([[1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1]]))
+    assert torch.equal(b["token_level_rewards"], torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0], [0, 0, 0, 0, 0, 0.5]]))
+    assert torch.allclose(b["old_log_probs"][0], torch.tensor([-0.1, -0.2, 0.0, 0.0, -0.5, 0.0]))
+    meta = data.meta_info
+    assert (meta["n_response_tokens"], meta["n_inserted_tokens"], meta["n_loss_tokens"]) == (11, 2, 9)
+    assert meta["n_masked_rows"] == 0
+
+
+@pytest.mark.parametrize(
+    ("limit", "mask", "logprobs", "reward_at"),
+    [
+        (4, [1, 1, 0, 0], [-0.1, -0.2, 0.0, 0.0], 1),  # cut inside the tool tokens: reward on the last generated
+        (3, [1, 1, 0], [-0.1, -0.2, 0.0], 1),
+        (2, [1, 1], [-0.1, -0.2], 1),
+        (1, [1], [-0.1], 0),
+    ],
+)
+def test_truncation_cuts_the_mask_with_the_response_and_its_logprobs(
+    limit: int, mask: list[int], logprobs: list[float], reward_at: int
+) -> None:
+    data = batch_to_dataproto(_multi_turn(), pad_token_id=PAD, max_response_length=limit)
+    b = data.batch
+    assert torch.equal(b["responses"][0], torch.tensor([7, 8, 30, 31, 9][:limit]))
+    assert torch.equal(b["response_mask"], _long([mask, [1] * limit]))
+    assert torch.allclose(b["old_log_probs"][0], torch.tensor(logprobs))
+    expected = torch.zeros(limit)
+    expected[reward_at] = 1.0
+    assert torch.equal(b["token_level_rewards"][0], expected)
+    assert data.meta_info["n_loss_tokens"] == sum(mask) + limit
+
+
+def test_a_cut_prompt_masks_the_whole_trajectory_row_unless_asked() -> None:
+    data = batch_to_dataproto(_multi_turn(), pad_token_id=PAD, max_prompt_length=1)
+    assert torch.equal(data.batch["response_mask"], _long([[0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]]))
+    data = batch_to_dataproto(_multi_turn(), pad_token_id=PAD, max_prompt_length=1, train_truncated_prompts=True)
+    assert torch.equal(data.batch["response_mask"], _long([[1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1]]))
+
+
 def test_dataproto_supports_verl_slicing() -> None:
     data = batch_to_dataproto(_hand_made(), pad_token_id=PAD)
     first, second = data[:2], data[2:]
@@ -179,6 +236,8 @@ def _one(triplet: Triplet, **fields: Any) -> TripletBatch:
         (Triplet(prompt_token_ids=[4], response_token_ids=[-3]), "response token id -3"),
         (Triplet(prompt_token_ids=[4], response_token_ids=[5], response_logprobs=[math.nan]), "not finite"),
         (Triplet(prompt_token_ids=[4], response_token_ids=[5], reward=math.inf), "reward inf"),
+        (Triplet(prompt_token_ids=[4], response_token_ids=[5, 6], response_mask=[1]), "1 response mask values"),
+        (Triplet(prompt_token_ids=[4], response_token_ids=[5, 6], response_mask=[1, 2]), "not 0 or 1"),
     ],
 )
 def test_invalid_triplets_raise_a_typed_error(triplet: Triplet, reason: str) -> None:

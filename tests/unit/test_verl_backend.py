@@ -156,6 +156,29 @@ def test_a_step_is_the_torch_backends_step(policy_dir: Path, tokenizer: PreTrain
     assert torch.allclose(verl.log_probs(data), reference.log_probs(data), atol=1e-4)
 
 
+def test_the_engine_keeps_inserted_tokens_out_of_the_loss(policy_dir: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    """A trajectory sample (tool tokens 30 31 inserted, mask [1, 1, 0, 0, 1]) beside a plain answer: the
+    engine's loss mask and token count are the batch's response_mask, as in the torch backend."""
+    prompt = tokenizer.encode("say a")
+    merged = Triplet(prompt_token_ids=prompt, response_token_ids=[7, 8, 30, 31, 9], response_mask=[1, 1, 0, 0, 1])
+    records = [
+        TripletRecord(
+            rollout_id=f"r{i}", attempt_id="a", group_id="g", triplets=[t], final_reward=1.0 - i, finish_time=0.0
+        )
+        for i, t in enumerate([merged, Triplet(prompt_token_ids=prompt, response_token_ids=[12, 13])])
+    ]
+    data = batch_to_dataproto(TripletBatch(batch_id="tb", records=records, created_time=0.0), pad_token_id=0)
+    verl, reference = _verl(policy_dir), _torch(tokenizer, recompute_old_log_probs=True)
+    m_verl, m_torch = verl.step(data), reference.step(data)
+    # Ratio 1: token-mean loss = -(3 - 2) / sqrt(2) / 5 over the 5 loss tokens (GRPO's +-1/sqrt(2)).
+    assert m_verl["loss"] == pytest.approx(-1 / 2**0.5 / 5, rel=1e-4)
+    assert m_verl["loss"] == pytest.approx(m_torch["loss"], abs=1e-6)
+    assert m_verl["grad_norm"] == pytest.approx(m_torch["grad_norm"], rel=1e-5)
+    assert m_verl["entropy"] == pytest.approx(m_torch["entropy"], rel=1e-5)
+    assert m_verl["response_tokens"] == 5.0
+    assert torch.allclose(verl.log_probs(data), reference.log_probs(data), atol=1e-4)
+
+
 def test_save_and_load_round_trip(policy_dir: Path, tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
     data = _good_and_bad(tokenizer)
     backend = _verl(policy_dir, lr=5e-3, mini_batch_size=2)
