@@ -156,6 +156,9 @@ APPLIED: dict[str, Check] = {
     "trainer.val_before_train": _bool,
     "trainer.val_only": _bool,
     "trainer.default_local_dir": _text,
+    # Agent Lightning's trace aggregation: the triplet builder's --aggregation (trajectory merges
+    # consecutive calls into one sample whose inserted tokens the trainer masks out of the loss).
+    "agentlightning.trace_aggregator.level": _one_of(frozenset({"transition", "trajectory"})),
 }
 """Keys that set something here, with the check of their value."""
 
@@ -175,11 +178,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.filter_overlong_prompts": (
         lambda v: v is False,
         "prompts are never filtered here: data.max_prompt_length truncates them; false or remove it",
-    ),
-    "agentlightning.trace_aggregator.level": (
-        lambda v: v == "transition",
-        "the triplet builder makes one triplet per LLM call (the seed's transition level); "
-        "its options are Trainer(adapter=...)",
     ),
 }
 """Keys accepted only with the value that changes nothing (what the streaming path does anyway);
@@ -258,6 +256,7 @@ class VerlConfig:
     max_prompt_length: int | None = None
     max_response_length: int | None = None
     trainer_options: dict[str, Any] = field(default_factory=dict)
+    aggregation: str | None = None  # agentlightning.trace_aggregator.level; None: the adapter's
 
     @property
     def batch_rollouts(self) -> int:
@@ -393,6 +392,7 @@ def _config_of(applied: Mapping[str, Any]) -> VerlConfig:
         max_prompt_length=applied.get("data.max_prompt_length"),
         max_response_length=applied.get("data.max_response_length"),
         trainer_options=trainer_options,
+        aggregation=applied.get("agentlightning.trace_aggregator.level"),
     )
 
 
@@ -427,7 +427,8 @@ def _flag(name: str) -> str:
 
 
 def adapter_flags(adapter: AdapterConfig) -> list[str]:
-    """The triplet builder's flags for ``adapter``; ConfigError for a setting the role has no flag for."""
+    """The triplet builder's flags for ``adapter`` (``--aggregation`` only when not the default);
+    ConfigError for a setting the role has no flag for."""
     defaults = AdapterConfig()
     fixed = [
         name
@@ -446,7 +447,22 @@ def adapter_flags(adapter: AdapterConfig) -> list[str]:
     flags.append(
         "--exclude-llm-call-in-reward" if adapter.exclude_llm_call_in_reward else "--no-exclude-llm-call-in-reward"
     )
+    if adapter.aggregation != defaults.aggregation:
+        flags += ["--aggregation", adapter.aggregation]
     return flags
+
+
+def with_aggregation(adapter: AdapterConfig, level: str | None) -> AdapterConfig:
+    """``adapter`` with the config's ``agentlightning.trace_aggregator.level`` (None: as it is);
+    ConfigError when the adapter sets another aggregation itself."""
+    if level is None or level == adapter.aggregation:
+        return adapter
+    if "aggregation" in adapter.model_fields_set:
+        raise ConfigError(
+            f"agentlightning.trace_aggregator.level is {level!r} but the adapter's aggregation is "
+            f"{adapter.aggregation!r}; set one of them"
+        )
+    return adapter.model_copy(update={"aggregation": level})
 
 
 def verl_roles(config: VerlConfig, plan: RolePlan, adapter: AdapterConfig) -> list[RoleSpec]:
@@ -478,8 +494,9 @@ def verl_roles(config: VerlConfig, plan: RolePlan, adapter: AdapterConfig) -> li
         inference += ["--default-max-tokens", str(config.max_response_length)]
     batcher = ["batcher", "--group-size", str(config.rollout_n), "--max-rollouts", str(config.batch_rollouts)]
     batcher += ["--linger", _number(plan.linger_s)]
+    builder = adapter_flags(with_aggregation(adapter, config.aggregation))
     return [
-        RoleSpec("triplets", ("triplets", "--settle", _number(plan.settle_s), *adapter_flags(adapter))),
+        RoleSpec("triplets", ("triplets", "--settle", _number(plan.settle_s), *builder)),
         RoleSpec("batcher", tuple(batcher)),
         RoleSpec("trainer", tuple(trainer)),
         RoleSpec("inference", tuple(inference), health_url=f"http://127.0.0.1:{plan.inference_port}/health"),

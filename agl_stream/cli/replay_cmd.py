@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from agl_stream.cli.adapter_options import (
     AgentMatch,
+    AggregationOption,
     ExcludeLlmCallInReward,
     LlmCallMatch,
     RewardMatch,
@@ -60,6 +61,7 @@ def replay(
     agent_match: AgentMatch = None,
     reward_match: RewardMatch = "first_occurrence",
     exclude_llm_call_in_reward: ExcludeLlmCallInReward = True,
+    aggregation: AggregationOption = "transition",
     workers: Annotated[
         Optional[int],  # noqa: UP045
         typer.Option(min=1, help="Processes reading partitions in parallel (default: one per CPU; 1: none)."),
@@ -78,7 +80,7 @@ def replay(
     from producers.replay import replay as run_replay
 
     settings = settings_of(ctx)
-    adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward)
+    adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward, aggregation)
     try:
         replay_settings = ReplaySettings(adapter=adapter, reward=reward, incomplete=incomplete)
         bounds = parse_offset_ranges(offsets or (), from_offset or (), to_offset or ())

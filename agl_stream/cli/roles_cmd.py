@@ -15,6 +15,7 @@ import typer
 from agl_stream import metrics
 from agl_stream.cli.adapter_options import (
     AgentMatch,
+    AggregationOption,
     ExcludeLlmCallInReward,
     LlmCallMatch,
     RewardMatch,
@@ -169,12 +170,13 @@ def triplets(
     agent_match: AgentMatch = None,
     reward_match: RewardMatch = "first_occurrence",
     exclude_llm_call_in_reward: ExcludeLlmCallInReward = True,
+    aggregation: AggregationOption = "transition",
     settle: Annotated[
         float, typer.Option(min=0.0, help="Seconds a finished attempt may wait for late spans before it is built.")
     ] = 5.0,
 ) -> None:
     """Run the triplet builder: each finished attempt's spans -> one record of triplets on agl.triplets."""
-    adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward)
+    adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward, aggregation)
     from processors import triplets
 
     settings = settings_of(ctx)

@@ -198,8 +198,6 @@ def test_every_key_that_cannot_be_used_is_named_at_once_with_why() -> None:
         ("trainer.critic_warmup", 5, False),
         ("data.val_batch_size", None, True),
         ("data.val_batch_size", 64, False),
-        ("agentlightning.trace_aggregator.level", "transition", True),
-        ("agentlightning.trace_aggregator.level", "trajectory", False),
     ],
 )
 def test_kl_and_other_switches_are_accepted_only_when_they_change_nothing(key: str, value: Any, accepted: bool) -> None:
@@ -304,6 +302,46 @@ def test_adapter_settings_become_the_triplet_builders_flags() -> None:
     ]  # fmt: skip
     with pytest.raises(ConfigError, match="final_reward_to_last"):
         adapter_flags(AdapterConfig(final_reward_to_last=True))
+    assert adapter_flags(AdapterConfig(aggregation="trajectory"))[-2:] == ["--aggregation", "trajectory"]
+    assert "--aggregation" not in adapter_flags(AdapterConfig())  # the default: the flag's own default
+
+
+def test_trace_aggregation_reaches_the_triplet_builder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Agent Lightning's agentlightning.trace_aggregator.level, or Trainer(adapter=...)'s aggregation,
+    becomes the builder's --aggregation, which its real command turns back into the adapter's."""
+    import processors.triplets
+    from agl_stream.cli import commands
+
+    started: dict[str, Any] = {}
+    monkeypatch.setattr(processors.triplets, "main", lambda settings, **kw: started.update(kw))
+    app = typer.Typer()
+
+    @app.callback()
+    def root(ctx: typer.Context) -> None:
+        ctx.obj = Settings(data_dir=tmp_path)
+
+    commands.register(app)
+    level = "agentlightning.trace_aggregator.level"
+    nested = {"agentlightning": {"trace_aggregator": {"level": "trajectory"}}}
+    assert parse_verl_config(nested) == VerlConfig(aggregation="trajectory")
+    cases: list[tuple[dict[str, Any], AdapterConfig]] = [
+        (nested, AdapterConfig(agent_match="solver")),
+        ({}, AdapterConfig(aggregation="trajectory")),
+    ]
+    for config, adapter in cases:
+        triplets = next(r.args for r in verl_roles(parse_verl_config(config), PLAN, adapter) if r.name == "triplets")
+        assert triplets[-2:] == ("--aggregation", "trajectory")
+        result = CliRunner().invoke(app, list(triplets))
+        assert result.exit_code == 0, result.output
+        assert started["adapter"] == adapter.model_copy(update={"aggregation": "trajectory"})
+    # The default level adds no flag; a level the adapter contradicts, or an unknown one, is refused.
+    roles = verl_roles(parse_verl_config({level: "transition"}), PLAN, AdapterConfig())
+    assert roles[0].name == "triplets" and "--aggregation" not in roles[0].args
+    with pytest.raises(ConfigError, match="set one of them"):
+        verl_roles(parse_verl_config({level: "transition"}), PLAN, AdapterConfig(aggregation="trajectory"))
+    with pytest.raises(AlgorithmConfigError) as info:
+        parse_verl_config({level: "episode"})
+    assert "not one of" in info.value.problems[level]
 
 
 def test_verl_is_registered_by_name_and_refuses_the_seeds_class_overrides() -> None:
