@@ -21,7 +21,7 @@ from agl_stream.kafka import admin
 from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import DlqRecord, Triplet, TripletBatch, TripletRecord
-from agl_stream.processes import role_environment, stop_role
+from agl_stream.processes import role_environment, start_budget, stop_role
 from processors.batcher import group_id
 from tests.integration.helpers import read_to_end, read_topic
 
@@ -223,7 +223,7 @@ async def test_partitions_move_between_live_batchers_and_from_a_dead_one(setting
         b = start_batcher(settings, *OPTIONS, log_name="batcher-b")
         # (Its log, not the shared ready file, which the other member may rewrite just after.)
         b_log = Path(settings.data_dir) / "batcher-b.log"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + start_budget(settings, "batcher")
         while "partition recovered" not in b_log.read_text(errors="replace"):
             assert time.monotonic() < deadline, "the second batcher never got partitions"
             await asyncio.sleep(0.1)  # polling b's log for its first assignment, with a deadline

@@ -205,7 +205,7 @@ async def _check_exactly_once(settings: Settings, store: AglStore, run: Run) -> 
     return {"rollouts": run.total, "spans": int(span_rows), "triplet_records": len(records.rows), "batched": len(ours)}
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(900)
 async def test_a_broker_and_then_the_controller_die_under_load_and_nothing_is_lost(
     cluster: Settings, cluster_stack: Settings, runners: subprocess.Popen[bytes], store: AglStore
 ) -> None:
@@ -254,7 +254,7 @@ async def test_a_broker_and_then_the_controller_die_under_load_and_nothing_is_lo
     )
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(900)
 async def test_second_instances_of_the_processors_join_and_one_of_each_dies(
     cluster_stack: Settings, runners: subprocess.Popen[bytes], store: AglStore, tmp_path: Path
 ) -> None:

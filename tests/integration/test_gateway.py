@@ -36,6 +36,7 @@ from agl_stream.models import (
     RolloutState,
     Worker,
 )
+from agl_stream.processes import start_budget
 from agl_stream.store.queries import (
     Query,
     StoreQueries,
@@ -146,7 +147,7 @@ def gateway_process(settings: Settings, log_name: str = "gateway") -> Iterator[t
 def _wait_until_serving(settings: Settings, process: subprocess.Popen[bytes], log_name: str) -> str:
     import httpx
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + start_budget(settings, "gateway")
     while time.monotonic() < deadline:
         record = read_gateway_file(settings.run_dir)
         if record is not None and record.pid == process.pid:

@@ -36,7 +36,7 @@ from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig
 from agl_stream.processes import role_environment
 from tests.integration.helpers import serve, start_role, stop_role
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # the first test also starts the pipeline
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # the first test also starts the pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_RESULT_ROWS = 500

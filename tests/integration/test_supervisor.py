@@ -49,7 +49,7 @@ async def test_a_killed_gateway_runs_again_and_reads_wait_for_it(kafka_bootstrap
         pids = {p for p in info.pids.values()} | {s.pid for s in read_status(settings.run_dir).values() if s.pid}
     finally:
         await asyncio.to_thread(stack.down, settings)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while any(role_alive(pid) for pid in pids):
         assert time.monotonic() < deadline, f"still running after down: {[p for p in pids if role_alive(p)]}"
         await asyncio.sleep(0.05)  # waiting for processes that are not our children to exit
@@ -103,8 +103,10 @@ def test_a_detached_stack_outlives_the_terminal_that_started_it(kafka_bootstrap:
         assert supervisor is not None
         os.close(terminal)  # the terminal closes
         terminal = -1
-        os.waitpid(shell, 0)
         deadline = time.monotonic() + 120
+        while os.waitpid(shell, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, "the shell did not end when its terminal closed"
+            time.sleep(0.05)  # waiting for the hang-up to end the shell
         while os.path.exists(f"/proc/{control}") and "Z" not in _state(control):
             assert time.monotonic() < deadline, "the control process did not get the hang-up"
             time.sleep(0.05)  # waiting for a process that is not our child to exit

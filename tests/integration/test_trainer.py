@@ -70,7 +70,7 @@ def _wait_progress(root: Path, process: subprocess.Popen[bytes], done: int, time
         time.sleep(0.05)  # another process's progress file
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 async def test_a_killed_trainer_trains_every_batch_exactly_once(settings: Settings, tmp_path: Path) -> None:
     await admin.apply(settings)
     good = [_batch(i) for i in range(8)]

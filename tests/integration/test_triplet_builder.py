@@ -22,6 +22,7 @@ from agl_stream.kafka import admin
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import DlqRecord, RolloutState, TripletRecord
+from agl_stream.processes import start_budget
 from agl_stream.span_records import SPAN_BATCH
 from processors.triplets import TripletBuilder
 from producers.replay_history import AttemptHistory, attempt_history, rollout_id_of, span_values
@@ -46,7 +47,7 @@ def _builder(settings: Settings) -> subprocess.Popen[bytes]:
     ready = settings.run_dir / "triplets.ready"
     ready.unlink(missing_ok=True)
     process = start_role(settings, "triplets", "--settle", "2", log_name="triplets")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + start_budget(settings, "triplets")
     while not ready.exists():
         assert process.poll() is None, (settings.data_dir / "triplets.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "the triplet builder never got its partitions"
