@@ -167,13 +167,14 @@ class StoreReads:
         """The spans of a rollout (of one attempt, or ``"latest"``), by sequence id; ``filters``
         as the seed's (e.g. ``name``). Sees every span this client added. Empty for an unknown
         rollout or attempt, as in the seed's stores (reads never raise for an id)."""
-        return await self._all(self.sql.spans(rollout_id, attempt_id, **filters), span_from_row, "spans")
+        query = self.sql.spans(rollout_id, attempt_id, **filters)
+        return await self._all(query, span_from_row, *_span_sources(attempt_id))
 
     async def count_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> int:
         """How many spans :meth:`query_spans` with these filters gives, unpaged (``limit``,
         ``offset`` and sorting are ignored)."""
         unpaged = {k: v for k, v in filters.items() if k not in ("limit", "offset", "sort_by", "sort_order")}
-        return await self._count(self.sql.spans(rollout_id, attempt_id, **unpaged), "spans")
+        return await self._count(self.sql.spans(rollout_id, attempt_id, **unpaged), *_span_sources(attempt_id))
 
     # -- resources -----------------------------------------------------------------------------
 
@@ -264,3 +265,9 @@ class StoreReads:
         counts = await self._one(self.sql.statistics(), statistics_from_row, "rollout-state", "spans")
         uptime = time.monotonic() - self.started
         return StoreStatistics(name="AglStore", uptime=uptime, **(counts or {}))  # type: ignore[typeddict-item]
+
+
+def _span_sources(attempt_id: str | None) -> tuple[str, ...]:
+    """What a span read must see: the spans, and for ``"latest"`` the attempts too (the latest
+    attempt is looked up in the attempts table, which must hold what this client was told)."""
+    return ("spans", "rollout-state") if attempt_id == "latest" else ("spans",)

@@ -89,6 +89,10 @@ def test_a_detached_stack_outlives_the_terminal_that_started_it(kafka_bootstrap:
     )
     shell, terminal = pty.fork()
     if shell == 0:  # the child: the session leader, the pty its controlling terminal
+        # A terminal's shell starts with the hang-up's default action. A test run under nohup
+        # (or any parent ignoring SIGHUP) would hand its SIG_IGN down through exec, and then
+        # neither the shell nor the control would die when the terminal closes.
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.execve("/bin/bash", ["/bin/bash", "--norc", "--noprofile", "-c", script], env)
     try:
         deadline = time.monotonic() + 900
