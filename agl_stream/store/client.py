@@ -18,8 +18,8 @@ import asyncio
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 from aiokafka import AIOKafkaProducer
 
@@ -356,11 +356,8 @@ class AglStore(StoreReads):
         if answer.state_partition >= 0:
             self._note(self.settings.topic("rollout-state"), answer.state_partition, answer.state_offset)
         if answer.state is not None:
-            known = self._known_attempts
-            for attempt in answer.state.attempts:
-                known[(attempt.rollout_id, attempt.attempt_id)] = None
-            while len(known) > _KNOWN_ATTEMPTS_MEMORY:
-                known.pop(next(iter(known)))
+            keys = ((a.rollout_id, a.attempt_id) for a in answer.state.attempts)
+            _remember(self._known_attempts, keys, _KNOWN_ATTEMPTS_MEMORY)
 
     def _on_state(self, reply: Reply) -> None:
         """Every state the processor sent us: remember finished rollouts for wait_for_rollouts."""
@@ -742,10 +739,7 @@ class AglStore(StoreReads):
             # The verdict first: spans of an attempt no store knows are refused, not stored.
             await self._acknowledged(beats)
             await self._write_spans(fresh)
-        stored = self._stored_spans
-        stored.update(dict.fromkeys(firsts))
-        while len(stored) > _STORED_SPANS_MEMORY:
-            stored.pop(next(iter(stored)))
+        _remember(self._stored_spans, firsts, _STORED_SPANS_MEMORY)
         return fresh
 
     async def export_spans(self, spans: Sequence[Span]) -> None:
@@ -949,6 +943,16 @@ _KNOWN_ATTEMPTS_MEMORY = 20_000
 
 _STORED_SPANS_MEMORY = 20_000
 """Span keys a client remembers to answer a span sent again as a duplicate (~5 MB)."""
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def _remember(memory: dict[K, None], keys: Iterable[K], limit: int) -> None:
+    """Add ``keys`` to an insertion-ordered memory, forgetting the oldest past ``limit``."""
+    memory.update(dict.fromkeys(keys))
+    while len(memory) > limit:
+        memory.pop(next(iter(memory)))
 
 
 def _span_key(span: Span) -> tuple[str, str, str]:
