@@ -13,8 +13,14 @@ then the manager waits for its ``/health``. vLLM's in-place paths (sleep/wake, `
 ``reload_weights``, the weight-transfer API) change from release to release, reload from the
 path given at start, or stream weights from the trainer's GPUs over NCCL; a restart works with
 every vLLM release and with the checkpoints already on disk (docs/design-notes.md, "vLLM: how a
-policy version reaches the server"). Requests sent while the child restarts fail to connect;
-the LLM proxy's callers retry or record the failure like any backend error.
+policy version reaches the server").
+
+A restart drops no call: the role's port is the hand-off gate's (``consumers/switch_gate.py``),
+and the child listens on a private loopback port behind it. A switch pauses the gate (new calls
+wait there), drains the calls in flight (up to ``drain_timeout_s``; a call cut before any output
+is sent again to the new server), restarts the child and resumes the gate once the new server is
+healthy (a call held past ``hold_timeout_s`` gets a 503 with Retry-After). Every answer names the
+version that served it (``x-agl-policy-version``), which the LLM proxy records on the call's span.
 
 A version that does not come up healthy (a bad folder, the server exits) is marked failed and
 never retried, and the previous folder is served again; a child that exits on its own is started
@@ -52,9 +58,11 @@ import httpx
 
 from agl_stream.config import Settings
 from agl_stream.domain.checkpoints import choose_checkpoint, local_checkpoint_path
+from agl_stream.http_serving import QuietServer, bind, listen, server_config
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.store.resources_cache import ResourcesCache
+from consumers.switch_gate import HandoffOptions, SwitchGate
 
 log = get_logger("agl.inference.vllm")
 
@@ -80,6 +88,8 @@ class VllmOptions:
     stop_timeout_s: float = 60.0
     poll_s: float = 0.5  # between looks at /health while the child starts
     options_file: Path | None = None  # a YAML file of more server options (the api-key): --config
+    child_port: int = 0  # the child's private loopback port behind the gate (0: a free one)
+    handoff: HandoffOptions = field(default_factory=HandoffOptions)  # the gate's hold and drain deadlines
 
 
 def server_command(options: VllmOptions, model: Path) -> list[str]:
@@ -202,15 +212,30 @@ def _signal_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)  # the child leads its own session: its pid is the group id
 
 
+def child_options(options: VllmOptions) -> VllmOptions:
+    """The child's options: the role's, on a private loopback port (the gate holds the role's port)."""
+    port = options.child_port
+    if port == 0:
+        probe = bind("127.0.0.1", 0)
+        port = probe.getsockname()[1]
+        probe.close()
+    return replace(options, host="127.0.0.1", port=port, child_port=port)
+
+
+def child_url(options: VllmOptions) -> str:
+    return f"http://127.0.0.1:{options.port}"
+
+
 class VllmManager:
-    """Serves the newest published policy version through a managed child server."""
+    """Serves the newest published policy version through a managed child server behind a gate."""
 
     def __init__(self, settings: Settings | None, options: VllmOptions) -> None:
         if options.follow and settings is None:
             raise ValueError("following checkpoints needs Kafka settings (or follow=False)")
         self.settings = settings
         self.options = options
-        self.server = ManagedServer(options)
+        self.server = ManagedServer(child_options(options))
+        self.gate = SwitchGate(options.handoff)
         self.version: int | None = None  # the policy version the child serves (None: none yet)
         self.failed: set[int] = set()
         self.restarts = 0
@@ -265,6 +290,9 @@ class VllmManager:
 
     async def run(self) -> None:
         """Serve until :meth:`stop`; a stop also interrupts a start that is still loading."""
+        sock = listen(self.options.host, self.options.port)  # calls queue at the gate from now on
+        front = QuietServer(server_config(self.gate))
+        serving = asyncio.create_task(front.serve(sockets=[sock]), name="vllm:gate")
         async with httpx.AsyncClient(trust_env=False) as client:
             try:
                 work = asyncio.create_task(self._work(client), name="vllm:work")
@@ -275,6 +303,11 @@ class VllmManager:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task  # a failure of the work (the first start) is the role's failure
             finally:
+                await self.gate.close()
+                front.should_exit = True
+                with contextlib.suppress(Exception):
+                    await serving
+                sock.close()
                 await self.server.stop()
                 if self._cache is not None:
                     await self._cache.stop()
@@ -327,6 +360,8 @@ class VllmManager:
             self._loading = None
         if served:
             await self._served_now(checkpoint.policy_version)
+        elif not self.gate.serving() and self.version is not None and self.server.running():
+            await self.gate.resume(child_url(self.server.options), self.version)  # the previous folder again
 
     async def _restart_on(self, client: httpx.AsyncClient, checkpoint: ModelCheckpoint) -> bool:
         previous = self.server.model
@@ -334,6 +369,7 @@ class VllmManager:
             folder = local_checkpoint_path(checkpoint.uri)
             if not (folder / "config.json").is_file():
                 raise ServerFailedError(f"{folder} is not a Hugging Face model folder (no config.json)")
+            await self._pause_and_drain(checkpoint.policy_version)
             await self.server.stop()
             self.restarts += 1
             await self.server.start(folder)
@@ -355,14 +391,31 @@ class VllmManager:
         code = self.server.process.returncode if self.server.process is not None else None
         model = self.server.model
         log.warning("the model server exited: starting it again", status=code, model=str(model))
+        self.gate.pause()  # no drain: the calls in flight died with the child (the gate resends them)
         await self.server.stop()
         if model is None:
             raise ServerFailedError("the model server exited and there is no folder to serve")
         self.restarts += 1
         await self.server.start(model)
         await self.server.wait_ready(client)
+        if self.version is not None:
+            await self.gate.resume(child_url(self.server.options), self.version)
+
+    async def _pause_and_drain(self, version: int) -> None:
+        """Hold new calls at the gate and let the ones in flight finish (up to the drain deadline)."""
+        self.gate.pause()
+        started = time.monotonic()
+        left = await self.gate.drain()
+        log.info(
+            "calls drained for a switch",
+            version=version,
+            drain_s=round(time.monotonic() - started, 3),
+            cut=left,  # still in flight at the deadline: resent when they had produced no output
+        )
 
     async def _served_now(self, version: int) -> None:
+        """``version`` is served: the gate sends calls (the held ones first) to the child."""
+        await self.gate.resume(child_url(self.server.options), version)
         async with self._served:
             self.version = version
             self._served.notify_all()
