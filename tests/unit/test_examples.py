@@ -1,6 +1,7 @@
-"""The pure parts of the examples: the calculator's safe evaluation and answer matching, and the
+"""The pure parts of the examples: the calculator's safe evaluation and answer matching, the
 text-to-SQL agent's query extraction and execution-match comparison (plus the shipped data:
-every worked solution gives its answer, every gold query runs on the shipped database)."""
+every worked solution gives its answer, every gold query runs on the shipped database), and the
+keypad's feedback, reward and conversation (whose calls the trajectory aggregation merges)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from agl_stream.domain.adapter.trajectory import aggregate_triplets
+from agl_stream.models import Triplet
+from agl_stream.policy.model import build_tokenizer
 from examples.calculator import calc_agent as calc
+from examples.keypad import keypad_agent as keypad
 from examples.text_to_sql import sql_agent as sql
 
 # -- the calculator ------------------------------------------------------------------------------
@@ -243,3 +248,64 @@ def test_every_gold_query_runs_and_answers(library: Path) -> None:
         assert task["db"] in sql.SCRIPTS
         assert sql.run_query(library, task["gold_sql"]), task  # a non-empty answer
         assert sql.execution_match(library, task["gold_sql"], task["gold_sql"])
+
+
+# -- the keypad -------------------------------------------------------------------------------------
+
+
+def test_keypad_feedback_and_reward() -> None:
+    assert keypad.feedback("12a4") == "3/4 digits ok. next:"
+    assert keypad.feedback("") == "0/0 digits ok. next:"
+    assert keypad.episode_reward(["1234", "12ab", "abcd"]) == pytest.approx(0.5)
+    assert keypad.episode_reward(["", "9", ""]) == pytest.approx(1 / 3)
+    assert keypad.episode_reward([]) == 0.0
+
+
+def test_keypad_conversation_alternates_answers_and_feedback() -> None:
+    assert keypad.conversation("pin:", ["12", "x"]) == [
+        {"role": "user", "content": "pin:"},
+        {"role": "assistant", "content": "12"},
+        {"role": "user", "content": "2/2 digits ok. next:"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "0/1 digits ok. next:"},
+    ]
+
+
+@pytest.mark.parametrize("ended_by_eos", [True, False])
+def test_keypad_calls_merge_into_one_trajectory_sample(ended_by_eos: bool) -> None:
+    """With the tiny policy's ChatML template each call's prompt continues the previous prompt +
+    response token for token (an answer cut at max_tokens has no end-of-turn token: the template
+    inserts it), so trajectory aggregation makes one sample of the three calls, masked 0 exactly
+    on the inserted end-of-turn and feedback tokens."""
+    tokenizer = build_tokenizer()
+    answers = ["12a4", "", "9876"]
+    calls = []
+    for turn, answer in enumerate(answers):
+        text = tokenizer.apply_chat_template(
+            keypad.conversation("pin:", answers[:turn]), add_generation_prompt=True, tokenize=False
+        )
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        response = tokenizer.encode(answer, add_special_tokens=False)
+        if ended_by_eos or not answer:  # an empty answer always ended with the end-of-turn token
+            response.append(tokenizer.eos_token_id)
+        calls.append(Triplet(prompt_token_ids=prompt, response_token_ids=response))
+    samples, breaks = aggregate_triplets(calls, "trajectory")
+    assert not breaks and len(samples) == 1
+    sample = samples[0]
+    assert sample.calls == 3 and sample.prompt_token_ids == calls[0].prompt_token_ids
+    last = calls[-1]
+    assert sample.prompt_token_ids + sample.response_token_ids == last.prompt_token_ids + last.response_token_ids
+    assert sample.response_mask is not None
+    generated = [t for t, m in zip(sample.response_token_ids, sample.response_mask, strict=True) if m == 1]
+    assert generated == [t for call in calls for t in call.response_token_ids]
+    assert len(aggregate_triplets(calls, "transition").samples) == 3
+
+
+def test_keypad_data_is_consistent() -> None:
+    train, val = keypad.load_tasks(keypad.TRAIN_FILE), keypad.load_tasks(keypad.VAL_FILE)
+    assert len(train) == 8 and len(val) == 2
+    assert len({t["id"] for t in train + val}) == 10
+    assert not {t["prompt"] for t in train} & {t["prompt"] for t in val}
+    tokenizer = build_tokenizer()
+    for task in train + val:  # every character is in the tiny policy's alphabet
+        assert tokenizer.unk_token_id not in tokenizer.encode(task["prompt"], add_special_tokens=False)
