@@ -5,7 +5,9 @@ Fills a fresh embedded ClickHouse (chDB, migrations applied) with synthetic but 
 of which errors now and then, agent steps, a message, an annotation, and a reward or an
 exception span), one rollout in ten retried after a failed first attempt, 2% timed-out
 attempts, 5,000 task groups, 20 policy versions with a rising reward, triplet records and
-triplets (3 per successful attempt, with token ids), batches of 32 records and 64 workers.
+triplets (3 per successful attempt, with token ids), batches of 32 records with their samples
+(batch_samples: 3 per attempt, each naming one of its LLM-call spans), a trainer step per batch
+(batch b makes policy version b + 1) and 64 workers.
 Spans go into ``otel_traces`` in INSERTs of ``--chunk`` rows (the sink's batch size), so the
 ``span_facts`` materialized view runs as it does under the sink and the tables hold the parts
 that many INSERTs leave; the query timings start right after the load, before background
@@ -182,6 +184,31 @@ SELECT
 FROM numbers(intDiv({attempts}, 32))
 """
 
+# One sample per LLM call of each batch's 32 attempts (3 each, span ids as SPANS_SQL makes them:
+# the attempt's spans 0-2), in the batches above; one trainer step per batch, batch b making
+# policy version b + 1 (the lineage query's join).
+BATCH_SAMPLES_SQL = """
+INSERT INTO {db}.batch_samples
+    (batch_id, sample_index, rollout_id, attempt_id, group_id, triplet_index, policy_version, span_ids, calls,
+     prompt_tokens, response_tokens, reward, final_reward, kafka_partition, kafka_offset)
+WITH intDiv(number, 96) AS b, intDiv(number, 3) AS a, number % 3 AS k, intDiv(a * 10, 11) AS r
+SELECT
+    concat('tb-', leftPad(toString(b), 8, '0')), toUInt32(number % 96),
+    concat('ro-', leftPad(toString(r), 9, '0')), concat('at-', leftPad(toString(a), 9, '0')),
+    concat('g-', toString(r % {groups})), toUInt32(k), intDiv(a * {versions}, {attempts}),
+    [lower(hex(cityHash64(a * {per} + k, 'span')))], 1, 64, 32, NULL, 0.5, toUInt32(b % 4), b
+FROM numbers(intDiv({attempts}, 32) * 96)
+"""
+
+TRAINER_STEPS_SQL = """
+INSERT INTO {db}.trainer_steps
+    (batch_id, model, policy_version, step_time, step_seconds, idle_seconds, tokens, samples, min_policy_version,
+     staleness, metrics, kafka_partition, kafka_offset)
+SELECT concat('tb-', leftPad(toString(number), 8, '0')), 'agl-tiny', number + 1, 1767225600 + number * 1.6 + 1,
+       0.8, 0.1, 96 * 96, 96, number, 0, map('loss', 0.5), 0, number
+FROM numbers(intDiv({attempts}, 32))
+"""
+
 WORKERS_SQL = """
 INSERT INTO {db}.workers
     (worker_id, status, heartbeat_stats, last_heartbeat_time, last_dequeue_time, last_busy_time, last_idle_time,
@@ -212,12 +239,38 @@ def load(settings: Settings, spans: int, chunk: int) -> dict[str, Any]:
         for start in range(0, spans, chunk):
             client.command(SPANS_SQL.format(db=db, per=SPANS_PER_ATTEMPT, start=start, count=min(chunk, spans - start)))
         spans_s = time.perf_counter() - started
-        shape = {"db": db, "groups": GROUPS, "versions": VERSIONS, "attempts": attempts, "rollouts": rollouts}
-        for sql in (ROLLOUTS_SQL, ATTEMPTS_SQL, RECORDS_SQL, TRIPLETS_SQL, BATCHES_SQL, WORKERS_SQL):
+        shape = {
+            "db": db,
+            "groups": GROUPS,
+            "versions": VERSIONS,
+            "attempts": attempts,
+            "rollouts": rollouts,
+            "per": SPANS_PER_ATTEMPT,
+        }
+        for sql in (
+            ROLLOUTS_SQL,
+            ATTEMPTS_SQL,
+            RECORDS_SQL,
+            TRIPLETS_SQL,
+            BATCHES_SQL,
+            BATCH_SAMPLES_SQL,
+            TRAINER_STEPS_SQL,
+            WORKERS_SQL,
+        ):
             client.command(sql.format(**shape))
         counts = {
             table: int(client.command(f"SELECT count() FROM {db}.{table}"))  # type: ignore[arg-type]
-            for table in ("otel_traces", "span_facts", "rollouts", "attempts", "triplet_records", "triplets", "batches")
+            for table in (
+                "otel_traces",
+                "span_facts",
+                "rollouts",
+                "attempts",
+                "triplet_records",
+                "triplets",
+                "batches",
+                "batch_samples",
+                "trainer_steps",
+            )
         }
         parts = int(
             client.command(  # type: ignore[arg-type]

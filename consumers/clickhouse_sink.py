@@ -236,11 +236,13 @@ TRIPLETS = SinkSpec(
     ingest="triplets",
     batch_size=500,
 )
+# A batch becomes its batches row and one batch_samples row per sample (the lineage: which
+# attempts and spans a batch trained on, infra/clickhouse/008_batch_samples.sql).
 TRIPLET_BATCHES = SinkSpec(
     "clickhouse-triplet-batches",
     "triplet-batches",
     "agl.TripletBatch",
-    (Target("batches", "batches.sql"),),
+    (Target("batches", "batches.sql"), Target("batch_samples", "batch_samples.sql")),
     ingest="triplet_batches",
     batch_size=50,
     flush_ms=0,

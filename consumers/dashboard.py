@@ -120,6 +120,21 @@ class DashboardQueries:
         }
         return {"spans": [{**bar, **details[bar["span_id"]]} for bar in layout], "cut": cut}
 
+    async def version(self, version: int) -> dict[str, Any] | None:
+        got = await self.many(dsql.version_lineage(self.database, version))
+        if not got["steps"]:
+            return None
+        lineage = got["lineage"]
+        return {
+            "policy_version": version,
+            "steps": got["steps"],
+            "batches": got["batches"],
+            "attempts": got["attempts"],
+            "spans": lineage[: dsql.MAX_LINEAGE],
+            "cut": len(lineage) > dsql.MAX_LINEAGE,
+            "query": dsql.trained_by_version(self.database),
+        }
+
     async def schema(self) -> dict[str, Any]:
         rows = await self.rows(dsql.schema(self.database), checked=False)
         tables = dsql.schema_tables((r["table"], r["name"], r["type"]) for r in rows)
@@ -209,7 +224,7 @@ def dashboard_router(
     queries = DashboardQueries(runner, database)
     cookbook = _cookbook()
 
-    async def answer(work: Callable[[], Any]) -> Response:
+    async def answer(work: Callable[[], Any], missing: str = "no such rollout") -> Response:
         if stopping():
             return _error(503, "stopping", "the gateway is shutting down")
         try:
@@ -219,7 +234,7 @@ def dashboard_router(
         except (DatabaseError, QueryError) as exc:
             return _error(400, "query_error", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
         if result is None:
-            return _error(404, "not_found", "no such rollout")
+            return _error(404, "not_found", missing)
         return JSONResponse(result)
 
     def parsed(model: type[BaseModel], request: Request) -> Any:
@@ -260,6 +275,17 @@ def dashboard_router(
     @router.get("/v1/dashboard/rollouts/{rollout_id}/attempts/{attempt_id}/spans")
     async def spans(rollout_id: str, attempt_id: str) -> Response:
         return await answer(lambda: queries.spans(rollout_id, attempt_id))
+
+    @router.get("/v1/dashboard/versions/{version}")
+    async def version(version: str) -> Response:
+        try:
+            params = dsql.VersionParams.model_validate({"version": version})
+        except ValidationError as exc:
+            return _invalid(exc)
+        return await answer(
+            lambda: queries.version(params.version),
+            f"no trainer step made policy version {params.version} (version 0 is the starting model)",
+        )
 
     @router.get("/v1/dashboard/resources")
     async def resources() -> Response:

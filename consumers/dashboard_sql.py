@@ -225,6 +225,72 @@ def _bar(span: SpanRow, depth: int, start: int, total: int) -> dict[str, Any]:
     }
 
 
+# -- one policy version: its lineage ---------------------------------------------------------------
+
+MAX_LINEAGE = 2000
+"""Rows (one per LLM-call span) the version page lists; a version trained on more is cut."""
+
+TRAINED_BY_VERSION = """\
+WITH trained AS (
+    SELECT batch_id, sample_index, rollout_id, attempt_id, span_ids
+    FROM {db}.batch_samples FINAL
+    WHERE batch_id IN (SELECT batch_id FROM {db}.trainer_steps FINAL WHERE policy_version = {version:Int64})
+)
+SELECT t.batch_id AS batch_id, t.sample_index AS sample_index, t.rollout_id AS rollout_id,
+       t.attempt_id AS attempt_id, call_index, t.span_ids[call_index] AS span_id, o.TraceId AS trace_id
+FROM trained AS t
+ARRAY JOIN arrayEnumerate(t.span_ids) AS call_index
+LEFT JOIN (SELECT RolloutId, AttemptId, SpanId, TraceId FROM {db}.otel_traces FINAL
+           WHERE (RolloutId, AttemptId) IN (SELECT rollout_id, attempt_id FROM trained)) AS o
+    ON o.RolloutId = t.rollout_id AND o.AttemptId = t.attempt_id AND o.SpanId = span_id
+ORDER BY batch_id, sample_index, call_index"""
+"""Which traces trained policy version ``{version}``: one row per LLM-call span of every sample of
+the batches whose trainer step made that version, with its trace id ('' when the span is not in
+otel_traces). docs/sql.md's cookbook has this query with ``agl`` and a literal version."""
+
+
+class VersionParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0, le=2**62)
+
+
+def trained_by_version(database: str) -> str:
+    """:data:`TRAINED_BY_VERSION` for ``database``, the version left as a bound parameter."""
+    return TRAINED_BY_VERSION.replace("{db}", _db(database))
+
+
+def version_lineage(database: str, version: int) -> dict[str, Query]:
+    """What trained policy ``version``: its trainer steps, their batches, the attempts (rollouts)
+    whose samples were in them with their span counts, and the spans themselves (cut at
+    :data:`MAX_LINEAGE`, one row more to tell)."""
+    db = _db(database)
+    p = {"version": version}
+    in_version = f"batch_id IN (SELECT batch_id FROM {db}.trainer_steps FINAL WHERE policy_version = {{version:Int64}})"
+    return {
+        "steps": Query(
+            "SELECT batch_id, step_time, step_seconds, samples, tokens, staleness, min_policy_version, "
+            "metrics['loss'] AS loss, metrics['reward_mean'] AS reward "
+            f"FROM {db}.trainer_steps FINAL WHERE policy_version = {{version:Int64}} ORDER BY step_time",
+            p,
+        ),
+        "batches": Query(
+            "SELECT batch_id, created_time, n_records, n_triplets, n_tokens, min_policy_version, max_policy_version, "
+            f"mean_final_reward FROM {db}.batches FINAL WHERE {in_version} ORDER BY created_time, batch_id",
+            p,
+        ),
+        "attempts": Query(
+            "SELECT rollout_id, attempt_id, any(batch_id) AS batch_id, any(group_id) AS group_id, "
+            "any(policy_version) AS served_version, count() AS samples, sum(length(span_ids)) AS spans, "
+            "sum(response_tokens) AS response_tokens, any(final_reward) AS final_reward "
+            f"FROM {db}.batch_samples FINAL WHERE {in_version} "
+            "GROUP BY rollout_id, attempt_id ORDER BY batch_id, min(sample_index)",
+            p,
+        ),
+        "lineage": Query(f"{trained_by_version(db)} LIMIT {MAX_LINEAGE + 1}", p),
+    }
+
+
 # -- the overview -------------------------------------------------------------------------------
 
 

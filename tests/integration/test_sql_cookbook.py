@@ -184,6 +184,22 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> 
             lambda: pipe.rows("SELECT sum(n_records) AS n FROM agl.batches FINAL")[0]["n"] == 8,
             "batches holding every record",
         )
+        # The trainer trains every batch (one step, one new policy version each): started only now,
+        # so that no rollout ran with a version it published. A deadline, not a speed goal: torch
+        # starting beside busy tests takes minutes.
+        roles.append(
+            start_role(
+                settings,
+                *("trainer", "--checkpoints", str(settings.data_dir / "checkpoints"), "--lr", "0.01"),
+                log_name="trainer",
+            )
+        )
+        batches = pipe.rows("SELECT count() AS n FROM agl.batches FINAL")[0]["n"]
+        _wait(
+            lambda: pipe.rows("SELECT count() AS n FROM agl.trainer_steps FINAL")[0]["n"] == batches,
+            "a trainer step per batch",
+            timeout=600,
+        )
         yield pipe
     finally:
         for process in reversed(roles):
@@ -308,6 +324,28 @@ def check_batches(rows: Rows, p: Pipeline) -> None:
     assert row["mean_staleness"] == 0 and row["dropped_stale"] == 0
 
 
+def check_lineage(rows: Rows, p: Pipeline) -> None:
+    # Version 1 is what the trainer's first step made, from one batch.
+    [step] = p.rows("SELECT batch_id, samples FROM agl.trainer_steps FINAL WHERE policy_version = 1")
+    assert {row["batch_id"] for row in rows} == {step["batch_id"]}
+    assert len({row["sample_index"] for row in rows}) == step["samples"] > 0  # every sample it trained on
+    succeeded = {p.rollouts[n] for n in ("a0", "a1", "a2", "b1", "b2", "flaky")}
+    assert {row["rollout_id"] for row in rows} <= succeeded
+    # Each span id is an LLM call of that attempt, found in otel_traces with its trace.
+    spans = p.rows(
+        "SELECT RolloutId AS rollout_id, AttemptId AS attempt_id, SpanId AS span_id, TraceId AS trace_id, "
+        "toUInt8(Model != '') AS llm FROM agl.span_facts AS f FINAL "
+        "JOIN (SELECT RolloutId, AttemptId, SpanId, TraceId FROM agl.otel_traces FINAL) AS o "
+        "USING (RolloutId, AttemptId, SpanId)"
+    )
+    known = {(s["rollout_id"], s["attempt_id"], s["span_id"]): s for s in spans}
+    for row in rows:
+        span = known[(row["rollout_id"], row["attempt_id"], row["span_id"])]
+        assert row["trace_id"] == span["trace_id"] != "" and span["llm"] == 1, (row, span)
+    # Over every version, every sample of every batch is accounted for: the six triplets.
+    assert p.rows("SELECT count() AS n FROM agl.batch_samples FINAL")[0]["n"] == 6
+
+
 def check_longest_rollouts(rows: Rows, p: Pipeline) -> None:
     assert {row["rollout_id"] for row in rows} == set(p.rollouts.values())
     assert [row["seconds"] for row in rows] == sorted((row["seconds"] for row in rows), reverse=True)
@@ -359,6 +397,7 @@ CHECKS: dict[str, Callable[[Rows, Pipeline], None]] = {
     "Attempt outcomes": check_attempt_outcomes,
     "Runners' throughput per worker": check_throughput,
     "Batches per policy version and their staleness": check_batches,
+    "Traces that trained a policy version": check_lineage,
     "Longest rollouts": check_longest_rollouts,
     "Spans per attempt": check_spans_per_attempt,
     "Triplets per task group": check_triplets_per_group,

@@ -249,3 +249,75 @@ def test_trainer_steps_become_rows_and_a_step_sent_again_is_one_row(tmp_path: Pa
     first = rows[0]
     assert (first["tokens"], first["samples"], first["min_policy_version"], first["staleness"]) == (120, 8, -1, 1.0)
     assert (first["step_seconds"], first["idle_seconds"], first["model"]) == (0.5, 0.25, "agl-tiny")
+
+
+def test_a_batch_keeps_its_samples_span_ids_and_the_lineage_query_finds_them_by_trained_version(
+    tmp_path: Path,
+) -> None:
+    """batch_samples: one row per sample in batch order, with the spans it was built from (a
+    record written before Triplet.span_ids gives its metadata's span id); copies collapse; the
+    cookbook's lineage query (the version page's) answers from these rows and trainer_steps."""
+    from consumers import dashboard_sql as dsql
+
+    settings = Settings(data_dir=tmp_path)
+
+    def lineage_record(i: int, spans: list[list[str]]) -> TripletRecord:
+        return TripletRecord(
+            rollout_id=f"ro-{i:012x}",
+            attempt_id=f"at-{i:08x}",
+            group_id="g-a",
+            policy_version=i,
+            triplets=[
+                Triplet(prompt_token_ids=[1, 2], response_token_ids=[3] * (k + 1), span_ids=ids, calls=len(ids))
+                for k, ids in enumerate(spans)
+            ],
+            final_reward=float(i),
+            finish_time=1_700_000_000.0 + i,
+        )
+
+    merged = lineage_record(0, [["sp-a", "sp-b", "sp-c"], ["sp-d"]])  # a trajectory of 3 calls, then one call
+    older = TripletRecord.model_validate(
+        {**record(1, "g-a", reward=0.5, triplets=1).model_dump(), "rollout_id": "ro-old", "policy_version": 1}
+    )
+    older.triplets[0].metadata["span_id"] = "sp-old"  # no span_ids: as records written before the field
+    batch = TripletBatch(batch_id="tb-lineage", records=[merged, older], created_time=5.0)
+    other = TripletBatch(batch_id="tb-other", records=[lineage_record(2, [["sp-z"]])], created_time=6.0)
+    step = TrainerStep(
+        batch_id="tb-lineage",
+        model="agl-tiny",
+        policy_version=4,
+        step_time=7.0,
+        step_seconds=1.0,
+        idle_seconds=0.0,
+        tokens=10,
+        samples=3,
+    )
+    with clickhouse(settings) as ch:
+        batches, steps = TableSink(settings, ch, TRIPLET_BATCHES), TableSink(settings, ch, TRAINER_STEPS)
+        batches.prepare_tables()
+        steps.prepare_tables()
+        for _ in range(2):  # the batcher sent it twice, or the sink read the topic again
+            batches._insert(_fetched([batch, other]), {})
+        steps._insert(_fetched([step, step.model_copy(update={"batch_id": "tb-other", "policy_version": 5})]), {})
+        samples = _rows(ch, "SELECT * FROM agl.batch_samples FINAL WHERE batch_id = 'tb-lineage' ORDER BY sample_index")
+        lineage = _rows(ch, dsql.trained_by_version("agl").replace("{version:Int64}", "4"))
+        none = _rows(ch, dsql.trained_by_version("agl").replace("{version:Int64}", "3"))
+
+    assert [(s["sample_index"], s["rollout_id"], s["triplet_index"], s["span_ids"], s["calls"]) for s in samples] == [
+        (0, "ro-000000000000", 0, ["sp-a", "sp-b", "sp-c"], 3),
+        (1, "ro-000000000000", 1, ["sp-d"], 1),
+        (2, "ro-old", 0, ["sp-old"], 1),
+    ]
+    assert [(s["policy_version"], s["response_tokens"], s["final_reward"]) for s in samples] == [
+        (0, 1, 0.0),
+        (0, 2, 0.0),
+        (1, 2, 0.5),
+    ]
+    assert [(r["sample_index"], r["call_index"], r["span_id"], r["trace_id"]) for r in lineage] == [
+        (0, 1, "sp-a", ""),  # no spans in otel_traces here: no trace id
+        (0, 2, "sp-b", ""),
+        (0, 3, "sp-c", ""),
+        (1, 1, "sp-d", ""),
+        (2, 1, "sp-old", ""),
+    ]
+    assert {r["batch_id"] for r in lineage} == {"tb-lineage"} and none == []

@@ -88,6 +88,32 @@ def test_a_rollouts_and_its_attempts_queries_bind_the_ids() -> None:
     assert f"LIMIT {dsql.MAX_SPANS + 1}" in spans.sql  # one more than drawn: the page can say it was cut
 
 
+# -- one policy version: its lineage ----------------------------------------------------------------
+
+
+def test_the_version_page_binds_the_version_and_lists_one_more_span_than_it_shows() -> None:
+    queries = dsql.version_lineage("agl", 7)
+    assert set(queries) == {"steps", "batches", "attempts", "lineage"}
+    for query in queries.values():
+        assert query.parameters == {"version": 7} and "{version:Int64}" in query.sql
+        assert re.search(r"policy_version = \d", query.sql) is None  # never pasted
+    assert queries["lineage"].sql.endswith(f"LIMIT {dsql.MAX_LINEAGE + 1}")
+    with pytest.raises(ValueError, match="not a database name"):
+        dsql.version_lineage("agl; DROP TABLE x", 1)
+
+
+@pytest.mark.parametrize("version", ["abc", "-1", "1.5", str(2**63)])
+def test_a_bad_version_is_refused_with_the_field_named(version: str) -> None:
+    with pytest.raises(ValidationError, match="version"):
+        dsql.VersionParams.model_validate({"version": version})
+
+
+def test_the_cookbooks_lineage_query_is_the_version_pages() -> None:
+    """One query answers "which traces trained version N", in docs/sql.md and on the page."""
+    [entry] = [q for q in dsql.cookbook((ROOT / "docs" / "sql.md").read_text()) if q["title"].startswith("Traces that")]
+    assert entry["sql"] == dsql.trained_by_version("agl").replace("{version:Int64}", "1")
+
+
 # -- the waterfall --------------------------------------------------------------------------------
 
 
