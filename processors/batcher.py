@@ -25,6 +25,10 @@ Exactly-once without transactions:
 - A batch whose acknowledgement is lost is sent again with the same id and content (ids are
   a digest of the members); readers key on batch_id.
 
+Records behind the newest policy version are kept within ``--max-staleness`` (the trainer
+corrects them with importance sampling) and counted per batch (``kept_stale``,
+``staleness_counts``); only those beyond it are dropped (the defaults: see the rules' module).
+
 Undecodable input goes to agl.dlq with the reason (acknowledged before its offset is
 committed), never stopping the batcher. Records of val and test rollouts are refused by the
 batching rules (never trained on) and counted: logged here, reported by the partition's next
@@ -282,6 +286,8 @@ class BatcherProcessor:
                 sequence=batch.sequence,
                 records=len(batch.records),
                 tokens=batch.n_tokens,
+                kept_stale=batch.kept_stale,
+                staleness=batch.staleness_counts,
                 dropped=batch.dropped_stale + batch.dropped_incomplete + batch.dropped_duplicate,
                 refused_eval=batch.dropped_eval,
             )

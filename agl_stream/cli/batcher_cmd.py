@@ -14,7 +14,7 @@ import typer
 
 from agl_stream import metrics
 from agl_stream.cli.context import settings_of
-from agl_stream.domain.batching import BatchPolicy
+from agl_stream.domain.batching import DEFAULT_MAX_STALENESS, BatchPolicy
 
 
 class OnStale(str, Enum):
@@ -25,6 +25,21 @@ class OnStale(str, Enum):
 class OnGroupTimeout(str, Enum):
     flush = "flush"
     drop = "drop"
+
+
+def _staleness(value: str | int | None) -> int | None:
+    """``--max-staleness``: a number of versions (0 or more), or ``none`` for no bound."""
+    if value is None or isinstance(value, int):
+        return value
+    if value.strip().lower() == "none":
+        return None
+    try:
+        versions = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is neither a number of versions nor 'none'") from None
+    if versions < 0:
+        raise typer.BadParameter(f"{versions} is negative: a number of versions is 0 or more (or 'none')")
+    return versions
 
 
 def batcher(
@@ -49,14 +64,28 @@ def batcher(
         float, typer.Option(min=0.0, help="Seconds a group may stay incomplete before --on-group-timeout applies.")
     ] = 600.0,
     on_group_timeout: Annotated[
-        OnGroupTimeout, typer.Option(help="An incomplete group that waited too long: flush it as it is, or drop it.")
+        OnGroupTimeout,
+        typer.Option(
+            help="An incomplete group that waited --max-group-wait: flush it as it is (default: its records "
+            "train, counted in incomplete_groups), or drop it (counted in dropped_incomplete)."
+        ),
     ] = OnGroupTimeout.flush,
     max_staleness: Annotated[
         Optional[int],  # noqa: UP045
-        typer.Option(min=0, help="Policy versions a record may lag the newest one seen (default: no limit)."),
-    ] = None,
+        typer.Option(
+            parser=_staleness,
+            metavar="K|none",
+            help="Policy versions a record may lag the newest one seen and still train: records within the "
+            "bound are kept and counted (kept_stale, staleness_counts) and the trainer corrects them with "
+            "importance sampling; farther ones go by --on-stale. 'none': no bound.",
+        ),
+    ] = DEFAULT_MAX_STALENESS,
     on_stale: Annotated[
-        OnStale, typer.Option(help="A record over --max-staleness: drop it, or keep it (counted either way).")
+        OnStale,
+        typer.Option(
+            help="A record more than --max-staleness versions behind: drop it (default; counted in "
+            "dropped_stale), or keep it too (counted in kept_stale)."
+        ),
     ] = OnStale.drop,
     linger: Annotated[
         float, typer.Option(min=0.0, help="Seconds a partial batch waits for more before it goes out anyway.")
@@ -79,6 +108,12 @@ def batcher(
     One batching state per partition of agl.triplets (keyed by group id, so a group is in one
     partition). Every record ends in exactly one batch or is counted as dropped in the next
     batch, across crashes and restarts. Runs until SIGTERM or Ctrl-C.
+
+    Defaults: late records are kept and corrected, not dropped. A record up to --max-staleness
+    (4) versions behind the newest seen trains, counted in its batch's kept_stale and
+    staleness_counts (the trainer applies importance sampling); farther behind it is dropped and
+    counted (--on-stale drop). A group still incomplete after --max-group-wait (600 s) is
+    flushed as it is (--on-group-timeout flush).
 
     Example: agl-stream batcher --max-rollouts 64 --group-size 8 --max-staleness 1
 

@@ -14,7 +14,8 @@ Rules (a :class:`BatchPolicy`):
 - **Units.** Without grouping every record is a unit. With ``group_size`` n, records are held
   per ``group_id`` until n have arrived; the group is then one unit, never split across
   batches. A group still incomplete ``max_group_wait_s`` after its first record is flushed
-  incomplete or dropped (``on_group_timeout``). With ``wait_for_groups=False`` groups are
+  incomplete (the default: a late group's records train, counted in ``incomplete_groups``)
+  or dropped (``on_group_timeout="drop"``, counted in ``dropped_incomplete``). With ``wait_for_groups=False`` groups are
   still kept together but a linger flush ships them as they are. A group id that comes back
   after its group went out starts a new group (a task run again in a later epoch).
 - **Size.** Ready units go into batches in the order they became ready (FIFO, no
@@ -23,10 +24,16 @@ Rules (a :class:`BatchPolicy`):
   reached. A single unit larger than a limit goes out alone (a group is never split).
 - **Linger.** A partial batch goes out once its oldest unit has been ready for
   ``linger_s``; ``None`` waits for full batches only.
-- **Staleness.** The batcher tracks the newest policy version it has seen. A record more than
-  ``max_staleness`` versions behind it is dropped (``on_stale="drop"``: on arrival, and
-  pending records when the newest version moves on) or kept and counted (``"keep"``). Records
-  without a version are never stale.
+- **Staleness: keep and correct within the bound.** The batcher tracks the newest policy
+  version it has seen. A record behind it is off-policy: it is kept and counted
+  (``kept_stale``), and the trainer corrects it with importance sampling (the serving
+  engine's logprobs ride with each sample). Only a record more than ``max_staleness``
+  versions behind (default :data:`DEFAULT_MAX_STALENESS`) is dropped and counted
+  (``dropped_stale``; ``on_stale="drop"``, the default: on arrival, and pending records when
+  the newest version moves on), or with ``on_stale="keep"`` kept like the others.
+  ``max_staleness=None`` sets no bound. Records without a version are never stale. Each
+  batch carries the histogram of its records' staleness (``staleness_counts``), measured
+  against the newest version when the batch is made.
 - **Duplicates.** A second record of an attempt (same rollout and attempt id) while the first
   is pending or among the recently batched ones is dropped and counted.
 - **Validation is never trained on.** A record of a ``val`` or ``test`` rollout (its ``mode``)
@@ -37,6 +44,14 @@ Rules (a :class:`BatchPolicy`):
   reported (counts and offsets) by the next batch of the partition.
 - **Batch ids** are a digest of the members' (rollout_id, attempt_id) in batch order, so the
   same decision always gets the same id.
+
+Defaults (``BatchPolicy()``, and ``agl-stream batcher`` without options): 64 records a batch,
+no token limit, no grouping; with ``group_size``, groups wait up to 600 s and are then flushed
+incomplete (``on_group_timeout="flush"``: late records train rather than bias training toward
+fast rollouts); records up to 4 versions behind the newest are kept and counted
+(``max_staleness=4``, ``kept_stale`` and ``staleness_counts``), farther ones dropped and
+counted (``on_stale="drop"``, ``dropped_stale``); a partial batch goes out after 30 s
+(``linger_s``).
 
 Exactly-once across restarts, without transactions: each batch records the source offsets it
 holds or reports dropped (``input_offsets``, ``dropped_offsets``) and how far the batcher had
@@ -55,6 +70,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agl_stream.models import TripletBatch, TripletRecord
+
+DEFAULT_MAX_STALENESS = 4
+"""Versions a record may lag the newest one seen and still train (importance-corrected) by
+default. Farther behind, the serving policy has drifted so far that truncated importance
+ratios leave a sample little signal, and a batch of them mostly measures the truncation."""
 
 OnStale = Literal["drop", "keep"]
 OnGroupTimeout = Literal["flush", "drop"]
@@ -75,7 +95,7 @@ class BatchPolicy:
     wait_for_groups: bool = True
     max_group_wait_s: float | None = 600.0
     on_group_timeout: OnGroupTimeout = "flush"
-    max_staleness: int | None = None
+    max_staleness: int | None = DEFAULT_MAX_STALENESS
     on_stale: OnStale = "drop"
     linger_s: float | None = 30.0
 
@@ -107,6 +127,22 @@ def record_tokens(record: TripletRecord) -> int:
     return sum(len(t.prompt_token_ids) + len(t.response_token_ids) for t in record.triplets)
 
 
+def staleness_histogram(versions: Iterable[int | None], newest: int | None) -> list[int]:
+    """Element k: how many of ``versions`` are exactly k behind ``newest`` (a version above it
+    counts as 0). Versions that are None are not counted; [] when none is counted."""
+    if newest is None:
+        return []
+    counts: list[int] = []
+    for version in versions:
+        if version is None:
+            continue
+        behind = max(0, newest - version)
+        if behind >= len(counts):
+            counts.extend([0] * (behind + 1 - len(counts)))
+        counts[behind] += 1
+    return counts
+
+
 def batch_id_of(records: Iterable[TripletRecord]) -> str:
     """``tb-`` + a digest of the members' (rollout_id, attempt_id), in batch order."""
     digest = hashlib.blake2b(digest_size=16)
@@ -124,7 +160,7 @@ class BatcherStats:
     batched: int = 0
     replayed: int = 0  # skipped: a batch written before the restart already decided them
     dead_lettered: int = 0
-    kept_stale: int = 0
+    kept_stale: int = 0  # batched while behind the newest version (importance-corrected)
     incomplete_groups: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
 
@@ -454,7 +490,8 @@ class Batcher:
         versions = [r.policy_version for r in records if r.policy_version is not None]
         drops, self._drops = self._drops, []
         reasons = Counter(reason for _, reason in drops)
-        kept_stale = sum(1 for r in records if self._is_stale(r)) if self.policy.on_stale == "keep" else 0
+        staleness_counts = staleness_histogram((r.policy_version for r in records), self.newest_version)
+        kept_stale = sum(staleness_counts[1:])
         size = self.policy.group_size
         incomplete = sum(1 for u in units if size is not None and len(u.members) < size)
         self.sequence += 1
@@ -473,6 +510,7 @@ class Batcher:
             group_size=size,
             incomplete_groups=incomplete,
             kept_stale=kept_stale,
+            staleness_counts=staleness_counts,
             dropped_stale=reasons["stale"],
             dropped_incomplete=reasons["incomplete"],
             dropped_duplicate=reasons["duplicate"],

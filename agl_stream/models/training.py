@@ -29,6 +29,10 @@ class Triplet(AglModel):
     # written before the field existed; their metadata still has the one span_id).
     span_ids: list[str] = Field(default_factory=list)
     calls: int = 1
+    # Per call, in call order: the policy version of the server that answered it (the proxy's
+    # agentlightning.policy_version span attribute), None where the server named none. Empty in
+    # records written before the field existed.
+    policy_versions: list[int | None] = Field(default_factory=list)
 
 
 class TripletRecord(AglModel):
@@ -72,7 +76,10 @@ class TripletBatch(AglModel):
     newest_policy_version: int | None = None
     group_size: int | None = None
     incomplete_groups: int = 0
+    # Records behind newest_policy_version (off-policy, corrected by the trainer), and the
+    # histogram of how far behind: staleness_counts[k] = records k versions behind.
     kept_stale: int = 0
+    staleness_counts: list[int] = Field(default_factory=list)
     dropped_stale: int = 0
     dropped_incomplete: int = 0
     dropped_duplicate: int = 0

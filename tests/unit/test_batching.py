@@ -16,7 +16,16 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from agl_stream.config import Settings
-from agl_stream.domain.batching import Batcher, BatchPolicy, JournalEntry, Recovery, batch_id_of, record_tokens
+from agl_stream.domain.batching import (
+    DEFAULT_MAX_STALENESS,
+    Batcher,
+    BatchPolicy,
+    JournalEntry,
+    Recovery,
+    batch_id_of,
+    record_tokens,
+    staleness_histogram,
+)
 from agl_stream.models import Triplet, TripletBatch, TripletRecord
 
 T0 = 1_700_000_000.0
@@ -181,6 +190,59 @@ def test_kept_stale_records_are_counted_in_their_batch() -> None:
     batcher = Batcher(BatchPolicy(max_rollouts=3, max_staleness=0, on_stale="keep", linger_s=None))
     [batch] = feed(batcher, [rec(0, version=2), rec(1, version=1), rec(2, version=2)])
     assert members(batch) == [0, 1, 2] and batch.kept_stale == 1 and batch.dropped_stale == 0
+
+
+def test_by_default_late_records_within_the_bound_train_and_only_those_beyond_it_are_dropped() -> None:
+    policy = BatchPolicy()
+    assert (policy.max_staleness, policy.on_stale, policy.on_group_timeout) == (DEFAULT_MAX_STALENESS, "drop", "flush")
+    assert DEFAULT_MAX_STALENESS == 4
+    batcher = Batcher(BatchPolicy(max_rollouts=6, linger_s=None))  # the default staleness rules
+    versions = [10, 9, 6, 5, None, 8]  # 0, 1, 4, 5 (beyond the bound), no version, 2 behind
+    [batch] = feed(batcher, [rec(i, version=v) for i, v in enumerate(versions)] + [rec(6, version=10)])
+    assert members(batch) == [0, 1, 2, 4, 5, 6]
+    assert (batch.dropped_stale, batch.dropped_offsets) == (1, [3])
+    assert batch.newest_policy_version == 10
+    assert batch.kept_stale == 3  # versions 9, 6 and 8: off-policy, for the trainer to correct
+    assert batch.staleness_counts == [2, 1, 1, 0, 1]  # the record without a version is not counted
+    assert batcher.stats.kept_stale == 3 and batcher.stats.dropped["stale"] == 1
+
+
+def test_the_histogram_is_measured_against_the_newest_version_when_the_batch_is_made() -> None:
+    batcher = Batcher(BatchPolicy(max_rollouts=3, linger_s=None))
+    # Version 7 arrives last: the earlier records are behind it by the time the batch is made.
+    [batch] = feed(batcher, [rec(0, version=5), rec(1, version=6), rec(2, version=7)])
+    assert (batch.staleness_counts, batch.kept_stale) == ([1, 1, 1], 2)
+    [fresh] = feed(batcher, [rec(i, version=7) for i in range(3, 6)], start=3)
+    assert (fresh.staleness_counts, fresh.kept_stale) == ([3], 0)
+    unversioned = Batcher(BatchPolicy(max_rollouts=1, linger_s=None))
+    [batch] = feed(unversioned, [rec(0)])
+    assert (batch.staleness_counts, batch.kept_stale, batch.newest_policy_version) == ([], 0, None)
+
+
+def test_records_beyond_the_bound_can_be_kept_too_and_no_bound_keeps_everything() -> None:
+    records = [rec(0, version=9), rec(1, version=2), rec(2, version=9)]
+    [kept] = feed(Batcher(BatchPolicy(max_rollouts=3, on_stale="keep", linger_s=None)), records)
+    assert members(kept) == [0, 1, 2] and kept.dropped_stale == 0
+    assert kept.kept_stale == 1 and kept.staleness_counts == [2, 0, 0, 0, 0, 0, 0, 1]
+    [unbounded] = feed(Batcher(BatchPolicy(max_rollouts=3, max_staleness=None, linger_s=None)), records)
+    assert members(unbounded) == [0, 1, 2] and unbounded.staleness_counts == kept.staleness_counts
+
+
+def test_by_default_a_late_group_is_flushed_whole_and_counted_not_dropped() -> None:
+    batcher = Batcher(BatchPolicy(group_size=3, linger_s=0.0))  # default max_group_wait_s and on_group_timeout
+    feed(batcher, [rec(0, "a", version=2), rec(1, "a", version=3)])
+    assert batcher.next_deadline() == T0 + 600.0
+    assert batcher.tick(T0 + 599.0) == []
+    [batch] = batcher.tick(T0 + 600.0)
+    assert members(batch) == [0, 1] and batch.incomplete_groups == 1 and batch.dropped_incomplete == 0
+    assert (batch.kept_stale, batch.staleness_counts) == (1, [1, 1])
+
+
+def test_staleness_histogram() -> None:
+    assert staleness_histogram([5, 5, 3, None, 6], 6) == [1, 2, 0, 1]
+    assert staleness_histogram([None, None], 6) == []
+    assert staleness_histogram([4], None) == []
+    assert staleness_histogram([7], 6) == [1]  # ahead of the newest (never, in a batcher): counted as 0
 
 
 # -- validation and test records ----------------------------------------------------------------
@@ -397,8 +459,13 @@ def test_every_record_lands_in_exactly_one_batch_or_is_counted_as_dropped(
         if policy.group_size is not None and policy.wait_for_groups and batch.incomplete_groups == 0:
             sizes = Counter(r.group_id for r in batch.records)
             assert all(n % policy.group_size == 0 for n in sizes.values()), "groups are whole"
+        newest = batch.newest_policy_version
+        behind = [
+            newest - r.policy_version for r in batch.records if r.policy_version is not None and newest is not None
+        ]
+        assert batch.staleness_counts == ([behind.count(k) for k in range(max(behind) + 1)] if behind else [])
+        assert batch.kept_stale == sum(1 for k in behind if k > 0)
         if policy.max_staleness is not None and policy.on_stale == "drop":
-            newest = batch.newest_policy_version
             assert all(
                 r.policy_version is None or newest is None or newest - r.policy_version <= policy.max_staleness
                 for r in batch.records

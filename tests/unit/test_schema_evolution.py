@@ -220,6 +220,25 @@ def test_triplet_records_and_batches_written_before_the_mode_field_decode_withou
     batch_datum = {"batch_id": "tb-1", "records": [_triplet_record_datum()], "created_time": 1.0}
     batch = reader.decode(codec_of(batch_v0).encode_dict("agl.TripletBatch", batch_datum), TripletBatch)
     assert batch.dropped_eval == 0 and [r.mode for r in batch.records] == [None]
+    assert batch.staleness_counts == [] and batch.kept_stale == 0  # older than the staleness histogram
+
+
+# The release before batches carried their staleness histogram (issue 27).
+TRIPLET_BATCH_BEFORE_HISTOGRAM = "schemas/history/TripletBatch.9b7041f2f6a540e7.avsc"
+
+
+def test_batches_written_before_the_staleness_histogram_read_with_none_and_old_readers_skip_it() -> None:
+    old_schema = json.loads(resource_path(TRIPLET_BATCH_BEFORE_HISTOGRAM).read_text())
+    assert "staleness_counts" not in {f["name"] for f in old_schema["fields"]}
+    check_compatible(old_schema, CURRENT.schema("TripletBatch").expanded)  # both directions
+    datum = {"batch_id": "tb-1", "records": [_triplet_record_datum()], "created_time": 1.0, "kept_stale": 2}
+    batch = Codec.default().decode(codec_of(old_schema).encode_dict("agl.TripletBatch", datum), TripletBatch)
+    assert batch.staleness_counts == [] and batch.kept_stale == 2
+    new = TripletBatch(batch_id="tb-2", created_time=1.0, kept_stale=1, staleness_counts=[3, 0, 1])
+    data = Codec.default().encode(new)
+    assert Codec.default().decode(data, TripletBatch) == new
+    _, read = codec_of(old_schema, CURRENT.schema("TripletBatch").expanded).decode_dict(data)
+    assert "staleness_counts" not in read and read["kept_stale"] == 1
 
 
 def test_old_readers_skip_the_mode_of_new_triplet_records() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agl_stream.codec import Codec
-from agl_stream.contract import Contract
+from agl_stream.contract import Contract, check_compatible
 from agl_stream.domain.adapter import (
     BRANCH,
     DRIFT,
@@ -25,8 +25,11 @@ from agl_stream.domain.adapter import (
     break_reason,
     extract_triplets,
 )
+from agl_stream.domain.adapter.lean import lean_span
+from agl_stream.domain.adapter.wire import TripletRecordEncoder
 from agl_stream.models import Span, Triplet, TripletRecord
 from agl_stream.resources import resource_path
+from agl_stream.semconv import POLICY_VERSION
 
 SYSTEM = [1, 2, 3]
 USER = [10, 11]
@@ -374,3 +377,102 @@ def test_new_records_round_trip_and_old_readers_skip_the_new_fields() -> None:
     assert name == "agl.TripletRecord"
     assert old["triplets"][0]["response_token_ids"] == sample.response_token_ids
     assert "response_mask" not in old["triplets"][0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Off-policy data: the serving version of every call, and the engine's logprobs
+# ---------------------------------------------------------------------------------------------
+
+TRIPLET_BEFORE_VERSIONS = "schemas/history/Triplet.63631660c0e2087c.avsc"
+"""The Triplet release before per-call serving versions (it has masks and lineage)."""
+
+
+def _served(span_id: str, start: float, prompt: list[int], response: list[int], version: Any) -> dict[str, Any]:
+    """An LLM call as the proxy records it: the engine's logprobs and the serving version."""
+    datum = _llm_span(span_id, start, prompt, response)
+    logprobs: list[dict[str, Any]] = [
+        {"token": f"t{t}", "logprob": -0.01 * t, "bytes": None, "top_logprobs": []} for t in response
+    ]
+    datum["attributes"]["logprobs.content"] = json.dumps(logprobs)
+    if version is not None:
+        datum["attributes"][POLICY_VERSION] = version
+    return datum
+
+
+def _served_spans(versions: tuple[Any, Any, Any] = (3, 4, 4)) -> list[Span]:
+    datums = [
+        _served("c1", 1, PROMPT, [20, 21], versions[0]),
+        _served("c2", 2, [*PROMPT, 20, 21, 30, 31], [22], versions[1]),  # two tool tokens inserted
+        _served("c3", 3, [*PROMPT, 20, 21, 30, 31, 22, 32], [23, 24], versions[2]),
+    ]
+    return [Span.model_validate(d) for d in datums]
+
+
+def test_every_call_keeps_the_version_that_served_it_in_transition_mode() -> None:
+    result = extract_triplets(_served_spans())
+    assert [t.policy_versions for t in result.triplets] == [[3], [4], [4]]
+    assert [t.response_logprobs for t in result.triplets] == [[-0.2, -0.21], [-0.22], [-0.23, -0.24]]
+    assert not result.issues
+
+
+def test_a_merged_sample_keeps_one_version_per_call_and_logprobs_for_every_response_token() -> None:
+    (sample,) = extract_triplets(_served_spans(), AdapterConfig(aggregation="trajectory")).triplets
+    assert sample.calls == 3 and sample.policy_versions == [3, 4, 4]
+    assert sample.response_token_ids == [20, 21, 30, 31, 22, 32, 23, 24]
+    assert sample.response_mask == [1, 1, 0, 0, 1, 0, 1, 1]
+    # the engine's logprob on every generated token, the 0.0 placeholder on every inserted one
+    assert sample.response_logprobs == [-0.2, -0.21, 0.0, 0.0, -0.22, 0.0, -0.23, -0.24]
+
+
+def test_a_call_without_a_version_or_with_a_malformed_one_is_none_and_the_rest_stand() -> None:
+    result = extract_triplets(_served_spans((None, "4", -1)), AdapterConfig(aggregation="trajectory"))
+    (sample,) = result.triplets
+    assert sample.policy_versions == [None, None, None]
+    assert sample.response_logprobs is not None  # the sample and its logprobs stand
+    assert [i.split(": ", 1)[1] for i in result.issues] == [
+        f"policy version dropped: {POLICY_VERSION} '4' is not a non-negative integer",
+        f"policy version dropped: {POLICY_VERSION} -1 is not a non-negative integer",
+    ]
+
+
+def test_the_replays_lean_spans_carry_the_version_too() -> None:
+    # The replay reads spans from record bytes keeping only the adapter's keys (lean.py): the
+    # version must be one of them, or a replay would lose it.
+    spans = _served_spans()
+    lean = [lean_span(s) for s in spans]
+    assert [s.attributes[POLICY_VERSION] for s in lean] == [3, 4, 4]
+    assert extract_triplets(lean).triplets == extract_triplets(spans).triplets
+
+
+def test_aggregating_records_written_before_versions_gives_none_per_call() -> None:
+    old = [c.model_copy(update={"policy_versions": []}) for c in three_turns()]
+    (sample,), _ = aggregate_triplets(old, "trajectory")
+    assert sample.policy_versions == [None, None, None] and sample.calls == 3
+    versioned = [c.model_copy(update={"policy_versions": [v]}) for c, v in zip(three_turns(), (5, 5, 6), strict=True)]
+    (sample,), _ = aggregate_triplets(versioned, "trajectory")
+    assert sample.policy_versions == [5, 5, 6]
+
+
+def test_triplets_written_before_versions_read_with_none_and_old_readers_skip_them() -> None:
+    old_schema = json.loads(resource_path(TRIPLET_BEFORE_VERSIONS).read_text())
+    assert "policy_versions" not in {f["name"] for f in old_schema["fields"]}
+    current = Codec.default().contract.schema("Triplet").expanded
+    check_compatible(old_schema, current)  # both directions
+    writer = Codec(Contract.from_schemas([old_schema]), models={})
+    old_datum = {"prompt_token_ids": [1], "response_token_ids": [2], "metadata": {}, "span_ids": ["s"]}
+    data = writer.encode_dict("agl.Triplet", old_datum)
+    assert Codec.default().decode(data, Triplet).policy_versions == []
+    new = Triplet(prompt_token_ids=[1], response_token_ids=[2, 3], calls=2, policy_versions=[None, 7])
+    encoded = Codec.default().encode(new)
+    assert Codec.default().decode(encoded, Triplet) == new
+    old_reader = Codec(Contract.from_schemas([old_schema], [current]), models={})
+    _, read = old_reader.decode_dict(encoded)
+    assert "policy_versions" not in read and read["calls"] == 2
+
+
+def test_the_fast_record_encoder_writes_versions_as_the_codec_does() -> None:
+    samples = extract_triplets(_served_spans((2, None, 9)), AdapterConfig(aggregation="trajectory")).triplets
+    record = TripletRecord(rollout_id="ro-1", attempt_id="at-1", group_id="g", triplets=samples, finish_time=1.0)
+    encoder = TripletRecordEncoder(Codec.default())
+    assert encoder.fast and encoder.encode(record) == Codec.default().encode(record)
+    assert Codec.default().decode(encoder.encode(record), TripletRecord).triplets[0].policy_versions == [2, None, 9]

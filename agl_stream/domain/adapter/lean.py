@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from agl_stream.models import Span
+from agl_stream.semconv import POLICY_VERSION
 
 __all__ = [
     "ADAPTER_KEYS",
@@ -38,7 +39,7 @@ _WEAVE_OUTPUT = "agentlightning.operation.output"
 
 ADAPTER_KEYS = frozenset(
     {
-        # LLM calls (triplets.py): response id, token ids, logprobs
+        # LLM calls (triplets.py): response id, token ids, logprobs, serving version
         "gen_ai.response.id",
         f"{_WEAVE_OUTPUT}.id",
         "prompt_token_ids",
@@ -48,6 +49,7 @@ ADAPTER_KEYS = frozenset(
         f"{_WEAVE_OUTPUT}.choices.0.token_ids",
         f"{_WEAVE_OUTPUT}.choices.0.provider_specific_fields.token_ids",
         "logprobs.content",
+        POLICY_VERSION,  # the version of the server that answered the call (the LLM proxy's)
         # reward operations (triplets.py)
         "agentlightning.operation.name",
         # agent names (tree.agent_name_of)

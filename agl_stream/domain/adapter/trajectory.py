@@ -100,6 +100,15 @@ def _logprobs(triplet: Triplet) -> list[float] | None:
     return list(logprobs)
 
 
+def _policy_versions(triplet: Triplet) -> list[int | None]:
+    """The serving version of each of the triplet's calls; None for each call when the record
+    was written before versions were kept (or holds a list that does not match its calls)."""
+    versions = triplet.policy_versions
+    if len(versions) == triplet.calls:
+        return list(versions)
+    return [None] * triplet.calls
+
+
 def _mask(triplet: Triplet) -> list[int]:
     """The call's response mask (all 1 for a single call: every response token was generated)."""
     mask = triplet.response_mask
@@ -121,6 +130,7 @@ class _Sample:
         self.logprobs = _logprobs(first)
         self.span_ids = _span_ids(first)
         self.calls = first.calls
+        self.policy_versions = _policy_versions(first)
 
     def extend(self, call: Triplet) -> None:
         inserted = list(call.prompt_token_ids[len(self.sequence) :])
@@ -135,6 +145,7 @@ class _Sample:
             self.logprobs = None
         self.span_ids += _span_ids(call)
         self.calls += call.calls
+        self.policy_versions += _policy_versions(call)
         self.last = call
 
     def triplet(self) -> Triplet:
@@ -149,6 +160,7 @@ class _Sample:
             response_mask=self.mask,
             span_ids=self.span_ids,
             calls=self.calls,
+            policy_versions=self.policy_versions,
         )
 
 
@@ -172,7 +184,9 @@ def aggregate_triplets(triplets: Sequence[Triplet], aggregation: Aggregation = "
     * ``reward``, ``metadata`` and ``response_extra``: the last merged call's, so the sample
       takes the reward today's matching gives its last call (the attempt's final reward when
       ``final_reward_to_last`` put it there); ``prompt_extra``: the first call's;
-    * ``span_ids``: every merged call's, in call order; ``calls``: how many were merged.
+    * ``span_ids``: every merged call's, in call order; ``calls``: how many were merged;
+    * ``policy_versions``: the serving version of every merged call, in call order (None per
+      call of a record written before versions were kept), so ``len == calls``.
 
     A call that does not continue the sample before it starts a new one, counted under
     :func:`break_reason`'s answer in :attr:`Aggregated.breaks`.

@@ -25,7 +25,7 @@ from agl_stream.domain.adapter.trajectory import Aggregation, aggregate_triplets
 from agl_stream.domain.adapter.tree import TraceNode, agent_name_of, build_tree, node_key, repair_hierarchy
 from agl_stream.emitters import get_reward_value
 from agl_stream.models import Span, Triplet
-from agl_stream.semconv import AGL_ANNOTATION
+from agl_stream.semconv import AGL_ANNOTATION, POLICY_VERSION
 
 __all__ = [
     "DEFAULT_LLM_CALL_MATCH",
@@ -149,6 +149,7 @@ class _Call:
     prompt_token_ids: list[int]
     response_token_ids: list[int]
     logprobs: list[float] | None
+    policy_version: int | None
 
 
 @dataclass
@@ -251,6 +252,17 @@ def _logprobs(attributes: Mapping[str, Any], n_tokens: int) -> tuple[list[float]
     if len(values) != n_tokens:
         return None, f"{LOGPROBS_CONTENT} has {len(values)} entries for {n_tokens} response tokens"
     return values, None
+
+
+def _policy_version(attributes: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """The version of the server that answered the call (:data:`POLICY_VERSION`, which the LLM
+    proxy writes when the server names one), or None; a value that is no version is reported."""
+    value = attributes.get(POLICY_VERSION)
+    if value is None:
+        return None, None
+    if type(value) is int and value >= 0:
+        return value, None
+    return None, f"{POLICY_VERSION} {value!r} is not a non-negative integer"
 
 
 def _legacy_reward_is_non_numeric(span: LeanSpan) -> bool:
@@ -371,9 +383,12 @@ def _select_call(
     logprobs, why_logprobs = _logprobs(span.attributes, len(response))
     if why_logprobs is not None:  # the sample stands without them; its reward stays with it
         issues.append(f"{node.label}: logprobs dropped: {why_logprobs}")
+    version, why_version = _policy_version(span.attributes)
+    if why_version is not None:  # the sample stands without it (trained as of unknown version)
+        issues.append(f"{node.label}: policy version dropped: {why_version}")
     if response_id is not None:
         seen_ids.add(response_id)
-    return _Call(node, scope.agent_name, response_id, prompt, response, logprobs)
+    return _Call(node, scope.agent_name, response_id, prompt, response, logprobs, version)
 
 
 def _find_calls(root: TraceNode, config: AdapterConfig, rewards: _Rewards, issues: list[str]) -> list[_Call]:
@@ -455,7 +470,7 @@ def _final_reward(nodes: Sequence[TraceNode], rewards: Mapping[str, float]) -> T
 
 
 _TRIPLET_FIELDS_SET = frozenset(
-    {"prompt_token_ids", "response_token_ids", "response_logprobs", "reward", "metadata", "span_ids"}
+    {"prompt_token_ids", "response_token_ids", "response_logprobs", "reward", "metadata", "span_ids", "policy_versions"}
 )
 
 
@@ -487,6 +502,7 @@ def _triplet(call: _Call, reward: float | None, reward_span: TraceNode | None, s
             "response_mask": None,
             "span_ids": [call.node.id],
             "calls": 1,
+            "policy_versions": [call.policy_version],
         },
     )
     object.__setattr__(triplet, "__pydantic_fields_set__", set(_TRIPLET_FIELDS_SET))
