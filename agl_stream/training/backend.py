@@ -14,6 +14,9 @@ RL maths is VERL's own, called, not re-derived:
 - the entropy bonus: ``core_algos.agg_loss``; log-probs and entropy:
   ``verl.utils.torch_functional.logprobs_from_logits`` / ``entropy_from_logits``.
 
+Advantage and loss at the rollout's level (``agl_stream.training.levels``) and off-policy
+correction (``agl_stream.training.off_policy``) are pure functions both backends call here.
+
 ``algorithm``: "grpo" uses VERL's "grpo" estimator (reward minus its group's mean, over the
 group's std). "ppo" means PPO-clip without a critic (none is trained here): VERL's
 "reinforce_plus_plus" estimator (discounted returns with gamma 1, whitened over the whole
@@ -25,15 +28,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from agl_stream.training.data import InvalidBatchError
+from agl_stream.training.levels import check_levels, rollout_advantages
+from agl_stream.training.off_policy import check_correction, staleness_histogram
 
 Algorithm = Literal["grpo", "ppo"]
-LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "rollout-mean"
+]
 
 TRAINER_STATE_FILE = "trainer_state.pt"
 
@@ -106,29 +114,38 @@ def compute_advantages(
     estimator: str,
     algo_config: AlgoConfig,
     norm_adv_by_std_in_grpo: bool = True,
+    advantage_level: str = "rollout",
+    rollouts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages (B, R) for a :func:`prepare_batch` result: the batch's own ``advantages`` if it has
     them, else VERL's ``estimator`` called as ``ray_trainer.compute_advantage`` calls it (``index``
-    = the ``uid`` groups). Shared by every backend, so they train on the same numbers."""
+    = the ``uid`` groups). With ``advantage_level="rollout"`` and a rollout of several rows
+    (``rollouts``: :func:`agl_stream.training.levels.rollout_index`), over one representative row
+    per rollout (:func:`agl_stream.training.levels.rollout_advantages`). Shared by every backend,
+    so they train on the same numbers."""
     if "advantages" in batch:
         return batch["advantages"].float()
-    kwargs: dict[str, Any] = {
-        "token_level_rewards": batch["token_level_rewards"].float(),
-        "response_mask": batch["response_mask"],
-        "config": algo_config,
-    }
     uid = data.non_tensor_batch.get("uid")
-    if uid is not None:
-        kwargs["index"] = uid
-    elif estimator not in ("reinforce_plus_plus",):
+    if uid is None and estimator not in ("reinforce_plus_plus",):
         raise InvalidBatchError(f"advantage estimator {estimator!r} needs the 'uid' groups")
-    if estimator.startswith("grpo"):
-        kwargs["norm_adv_by_std_in_grpo"] = norm_adv_by_std_in_grpo
-    try:
-        advantages, _returns = get_adv_estimator_fn(estimator)(**kwargs)
-    except ValueError as error:  # e.g. REINFORCE++ whitening over a single loss token
-        raise InvalidBatchError(f"advantage estimator {estimator!r} cannot use this batch: {error}") from error
-    return advantages.float()
+
+    def estimate(rewards: torch.Tensor, mask: torch.Tensor, index: Any) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"token_level_rewards": rewards, "response_mask": mask, "config": algo_config}
+        if index is not None:
+            kwargs["index"] = index
+        if estimator.startswith("grpo"):
+            kwargs["norm_adv_by_std_in_grpo"] = norm_adv_by_std_in_grpo
+        try:
+            advantages, _returns = get_adv_estimator_fn(estimator)(**kwargs)
+        except ValueError as error:  # e.g. REINFORCE++ whitening over a single loss token
+            raise InvalidBatchError(f"advantage estimator {estimator!r} cannot use this batch: {error}") from error
+        return advantages.float()
+
+    rewards = batch["token_level_rewards"].float()
+    if advantage_level == "rollout" and rollouts is not None and rollouts.unique().numel() < rollouts.numel():
+        groups = uid if uid is not None else np.full(len(rollouts), None, dtype=object)
+        return rollout_advantages(rewards, batch["response_mask"], groups, rollouts, estimate)
+    return estimate(rewards, batch["response_mask"], uid)
 
 
 def resolve_estimator(algorithm: str, adv_estimator: str | None) -> str:
@@ -201,3 +218,25 @@ def check_common_options(options: Any) -> None:
         raise ValueError("mini_batch_size must be at least 1 (or None: the whole batch)")
     if options.max_grad_norm <= 0:
         raise ValueError("max_grad_norm must be > 0")
+    check_levels(options.advantage_level, options.loss_agg_mode, options.estimator, options.gamma)
+    check_correction(options.off_policy_correction, options.rollout_is, options.rollout_is_threshold)
+
+
+def row_versions(data: DataProto) -> list[int | None]:
+    """The policy version that served each row (the non-tensor ``policy_version``; None where unknown)."""
+    versions = data.non_tensor_batch.get("policy_version")
+    if versions is None:
+        return [None] * len(data)
+    return [None if v is None else int(v) for v in versions]
+
+
+def off_policy_metrics(
+    versions: list[int | None], policy_version: int, rollouts: torch.Tensor, correction: dict[str, float]
+) -> dict[str, float]:
+    """The step's off-policy figures: the importance-ratio metrics, the staleness histogram (rows
+    per trainer version minus serving version, before the step) and the number of rollouts."""
+    return {
+        **correction,
+        **staleness_histogram(versions, policy_version),
+        "rollouts": float(rollouts.unique().numel()),
+    }

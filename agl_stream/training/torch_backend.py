@@ -17,7 +17,7 @@ import verl.utils.torch_functional as verl_F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
-from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from agl_stream.policy import load_checkpoint, save_checkpoint
@@ -28,9 +28,21 @@ from agl_stream.training.backend import (
     LossAggMode,
     check_common_options,
     compute_advantages,
+    off_policy_metrics,
     prepare_batch,
+    row_versions,
     step_metrics,
 )
+from agl_stream.training.levels import (
+    ROLLOUT_MEAN,
+    AdvantageLevel,
+    aggregate_loss,
+    policy_loss_mode,
+    rollout_index,
+    rollout_mean_weights,
+    verl_loss_agg_mode,
+)
+from agl_stream.training.off_policy import ImportanceLevel, OffPolicyCorrection, importance_correction
 
 
 @dataclass(frozen=True)
@@ -45,10 +57,14 @@ class TorchBackendOptions:
     clip_ratio_low: float | None = None  # None: clip_ratio
     clip_ratio_high: float | None = None  # None: clip_ratio
     clip_ratio_c: float = 3.0
-    loss_agg_mode: LossAggMode = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"  # VERL's modes, or "rollout-mean" (agl_stream.training.levels)
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0
     entropy_coeff: float = 0.0
+    advantage_level: AdvantageLevel = "rollout"  # one advantage per rollout, or per sample (row)
+    off_policy_correction: OffPolicyCorrection = "truncate"  # with rollout log-probs: agl_stream.training.off_policy
+    rollout_is: ImportanceLevel = "token"
+    rollout_is_threshold: float = 2.0  # the importance weights' cap
     ppo_epochs: int = 1
     mini_batch_size: int | None = None  # rows per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # rows per forward/backward pass
@@ -95,6 +111,10 @@ class TorchPolicyBackend:
         norm_adv_by_std_in_grpo: bool = True,
         gamma: float = 1.0,
         entropy_coeff: float = 0.0,
+        advantage_level: AdvantageLevel = "rollout",
+        off_policy_correction: OffPolicyCorrection = "truncate",
+        rollout_is: ImportanceLevel = "token",
+        rollout_is_threshold: float = 2.0,
         ppo_epochs: int = 1,
         mini_batch_size: int | None = None,
         micro_batch_size: int = 8,
@@ -122,6 +142,10 @@ class TorchPolicyBackend:
             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
             gamma=gamma,
             entropy_coeff=entropy_coeff,
+            advantage_level=advantage_level,
+            off_policy_correction=off_policy_correction,
+            rollout_is=rollout_is,
+            rollout_is_threshold=rollout_is_threshold,
             ppo_epochs=ppo_epochs,
             mini_batch_size=mini_batch_size,
             micro_batch_size=micro_batch_size,
@@ -161,7 +185,8 @@ class TorchPolicyBackend:
             clip_ratio_low=options.clip_ratio if options.clip_ratio_low is None else options.clip_ratio_low,
             clip_ratio_high=options.clip_ratio if options.clip_ratio_high is None else options.clip_ratio_high,
             clip_ratio_c=options.clip_ratio_c,
-            loss_agg_mode=options.loss_agg_mode,
+            # VERL's policy loss aggregates rollout-mean as token-sum of weighted losses (levels.py).
+            loss_agg_mode=verl_loss_agg_mode(options.loss_agg_mode),
             entropy_coeff=options.entropy_coeff,
             ppo_epochs=options.ppo_epochs,
             shuffle=options.shuffle,
@@ -193,15 +218,43 @@ class TorchPolicyBackend:
         ``advantage_abs_mean``, ``reward_mean`` (per row), ``response_length_mean``, ``rows``,
         ``tokens`` (non-pad prompt+response tokens), ``response_tokens`` (tokens in the loss),
         ``seconds``, ``tokens_per_s`` (tokens x ppo_epochs / seconds), ``updates``,
-        ``skipped_updates``, ``recomputed_old_log_probs`` (0/1), ``policy_version`` (after).
+        ``skipped_updates``, ``recomputed_old_log_probs`` (0/1), ``policy_version`` (after),
+        ``rollouts``; the staleness histogram (``staleness_<k>``, ``staleness_max``,
+        ``staleness_mean``: rows per policy version behind, see
+        :func:`agl_stream.training.off_policy.staleness_histogram`); with the engine's log-probs
+        (``rollout_log_probs``), the importance-ratio metrics of
+        :func:`agl_stream.training.off_policy.importance_correction` (``is_ratio_mean``,
+        ``is_ratio_max``, ``is_ratio_min``, ``is_truncated_share`` or ``is_masked_share``,
+        ``is_weight_mean``).
+
+        Old log-probs: with the engine's log-probs and ``off_policy_correction`` other than "none",
+        the trainer's own (a no-grad forward pass on the weights held before the step), and the
+        importance weights ``exp(old - rollout)`` (capped or masked) multiply each token's policy
+        loss; otherwise the batch's ``old_log_probs`` unless ``recompute_old_log_probs``.
         Raises :class:`InvalidBatchError` for a batch without the needed tensors.
         """
         started = time.perf_counter()
         options = self.options
         batch = self._prepare(data)
-        advantages = self._advantages(data, batch)
-        recompute = options.recompute_old_log_probs or "old_log_probs" not in batch
+        rollouts = rollout_index(data)
+        advantages = self._advantages(data, batch, rollouts)
+        engine_log_probs = batch.get("rollout_log_probs")
+        correct = options.off_policy_correction != "none" and engine_log_probs is not None
+        recompute = options.recompute_old_log_probs or "old_log_probs" not in batch or correct
+        version_before = self._policy_version
         old_log_probs = self._compute_log_probs(batch) if recompute else batch["old_log_probs"]
+        is_weights: torch.Tensor | None = None
+        correction: dict[str, float] = {}
+        if engine_log_probs is not None:
+            result = importance_correction(
+                old_log_probs,
+                engine_log_probs.float(),
+                batch["response_mask"],
+                correction=options.off_policy_correction,
+                level=options.rollout_is,
+                threshold=options.rollout_is_threshold,
+            )
+            is_weights, correction = result.weights, result.metrics
 
         rows = batch["input_ids"].shape[0]
         mini = options.mini_batch_size or rows
@@ -214,12 +267,12 @@ class TorchPolicyBackend:
                 order = torch.randperm(rows, generator=self._generator) if options.shuffle else torch.arange(rows)
                 for start in range(0, rows, mini):
                     indices = order[start : start + mini]
-                    result = self._update(batch, indices, advantages, old_log_probs)
-                    if result is None:
+                    result_sums = self._update(batch, indices, advantages, old_log_probs, is_weights, rollouts)
+                    if result_sums is None:
                         continue  # no token of this mini-batch is in the loss
-                    for key, value in result.items():
+                    for key, value in result_sums.items():
                         sums[key] = sums.get(key, 0.0) + value
-                    if math.isfinite(result["grad_norm"]):
+                    if math.isfinite(result_sums["grad_norm"]):
                         updates += 1
                     else:
                         skipped += 1
@@ -240,6 +293,7 @@ class TorchPolicyBackend:
             recomputed=recompute,
             lr=float(self.optimizer.param_groups[0]["lr"]),
             policy_version=self._policy_version,
+            **off_policy_metrics(row_versions(data), version_before, rollouts, correction),
         )
 
     @torch.no_grad()
@@ -250,13 +304,15 @@ class TorchPolicyBackend:
     def _prepare(self, data: DataProto) -> dict[str, torch.Tensor]:
         return prepare_batch(data)
 
-    def _advantages(self, data: DataProto, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _advantages(self, data: DataProto, batch: dict[str, torch.Tensor], rollouts: torch.Tensor) -> torch.Tensor:
         return compute_advantages(
             data,
             batch,
             estimator=self.options.estimator,
             algo_config=self._algo_config,
             norm_adv_by_std_in_grpo=self.options.norm_adv_by_std_in_grpo,
+            advantage_level=self.options.advantage_level,
+            rollouts=rollouts,
         )
 
     def _micro(self, batch: dict[str, torch.Tensor], indices: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
@@ -317,6 +373,8 @@ class TorchPolicyBackend:
         indices: torch.Tensor,
         advantages: torch.Tensor,
         old_log_probs: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        rollouts: torch.Tensor,
     ) -> dict[str, float] | None:
         options = self.options
         response_mask = batch["response_mask"]
@@ -332,6 +390,12 @@ class TorchPolicyBackend:
             # micro-batch's, so every micro-batch is normalised alike.
             "loss_scale_factor": batch["responses"].shape[1],
         }
+        # rollout-mean: each token's weight over the whole mini-batch (its micro-batches add up).
+        rollout_weights = (
+            rollout_mean_weights(response_mask[indices], rollouts[indices])
+            if options.loss_agg_mode == ROLLOUT_MEAN
+            else None
+        )
         self._actor_config.global_batch_info.clear()
         self._actor_config.global_batch_info.update(global_batch_info)
         self.optimizer.zero_grad(set_to_none=True)
@@ -343,26 +407,37 @@ class TorchPolicyBackend:
             "ppo_kl": 0.0,
             "entropy": 0.0,
         }
-        for micro_indices in _chunks(indices, options.micro_batch_size):
+        for offset in range(0, len(indices), options.micro_batch_size):
+            micro_indices = indices[offset : offset + options.micro_batch_size]
             micro_tokens = int(response_mask[micro_indices].sum())
             if micro_tokens == 0:
                 continue  # its loss would be 0 and VERL's masked means would divide by zero
             micro, width = self._micro(batch, micro_indices)
             mask = response_mask[micro_indices, :width].to(self.device)
+            micro_rollout_weights = (
+                None
+                if rollout_weights is None
+                else rollout_weights[offset : offset + options.micro_batch_size, :width].to(self.device)
+            )
+            loss_agg_mode, weights = policy_loss_mode(
+                options.loss_agg_mode,
+                None if is_weights is None else is_weights[micro_indices, :width].to(self.device),
+                micro_rollout_weights,
+            )
             log_prob, ent = self._forward(micro, width, entropy=True)
             pg_loss, pg_metrics = self._loss_fn(
                 old_log_prob=old_log_probs[micro_indices, :width].to(self.device),
                 log_prob=log_prob,
                 advantages=advantages[micro_indices, :width].to(self.device),
                 response_mask=mask,
-                loss_agg_mode=options.loss_agg_mode,
+                loss_agg_mode=loss_agg_mode,
                 config=self._actor_config,
-                rollout_is_weights=None,
+                rollout_is_weights=weights,
             )
             loss = pg_loss
             if ent is not None:
-                entropy_loss = agg_loss(
-                    loss_mat=ent, loss_mask=mask, loss_agg_mode=options.loss_agg_mode, **global_batch_info
+                entropy_loss = aggregate_loss(
+                    ent, mask, options.loss_agg_mode, rollout_weights=micro_rollout_weights, **global_batch_info
                 )
                 if options.entropy_coeff != 0.0:
                     loss = loss - options.entropy_coeff * entropy_loss

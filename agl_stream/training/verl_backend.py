@@ -102,11 +102,22 @@ from agl_stream.training.backend import (
     LossAggMode,
     check_common_options,
     compute_advantages,
+    off_policy_metrics,
     prepare_batch,
     resolve_estimator,
+    row_versions,
     step_metrics,
 )
 from agl_stream.training.data import InvalidBatchError
+from agl_stream.training.levels import (
+    ROLLOUT_MEAN,
+    AdvantageLevel,
+    policy_loss_mode,
+    rollout_index,
+    rollout_mean_weights,
+    verl_loss_agg_mode,
+)
+from agl_stream.training.off_policy import ImportanceLevel, OffPolicyCorrection, importance_correction
 from agl_stream.training.verl_cpu import use_cpu_platform
 
 VERL_STATE_FILE = "verl_state.json"
@@ -145,6 +156,10 @@ class VerlBackendOptions:
     norm_adv_by_std_in_grpo: bool = True
     gamma: float = 1.0
     entropy_coeff: float = 0.0
+    advantage_level: AdvantageLevel = "rollout"
+    off_policy_correction: OffPolicyCorrection = "truncate"
+    rollout_is: ImportanceLevel = "token"
+    rollout_is_threshold: float = 2.0
     ppo_epochs: int = 1
     mini_batch_size: int | None = None  # rows per optimizer step; None: the whole batch
     max_token_len_per_gpu: int = 16384
@@ -227,7 +242,8 @@ class VerlFSDPBackend:
             clip_ratio_low=opts.clip_ratio if opts.clip_ratio_low is None else opts.clip_ratio_low,
             clip_ratio_high=opts.clip_ratio if opts.clip_ratio_high is None else opts.clip_ratio_high,
             clip_ratio_c=opts.clip_ratio_c,
-            loss_agg_mode=opts.loss_agg_mode,
+            # rollout-mean rides on token-sum with per-token weights in rollout_is_weights (levels.py).
+            loss_agg_mode=verl_loss_agg_mode(opts.loss_agg_mode),
             entropy_coeff=opts.entropy_coeff,
             ppo_epochs=opts.ppo_epochs,
             shuffle=opts.shuffle,
@@ -289,9 +305,9 @@ class VerlFSDPBackend:
         <agl_stream.training.TorchPolicyBackend.step>` (``grad_norm`` is VERL's, before clipping).
         Raises :class:`InvalidBatchError` for a batch that cannot be trained on (before any other
         rank is told about it)."""
-        batch, advantages = self._inputs(data)
+        batch, advantages, rollouts = self._inputs(data)
         self._lead("step", data)
-        return self._train(batch, advantages)
+        return self._train(data, batch, advantages, rollouts)
 
     def log_probs(self, data: DataProto) -> torch.Tensor:
         """The current policy's log-probs of ``data``'s responses, (B, R) on the CPU, 0 at padding."""
@@ -318,7 +334,7 @@ class VerlFSDPBackend:
                 return
             if kind == "step":
                 # The lead checked the batch before sending it: the same checks pass here.
-                self._train(*self._inputs(command[1]))
+                self._train(command[1], *self._inputs(command[1]))
             elif kind == "log_probs":
                 self._log_probs(self._checked(command[1]))
             elif kind == "save":
@@ -349,25 +365,45 @@ class VerlFSDPBackend:
             raise InvalidBatchError(f"a batch of {rows} rows cannot be split over {self._world_size} ranks")
         return batch
 
-    def _inputs(self, data: DataProto) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The checked tensors and their advantages (all that can reject a batch); every rank computes
-        the same advantages over the whole batch before it is split."""
+    def _inputs(self, data: DataProto) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The checked tensors, their advantages and rollout index (all that can reject a batch);
+        every rank computes the same advantages over the whole batch before it is split."""
         batch = self._checked(data)
         options = self.options
+        rollouts = rollout_index(data)
         advantages = compute_advantages(
             data,
             batch,
             estimator=options.estimator,
             algo_config=self._algo_config,
             norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo,
+            advantage_level=options.advantage_level,
+            rollouts=rollouts,
         )
-        return batch, advantages
+        return batch, advantages, rollouts
 
-    def _train(self, batch: dict[str, torch.Tensor], advantages: torch.Tensor) -> dict[str, float]:
+    def _train(
+        self, data: DataProto, batch: dict[str, torch.Tensor], advantages: torch.Tensor, rollouts: torch.Tensor
+    ) -> dict[str, float]:
         started = time.perf_counter()
         options = self.options
-        recompute = options.recompute_old_log_probs or "old_log_probs" not in batch
+        engine_log_probs = batch.get("rollout_log_probs")
+        correct = options.off_policy_correction != "none" and engine_log_probs is not None
+        recompute = options.recompute_old_log_probs or "old_log_probs" not in batch or correct
+        version_before = self._policy_version
         old_log_probs = self._log_probs(batch) if recompute else batch["old_log_probs"].float()
+        is_weights: torch.Tensor | None = None
+        correction: dict[str, float] = {}
+        if engine_log_probs is not None:
+            result = importance_correction(
+                old_log_probs,
+                engine_log_probs.float(),
+                batch["response_mask"],
+                correction=options.off_policy_correction,
+                level=options.rollout_is,
+                threshold=options.rollout_is_threshold,
+            )
+            is_weights, correction = result.weights, result.metrics
         tensors = {**batch, "advantages": advantages, "old_log_probs": old_log_probs}
 
         rows = batch["input_ids"].shape[0]
@@ -381,10 +417,12 @@ class VerlFSDPBackend:
                 if mini_tokens == 0:
                     continue  # no token of this mini-batch is in the loss (all ranks see the same)
                 mini_rows = int((response_mask[indices].sum(dim=1) > 0).sum())
-                result = self._update(tensors, indices, mini_rows)
-                for key, value in result.items():
+                weights = self._mini_batch_weights(response_mask, indices, is_weights, rollouts)
+                step_tensors = tensors if weights is None else {**tensors, "rollout_is_weights": weights}
+                result_sums = self._update(step_tensors, indices, mini_rows)
+                for key, value in result_sums.items():
                     sums[key] = sums.get(key, 0.0) + value
-                if math.isfinite(result["grad_norm"]):
+                if math.isfinite(result_sums["grad_norm"]):
                     updates += 1
                 else:
                     skipped += 1
@@ -405,11 +443,31 @@ class VerlFSDPBackend:
             lr=lr,
             policy_version=self._policy_version,
             world_size=float(self._world_size),
+            **off_policy_metrics(row_versions(data), version_before, rollouts, correction),
         )
+
+    def _mini_batch_weights(
+        self,
+        response_mask: torch.Tensor,
+        indices: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        rollouts: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """VERL's ``rollout_is_weights`` for the mini-batch ``indices`` (B, R; rows outside it 0): the
+        importance weights, times the rollout-mean weights over the whole mini-batch (before it is
+        split over ranks, so the ranks' token sums add up to the mini-batch's rollout mean)."""
+        rollout_weights = None
+        if self.options.loss_agg_mode == ROLLOUT_MEAN:
+            rollout_weights = torch.zeros(response_mask.shape, dtype=torch.float32)
+            rollout_weights[indices] = rollout_mean_weights(response_mask[indices], rollouts[indices])
+        _mode, weights = policy_loss_mode(self.options.loss_agg_mode, is_weights, rollout_weights)
+        return None if weights is None else weights.float()
 
     def _update(self, tensors: dict[str, torch.Tensor], indices: torch.Tensor, mini_rows: int) -> dict[str, float]:
         """One optimizer step on the mini-batch ``indices``; this rank trains on its share of it."""
-        td = self._engine_input(tensors, self._share(indices), _TRAIN_KEYS, infer=False)
+        keys = (*_TRAIN_KEYS, "rollout_is_weights") if "rollout_is_weights" in tensors else _TRAIN_KEYS
+        share = self._share(indices)
+        td = self._engine_input(tensors, share, keys, infer=False)
         # ray_trainer._update_actor's settings; global_batch_size counts the rows in the loss (as the
         # torch backend does), so seq-mean losses weigh the same rows.
         tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=True, global_batch_size=mini_rows)
@@ -418,6 +476,10 @@ class VerlFSDPBackend:
         raw = output["metrics"]
         grad_norm = float(raw.pop("grad_norm"))
         values = {key: float(metric.aggregate()) for key, metric in raw.items() if isinstance(metric, Metric)}
+        entropy = values.get("actor/entropy_loss", 0.0)
+        if self.options.loss_agg_mode == ROLLOUT_MEAN:
+            # VERL aggregated the entropy as token-sum (the carrier mode, times dp_size): report its token mean.
+            entropy /= self._world_size * max(1.0, float(tensors["response_mask"][share].sum()))
         local = {
             # The micro-batch losses are scaled to the global mini-batch: they add up (TrainingWorker sums them).
             "loss": float(sum(output["loss"])),
@@ -425,7 +487,7 @@ class VerlFSDPBackend:
             "pg_clipfrac": values.get("actor/pg_clipfrac", 0.0),
             "pg_clipfrac_lower": values.get("actor/pg_clipfrac_lower", 0.0),
             "ppo_kl": values.get("actor/ppo_kl", 0.0),
-            "entropy": values.get("actor/entropy_loss", 0.0),
+            "entropy": entropy,
         }
         result = self._mean_over_ranks(local)
         result["grad_norm"] = grad_norm  # already global: FSDP clips over all shards
@@ -609,6 +671,12 @@ def _mini_batches(order: torch.Tensor, size: int, ranks: int) -> Iterator[torch.
 
 def _validate(options: VerlBackendOptions) -> None:
     check_common_options(options)
+    if options.loss_agg_mode == ROLLOUT_MEAN and options.entropy_coeff != 0.0:
+        raise ValueError(
+            "loss_agg_mode 'rollout-mean' with an entropy bonus is not supported by the verl backend: VERL's "
+            "ppo_loss aggregates the entropy with its own mode (token-sum carries rollout-mean here), not the "
+            "rollout weights; set entropy_coeff 0 or use the torch backend"
+        )
     if options.max_token_len_per_gpu < 1:
         raise ValueError("max_token_len_per_gpu must be at least 1")
     if options.strategy not in ("fsdp2", "fsdp"):

@@ -88,7 +88,13 @@ def test_recomputed_log_probs_match_the_sampler(tokenizer: PreTrainedTokenizerFa
     metrics = backend.step(data)
     # Old log-probs from the sampler = the current policy: ratio 1, nothing clipped on the first pass.
     assert abs(metrics["ppo_kl"]) < 1e-5 and metrics["pg_clipfrac"] == 0.0
-    assert metrics["recomputed_old_log_probs"] == 0.0
+    # With the engine's log-probs the trainer recomputes its own (off-policy correction, truncate by
+    # default); here both are the same policy's: importance ratios of 1, none truncated.
+    assert metrics["recomputed_old_log_probs"] == 1.0
+    assert metrics["is_ratio_mean"] == pytest.approx(1.0, abs=1e-4) and metrics["is_truncated_share"] == 0.0
+    assert metrics["staleness_0"] == 8.0 and metrics["staleness_max"] == 0.0
+    # Without correction the sampler's log-probs are the old ones, as asked.
+    assert _backend(tokenizer, off_policy_correction="none").step(data)["recomputed_old_log_probs"] == 0.0
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
@@ -192,7 +198,8 @@ def _multi_turn(tool_logprob: float = 0.0) -> DataProto:
 
 def test_inserted_tokens_are_out_of_the_loss_entropy_and_token_count(tokenizer: PreTrainedTokenizerFast) -> None:
     data = _multi_turn()
-    backend = _backend(tokenizer, recompute_old_log_probs=True)
+    # The made-up sampler log-probs are not the policy's: no importance weights, to see the plain loss.
+    backend = _backend(tokenizer, recompute_old_log_probs=True, off_policy_correction="none")
     b = data.batch
     with torch.no_grad():
         logits = backend.model(
@@ -211,15 +218,19 @@ def test_inserted_tokens_are_out_of_the_loss_entropy_and_token_count(tokenizer: 
 
 def test_old_log_probs_of_inserted_tokens_change_nothing(tokenizer: PreTrainedTokenizerFast) -> None:
     """The sampler's logprobs are 0.0 on inserted tokens (never sampled); any value there is ignored."""
-    runs = []
-    for tool_logprob in (0.0, -4.0):
-        backend = _backend(tokenizer, entropy_coeff=0.01)
-        runs.append((backend.step(_multi_turn(tool_logprob)), _weights(backend.model)))
-    (m1, w1), (m2, w2) = runs
-    for key in ("loss", "pg_loss", "ppo_kl", "pg_clipfrac", "entropy", "grad_norm"):
-        assert m1[key] == m2[key], key
-    assert m1["ppo_kl"] != 0.0  # the given old log-probs are not the policy's: the KL term is live
-    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    for correction in ("none", "truncate"):
+        runs = []
+        for tool_logprob in (0.0, -4.0):
+            backend = _backend(tokenizer, entropy_coeff=0.01, off_policy_correction=correction)
+            runs.append((backend.step(_multi_turn(tool_logprob)), _weights(backend.model)))
+        (m1, w1), (m2, w2) = runs
+        for key in ("loss", "pg_loss", "ppo_kl", "pg_clipfrac", "entropy", "grad_norm"):
+            assert m1[key] == m2[key], key
+        if correction == "none":
+            assert m1["ppo_kl"] != 0.0  # the given old log-probs are not the policy's: the KL term is live
+        else:  # the importance ratios of the loss tokens only
+            assert m1["is_ratio_mean"] == m2["is_ratio_mean"] != 1.0
+        assert all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
 def test_a_malformed_dataproto_is_an_invalid_batch(tokenizer: PreTrainedTokenizerFast) -> None:
