@@ -17,8 +17,9 @@ number of LLM proxies and runners, so it knows exactly which are in flight. A sw
 
 Every answer carries :data:`~agl_stream.semconv.POLICY_VERSION_HEADER`: the version of the
 server the call was sent to (vLLM names none; the LLM proxy records it on the call's span).
-``GET /health`` is the gate's own: status ``ok`` or ``switching``, the version served, the calls
-in flight and the hand-off counters (held, retried, cut, refused calls; the longest pause).
+``GET /health`` is the gate's own: 503 until the first server is ready, then 200 with status
+``ok`` or ``switching``, the version served, the calls in flight and the hand-off counters (held,
+retried, cut, refused calls; the longest pause, the longest hold of one call).
 """
 
 from __future__ import annotations
@@ -203,7 +204,9 @@ class SwitchGate:
         if scope["type"] != "http":
             return
         if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
-            await _send_json(send, 200, self.health())
+            # 503 until the first server is ready (what waits for the role's start reads), then 200:
+            # a switch is the role at work, its calls only slower.
+            await _send_json(send, 200 if self.version is not None else 503, self.health())
             return
         body, disconnected = await _read_body(receive)
         started = time.monotonic()

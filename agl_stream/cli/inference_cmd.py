@@ -61,6 +61,20 @@ def inference(
     ready_timeout: Annotated[
         float, typer.Option(min=1.0, help="--engine vllm: seconds a (re)started server may take to answer /health.")
     ] = 900.0,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="--engine vllm: seconds a switch waits for the calls in flight before it stops the old server.",
+        ),
+    ] = 120.0,
+    hold_timeout: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="--engine vllm: seconds a call may wait for a switch before it is answered 503 with Retry-After.",
+        ),
+    ] = 540.0,
 ) -> None:
     """Serve the policy model: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
@@ -70,7 +84,10 @@ def inference(
 
     With --engine vllm, vLLM's OpenAI server runs as a child on --host/--port with --model and
     --served-model-name; each newer published checkpoint restarts it on that folder (a managed
-    restart, waiting for /health); the responses are vLLM's own.
+    restart, waiting for /health); the responses are vLLM's own. The role's port is a hand-off
+    gate in front of vLLM: a restart holds new calls, lets the ones in flight finish
+    (--drain-timeout) and sends the held ones to the new server (--hold-timeout), so no call
+    fails; every answer names the policy version that served it (x-agl-policy-version).
 
     Both engines require the API token (AGL_API_TOKEN, else the data dir's, as `up` writes it)
     beyond loopback, and refuse to start there without one; on loopback only with
@@ -93,6 +110,7 @@ def inference(
                 f"{checkpoint} is not a Hugging Face model folder (no config.json)", param_hint="--model"
             )
         from consumers import vllm_server
+        from consumers.switch_gate import HandoffOptions
 
         vllm_server.main(
             settings if follow else None,
@@ -106,6 +124,7 @@ def inference(
                 command=vllm_server.parse_command(vllm_command),
                 extra_args=tuple(vllm_arg or ()),
                 ready_timeout_s=ready_timeout,
+                handoff=HandoffOptions(hold_timeout_s=hold_timeout, drain_timeout_s=drain_timeout),
             ),
             token,
         )
