@@ -1,0 +1,269 @@
+"""``transition`` against ``trajectory`` aggregation on a multi-turn task, trained on this CPU.
+
+The keypad example (``examples/keypad``: three model calls per rollout, the keypad's feedback
+inserted between them, reward = mean digit fraction of the three answers) is trained by the
+demo's loop of roles (stack, triplet builder, batcher with GRPO groups of ``--group`` and
+batches of ``--groups`` groups, trainer with the torch backend and the tiny policy, CPU
+inference, LLM proxy, runner; learning rate 0.05 as the RL loop test trains: the demo's 0.01
+moves the tiny policy little in 8 versions), once with ``agl-stream triplets --aggregation transition`` and
+once with ``--aggregation trajectory``; everything else is the same (the same initial weights,
+seed 0; sampling is not seeded and the loop is asynchronous, so the runs are not replicas).
+
+Per mode it reports, from ClickHouse:
+
+* per policy version trained (``trainer_steps`` joined with ``batches``): rollouts in the
+  batch, samples (training rows), tokens (prompt + response, inserted ones included), loss
+  tokens (generated ones), the step's seconds and when the version was published (seconds
+  since the first task was enqueued);
+* per policy version that ran rollouts (``triplet_records``): rollouts and their mean reward;
+* overall: samples per rollout and tokens per sample over every record the triplet builder
+  wrote (``triplet_records``), and the wall time to the last version.
+
+Run: ``python benchmarks/aggregation.py [--versions 8] [--modes transition trajectory]``; JSON to
+benchmarks/results/aggregation.json. Each mode starts its own local stack in a temporary data
+dir (unless AGL_KAFKA_BOOTSTRAP names a cluster) and stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from _measure import bench_settings  # type: ignore[import-not-found]
+from rich.console import Console
+from rich.table import Table
+
+from agl_stream import stack
+from agl_stream.config import Settings
+from agl_stream.kafka import broker
+from agl_stream.processes import RoleGroup
+from agl_stream.store.client import AglStore
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the examples are imported from the repository root
+from examples.keypad import keypad_agent  # noqa: E402
+
+AGENT = "examples.keypad.keypad_agent:keypad_agent"
+MODEL = "agl-tiny"
+
+TRAINED_BY_VERSION = (
+    "SELECT s.policy_version, b.n_records, s.samples, s.tokens, s.metrics['response_tokens'], "
+    "s.step_seconds, s.step_time FROM {db}.trainer_steps AS s FINAL "
+    "INNER JOIN (SELECT batch_id, n_records FROM {db}.batches FINAL) AS b ON s.batch_id = b.batch_id "
+    "ORDER BY s.policy_version"
+)
+REWARD_BY_VERSION = (
+    "SELECT policy_version, count(), avg(final_reward) FROM {db}.triplet_records FINAL "
+    "WHERE policy_version IS NOT NULL GROUP BY policy_version ORDER BY policy_version"
+)
+RECORDS = (
+    "SELECT count(), sum(n_triplets), sum(prompt_tokens + response_tokens), "
+    "countIf(n_triplets > 1) FROM {db}.triplet_records FINAL"
+)
+
+
+@contextlib.contextmanager
+def running_loop(settings: Settings, aggregation: str, group: int, groups: int, lr: float) -> Iterator[Settings]:
+    """The demo's roles (:func:`agl_stream.demo.loop.running_loop`) with the keypad agent, the
+    triplet builder's ``--aggregation`` and the trainer's ``--lr``; stops everything it started."""
+    opened = stack.open_session(settings)
+    try:
+        running = opened.settings
+        model_port, proxy_port = broker.free_ports(2)
+        proxy_url = f"http://127.0.0.1:{proxy_port}/v1"
+        roles = RoleGroup(running, settings.data_dir / "logs")
+        try:
+            roles.start("triplets", "--settle", "2", "--aggregation", aggregation, name="triplets")
+            batcher_flags = ("--group-size", str(group), "--max-rollouts", str(group * groups), "--linger", "5")
+            roles.start("batcher", *batcher_flags, name="batcher")
+            roles.start(
+                "trainer",
+                "--checkpoints",
+                str(settings.data_dir / "checkpoints"),
+                "--model-name",
+                MODEL,
+                "--proxy-endpoint",
+                proxy_url,
+                "--lr",
+                str(lr),
+                name="trainer",
+            )
+            roles.start("inference", "--port", str(model_port), "--model-name", MODEL, name="inference")
+            roles.wait_http("inference", f"http://127.0.0.1:{model_port}/health")
+            backend = f"{MODEL}=http://127.0.0.1:{model_port}/v1"
+            roles.start("llm-proxy", "--port", str(proxy_port), "--backend", backend, name="llm-proxy")
+            roles.wait_http("llm-proxy", f"http://127.0.0.1:{proxy_port}/health")
+            roles.start(
+                "runner",
+                *("--agent", AGENT, "--concurrency", "16", "--resources", "latest"),
+                name="runner",
+                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+            )
+            yield running
+        finally:
+            roles.stop(timeout=30)
+    finally:
+        stack.close_session(opened, settings)
+
+
+async def _rows(store: AglStore, sql: str, settings: Settings) -> list[Any]:
+    assert store.side is not None, "the store is started"
+    return list((await store.side.query(sql.format(db=settings.clickhouse_database))).rows)
+
+
+async def drive(settings: Settings, *, versions: int, minutes: float, group: int, groups: int) -> dict[str, Any]:
+    """Enqueue rounds of ``groups`` task groups (two rounds in flight, as the demo does) until the
+    trainer published ``versions`` versions after version 0; then read what was trained."""
+    tasks = keypad_agent.load_tasks(keypad_agent.TRAIN_FILE)
+    store = await AglStore(settings).start()
+    try:
+        deadline = time.monotonic() + minutes * 60
+        while (await store.get_latest_resources()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the trainer never published policy version 0 (see logs/trainer.log)")
+            await asyncio.sleep(0.2)
+        started, started_wall = time.monotonic(), time.time()
+        in_flight: list[asyncio.Task[Any]] = []
+        round_no = version = 0
+        while version < versions and time.monotonic() < deadline:
+            while len(in_flight) < 2:
+                requests = [
+                    {
+                        "input": tasks[(round_no * groups + g) % len(tasks)],
+                        "mode": "train",
+                        "metadata": {"group_id": f"keypad-{round_no}-{g}"},
+                    }
+                    for g in range(groups)
+                    for _ in range(group)
+                ]
+                made = await store.enqueue_many_rollouts(requests)
+                ids = [r.rollout_id for r in made]
+                in_flight.append(asyncio.create_task(store.wait_for_rollouts(rollout_ids=ids, timeout=600)))
+                round_no += 1
+            await in_flight.pop(0)
+            latest = await store.get_latest_resources()
+            version = latest.version if latest is not None else 0
+            print(f"  {time.monotonic() - started:6.0f}s  policy version {version}", flush=True)
+        wall = time.monotonic() - started
+        for task in in_flight:
+            task.cancel()
+        # The last step's row reaches ClickHouse through the sink: wait for it (bounded).
+        trained: list[Any] = []
+        waited = time.monotonic() + 120
+        while time.monotonic() < waited:
+            trained = await _rows(store, TRAINED_BY_VERSION, settings)
+            if len(trained) >= version:
+                break
+            await asyncio.sleep(1)
+        rewards = await _rows(store, REWARD_BY_VERSION, settings)
+        records, samples, tokens, merged_more = (await _rows(store, RECORDS, settings))[0]
+    finally:
+        await store.close()
+    return {
+        "wall_s": round(wall, 1),
+        "versions": version,
+        "trained": [
+            {
+                "version": int(v),
+                "rollouts": int(n),
+                "samples": int(s),
+                "tokens": int(t),
+                "loss_tokens": int(lt),
+                "step_s": round(float(ss), 2),
+                "published_s": round(float(at) - started_wall, 1),
+            }
+            for v, n, s, t, lt, ss, at in trained
+        ],
+        "reward": [{"version": int(v), "rollouts": int(n), "mean": round(float(r), 4)} for v, n, r in rewards],
+        "records": int(records),
+        "samples_per_rollout": round(int(samples) / int(records), 3) if records else float("nan"),
+        "tokens_per_sample": round(int(tokens) / int(samples), 1) if samples else float("nan"),
+        "records_of_several_samples": int(merged_more),
+    }
+
+
+def show(results: dict[str, dict[str, Any]], console: Console) -> None:
+    modes = list(results)
+    table = Table(title="trained per policy version (trainer_steps x batches)")
+    table.add_column("version", justify="right")
+    for mode in modes:
+        for column in ("rollouts", "samples", "tokens", "loss tok", "published s"):
+            table.add_column(f"{mode[:5]} {column}", justify="right")
+    by_mode = {mode: {row["version"]: row for row in results[mode]["trained"]} for mode in modes}
+    for version in sorted({v for rows in by_mode.values() for v in rows}):
+        cells = [str(version)]
+        for mode in modes:
+            row = by_mode[mode].get(version)
+            keys = ("rollouts", "samples", "tokens", "loss_tokens", "published_s")
+            cells += [str(row[k]) for k in keys] if row else ["-"] * len(keys)
+        table.add_row(*cells)
+    console.print(table)
+    table = Table(title="mean reward of the rollouts each policy version ran (triplet_records)")
+    table.add_column("version", justify="right")
+    for mode in modes:
+        table.add_column(f"{mode} rollouts", justify="right")
+        table.add_column(f"{mode} reward", justify="right")
+    rewards = {mode: {row["version"]: row for row in results[mode]["reward"]} for mode in modes}
+    for version in sorted({v for rows in rewards.values() for v in rows}):
+        cells = [str(version)]
+        for mode in modes:
+            row = rewards[mode].get(version)
+            cells += [str(row["rollouts"]), f"{row['mean']:.3f}"] if row else ["-", "-"]
+        table.add_row(*cells)
+    console.print(table)
+    table = Table(title="overall (every triplet record written)")
+    for column in ("mode", "records", "samples/rollout", "tokens/sample", "versions", "wall s"):
+        table.add_column(column, justify="right")
+    for mode in modes:
+        r = results[mode]
+        table.add_row(
+            mode,
+            str(r["records"]),
+            str(r["samples_per_rollout"]),
+            str(r["tokens_per_sample"]),
+            str(r["versions"]),
+            str(r["wall_s"]),
+        )
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--versions", type=int, default=8, help="policy versions to train per mode")
+    parser.add_argument("--minutes", type=float, default=20.0, help="most minutes per mode")
+    parser.add_argument("--group", type=int, default=8, help="rollouts per task (one GRPO group)")
+    parser.add_argument("--groups", type=int, default=4, help="groups per batch")
+    parser.add_argument("--lr", type=float, default=0.05, help="the trainer's learning rate (the RL loop test's)")
+    parser.add_argument("--modes", nargs="+", default=["transition", "trajectory"])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "aggregation.json")
+    args = parser.parse_args()
+    console = Console()
+    # SIGTERM (a timeout, a kill) unwinds like Ctrl-C, so every role and the stack are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results: dict[str, dict[str, Any]] = {}
+    for mode in args.modes:
+        console.print(f"[bold]{mode}[/bold]: training {args.versions} versions")
+        with tempfile.TemporaryDirectory(prefix="agl-aggregation-") as folder:
+            settings = bench_settings(Path(folder), "agg")
+            with running_loop(settings, mode, args.group, args.groups, args.lr) as running:
+                results[mode] = asyncio.run(
+                    drive(running, versions=args.versions, minutes=args.minutes, group=args.group, groups=args.groups)
+                )
+        args.out.parent.mkdir(parents=True, exist_ok=True)  # after each mode: a later failure keeps it
+        args.out.write_text(json.dumps({"cpus": os.cpu_count(), "lr": args.lr, **results}, indent=2) + "\n")
+    show(results, console)
+    console.print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
