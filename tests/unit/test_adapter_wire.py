@@ -203,6 +203,7 @@ def test_unvalidated_triplets_are_the_validated_ones() -> None:
             reward=triplet.reward,
             metadata=triplet.metadata,
             span_ids=[triplet.metadata["span_id"]],
+            policy_versions=[None],  # the history's calls name no serving version
         )
         assert triplet == validated
         assert triplet.__dict__ == validated.__dict__
