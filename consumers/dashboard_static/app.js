@@ -99,9 +99,75 @@ function stepsView(steps) {
   });
   const last = steps.slice(-10).reverse();
   return h("div", {}, h("div", { class: "grid" }, a, b), table(last, [
-    ["policy_version", "version"], ["step_time", "time", time], ["samples", "samples"], ["tokens", "tokens"],
+    ["policy_version", "version", versionLink], ["step_time", "time", time], ["samples", "samples"], ["tokens", "tokens"],
     ["loss", "loss"], ["reward", "reward"], ["staleness", "staleness"], ["idle_fraction", "idle fraction"]],
   { testid: "steps-table" }));
+}
+
+// -- One policy version: what trained it ---------------------------------------------------------
+
+function versionLink(v) {
+  return v == null ? "—" : h("a", { href: `#/version/${encodeURIComponent(v)}` }, String(v));
+}
+
+function rolloutLink(v) {
+  return h("a", { href: `#/rollout/${encodeURIComponent(v)}` }, v);
+}
+
+async function version(view, { args }) {
+  const v = args[0] || "";
+  const form = h("form", { class: "filters", "data-testid": "version-form" },
+    h("label", {}, "policy version", h("input", { name: "version", value: v, size: 8, placeholder: "e.g. 3" })),
+    h("button", { class: "primary", type: "submit" }, "show"));
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    go("version", {}, [new FormData(form).get("version")]);
+  });
+  if (!v) {
+    view.replaceChildren(form, h("p", { class: "muted" }, "which traces trained a policy version: pick one"));
+    return;
+  }
+  view.replaceChildren(form, h("p", { class: "muted" }, "loading ..."));
+  let data;
+  try {
+    data = await api(`/v1/dashboard/versions/${encodeURIComponent(v)}`);
+  } catch (e) {
+    view.replaceChildren(form);
+    view.dataset.partial = "1";
+    throw e;
+  }
+  const spans = data.attempts.reduce((n, a) => n + a.spans, 0);
+  const samples = data.attempts.reduce((n, a) => n + a.samples, 0);
+  const rollouts = new Set(data.attempts.map((a) => a.rollout_id)).size;
+  const traces = new Set(data.spans.map((s) => s.trace_id).filter(Boolean));
+  const card = (label, value, testid) => h("div", { class: "card" }, h("div", { class: "muted" }, label),
+    h("div", { class: "v", "data-testid": testid }, fmt(value)));
+  view.replaceChildren(form,
+    h("h2", {}, "Policy version ", h("code", { "data-testid": "version" }, String(data.policy_version)),
+      ": what trained it"),
+    h("div", { class: "cards" },
+      card("batches", data.batches.length, "version-batches"), card("rollouts", rollouts, "version-rollouts"),
+      card("samples", samples, "version-samples"), card("LLM-call spans", spans, "version-spans"),
+      card("traces", data.cut ? `${traces.size}+` : traces.size, "version-traces")),
+    h("h2", {}, `Trainer steps (${data.steps.length})`),
+    table(data.steps, [["batch_id", "batch"], ["step_time", "time", time], ["samples", "samples"], ["tokens", "tokens"],
+      ["staleness", "staleness"], ["loss", "loss"], ["reward", "reward"]], { testid: "version-steps" }),
+    h("h2", {}, `Batches (${data.batches.length})`),
+    table(data.batches, [["batch_id", "batch"], ["created_time", "made", time], ["n_records", "attempts"],
+      ["n_triplets", "samples"], ["n_tokens", "tokens"], ["min_policy_version", "oldest version"],
+      ["max_policy_version", "newest version"], ["mean_final_reward", "mean reward"]], { testid: "version-batches-table" }),
+    h("h2", {}, `Rollouts and attempts (${data.attempts.length})`),
+    table(data.attempts, [["rollout_id", "rollout", rolloutLink], ["attempt_id", "attempt"], ["batch_id", "batch"],
+      ["served_version", "served by version", versionLink], ["samples", "samples"], ["spans", "spans"],
+      ["response_tokens", "response tokens"], ["final_reward", "final reward"]], { testid: "version-attempts" }),
+    h("h2", {}, `Spans, one per LLM call of each sample (${data.spans.length}${data.cut ? ", cut" : ""})`),
+    table(data.spans, [["batch_id", "batch"], ["sample_index", "sample"], ["call_index", "call"],
+      ["rollout_id", "rollout", rolloutLink], ["span_id", "span",
+        (s, r) => h("a", { href: `#/rollout/${encodeURIComponent(r.rollout_id)}?attempt=${encodeURIComponent(r.attempt_id)}&span=${encodeURIComponent(s)}` }, s)],
+      ["trace_id", "trace"]], { testid: "version-spans-table" }),
+    h("details", { class: "panel" }, h("summary", {}, "the SQL (docs/sql.md, \"Traces that trained a policy version\")"),
+      h("pre", { "data-testid": "version-sql" }, data.query)),
+  );
 }
 
 // -- Rollouts ---------------------------------------------------------------------------------
@@ -361,8 +427,8 @@ function sqlResult(result) {
 
 // -- the shell ---------------------------------------------------------------------------------
 
-const PAGES = { overview, rollouts, rollout, resources, workers, sql };
-const LIVE = new Set(["overview", "rollouts", "resources", "workers", "rollout"]);
+const PAGES = { overview, rollouts, rollout, version, resources, workers, sql };
+const LIVE = new Set(["overview", "rollouts", "resources", "workers", "rollout", "version"]);
 
 async function render(initial) {
   const r = route();

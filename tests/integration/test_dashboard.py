@@ -33,9 +33,12 @@ from opentelemetry.trace import Status, StatusCode
 from agl_stream import connect, stack
 from agl_stream.auth import auth_headers, known_token
 from agl_stream.config import Settings
+from agl_stream.domain.batching import batch_id_of
+from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
-from agl_stream.models import PromptTemplate, Rollout
+from agl_stream.models import PromptTemplate, Rollout, TrainerStep, Triplet, TripletBatch, TripletRecord
+from consumers import dashboard_sql as dsql
 from tests.integration.helpers import start_role, stop_role
 
 pytestmark = pytest.mark.integration
@@ -143,8 +146,9 @@ def dash(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         assert url is not None and token and url.endswith(f"/dashboard/?{urlencode({'token': token})}")
         base = url.split("/dashboard/")[0]
         dash = Dash(settings, base, ids, tmp_path_factory.mktemp("screenshots"), url)
-        # the triplet builder writes one record per finished attempt (4)
-        _wait_sql(dash, "SELECT count() FROM agl.triplet_records FINAL", 4)
+        # the triplet builder writes one record per finished attempt (4); a deadline, not a speed
+        # goal: on a loaded machine (load 17 on 2 cores) 60 s was not enough
+        _wait_sql(dash, "SELECT count() FROM agl.triplet_records FINAL", 4, timeout=300)
         print(f"\ndashboard screenshots: {dash.shots}")
         yield dash
     finally:
@@ -352,3 +356,90 @@ def test_resources_and_workers_pages(page: Any, dash: Dash) -> None:
     page.wait_for_selector('[data-testid="resource"] pre:has-text("Answer {question}")')
     assert HOSTILE in page.inner_text('[data-testid="resource"]') and page.locator("main img").count() == 0
     _shot(page, dash, "resources")
+
+
+async def _train_on(settings: Settings, records: list[TripletRecord], version: int) -> str:
+    """A batch of ``records`` and the trainer step that made ``version`` from it, on the topics the
+    batcher and the trainer write (the gateway's sinks materialize both)."""
+    batch = TripletBatch(batch_id=batch_id_of(records), records=records, created_time=time.time())
+    step = TrainerStep(
+        batch_id=batch.batch_id,
+        model="agl-tiny",
+        policy_version=version,
+        step_time=time.time(),
+        step_seconds=0.5,
+        idle_seconds=0.0,
+        tokens=sum(len(t.prompt_token_ids) + len(t.response_token_ids) for r in records for t in r.triplets),
+        samples=sum(len(r.triplets) for r in records),
+        metrics={"loss": 0.25},
+    )
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        typed = TypedProducer(producer)
+        await typed.send(settings.topic("triplet-batches"), batch, key=batch.batch_id)
+        await typed.send(settings.topic("trainer-metrics"), step, key=batch.batch_id)
+    finally:
+        await producer.stop()
+    return batch.batch_id
+
+
+def test_a_versions_page_shows_the_batches_rollouts_and_spans_that_trained_it(page: Any, dash: Dash) -> None:
+    """Last in the module: it adds a trained version, which the overview would then show."""
+    version = 7
+    members = [dash.ids["t1"], dash.ids["t2"]]
+    calls = dash.rows(
+        "SELECT RolloutId AS rollout_id, AttemptId AS attempt_id, SpanId AS span_id, TraceId AS trace_id "
+        f"FROM agl.otel_traces FINAL WHERE SpanName = 'chat tiny' AND RolloutId IN {tuple(members)} "
+        "ORDER BY RolloutId, AttemptId"
+    )
+    assert {c["rollout_id"] for c in calls} == set(members), calls
+    records = [
+        TripletRecord(
+            rollout_id=c["rollout_id"],
+            attempt_id=c["attempt_id"],
+            group_id="g-dash",
+            triplets=[Triplet(prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5], span_ids=[c["span_id"]])],
+            final_reward=0.5,
+            finish_time=time.time(),
+        )
+        for c in calls
+    ]
+    with ThreadPoolExecutor(1) as pool:
+        batch_id = pool.submit(lambda: asyncio.run(_train_on(dash.settings, records, version))).result(timeout=120)
+    _wait_sql(dash, f"SELECT count() FROM agl.batch_samples FINAL WHERE batch_id = '{batch_id}'", len(records))
+    _wait_sql(dash, f"SELECT count() FROM agl.trainer_steps FINAL WHERE policy_version = {version}", 1)
+    lineage = dash.rows(dsql.trained_by_version("agl").replace("{version:Int64}", str(version)))
+    assert [(r["rollout_id"], r["span_id"], r["trace_id"]) for r in lineage] == [
+        (c["rollout_id"], c["span_id"], c["trace_id"]) for c in calls
+    ]
+
+    page.goto(f"{dash.page}#/version/{version}")
+    page.wait_for_selector('[data-testid="version-spans-table"]')
+    assert page.inner_text('[data-testid="version"]') == str(version)
+    assert page.inner_text('[data-testid="version-rollouts"]') == "2"
+    assert page.inner_text('[data-testid="version-spans"]') == "2"
+    assert page.inner_text('[data-testid="version-traces"]') == str(len({c["trace_id"] for c in calls}))
+    assert _cells(page, "version-batches-table", "batch_id") == [batch_id]
+    assert _cells(page, "version-attempts", "rollout_id") == [c["rollout_id"] for c in calls]
+    assert _cells(page, "version-spans-table", "span_id") == [r["span_id"] for r in lineage]
+    assert _cells(page, "version-spans-table", "trace_id") == [r["trace_id"] for r in lineage]
+    assert "FROM agl.batch_samples FINAL" in page.inner_text('[data-testid="version-sql"]')
+    _shot(page, dash, "version")
+    # A span links to its attempt's waterfall with the span selected.
+    page.locator('[data-testid="version-spans-table"] td[data-col="span_id"] a').first.click()
+    page.wait_for_selector('[data-testid="span-detail"] h3')
+    assert page.inner_text('[data-testid="rollout-id"]') == lineage[0]["rollout_id"]
+    assert lineage[0]["span_id"] in page.inner_text('[data-testid="span-detail"]')
+    # The trainer steps on the overview link here.
+    page.goto(f"{dash.page}#/overview")
+    page.locator('[data-testid="steps-table"] td[data-col="policy_version"] a', has_text=str(version)).click()
+    page.wait_for_selector('[data-testid="version-spans-table"]')
+    # Bad input and a version nothing trained: a clear message, the form stays.
+    page.goto(f"{dash.page}#/version/abc")
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.inner_text("#error").startswith("bad_request: version:")
+    assert page.input_value('form[data-testid="version-form"] input[name="version"]') == "abc"
+    page.goto(f"{dash.page}#/version/99")
+    page.wait_for_selector('#error:has-text("not_found")')
+    assert "no trainer step made policy version 99" in page.inner_text("#error")
