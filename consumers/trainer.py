@@ -123,8 +123,12 @@ class TrainerOptions:
     entropy_coeff: float | None = None
     ppo_epochs: int | None = None
     mini_batch_size: int | None = None
-    loss_agg_mode: str | None = None
+    loss_agg_mode: str | None = None  # VERL's modes, or rollout-mean
     max_grad_norm: float | None = None
+    advantage_level: str | None = None  # rollout (default) | sample
+    off_policy_correction: str | None = None  # truncate (default) | mask | none, with the engine's logprobs
+    rollout_is: str | None = None  # token (default) | sequence
+    rollout_is_threshold: float | None = None  # the importance weights' cap (default 2.0)
 
 
 BACKEND_OPTIONS = (
@@ -139,6 +143,10 @@ BACKEND_OPTIONS = (
     "mini_batch_size",
     "loss_agg_mode",
     "max_grad_norm",
+    "advantage_level",
+    "off_policy_correction",
+    "rollout_is",
+    "rollout_is_threshold",
 )
 """TrainerOptions handed to a new policy backend as they are, when set."""
 

@@ -25,6 +25,12 @@ length``                                        is also the inference server's d
 ``loss_agg_mode``, ``grad_clip``;
 ``algorithm.adv_estimator`` (critic-free only),
 ``algorithm.norm_adv_by_std_in_grpo``
+``algorithm.rollout_correction.rollout_is``     the trainer's importance weights against the
+(None, token, sequence) and ``rollout_is_       engine's logprobs: None is
+threshold`` (a number)                          --off-policy-correction none, else the level
+                                                (truncated IS, the trainer's default, at 2.0)
+``agentlightning.trace_aggregator.level``       the triplet builder's --aggregation; without it
+                                                trajectory (the adapter's own setting wins)
 ``trainer.total_epochs``,                       how many rounds the run enqueues
 ``trainer.total_training_steps``
 ``trainer.test_freq``, ``val_before_train``,    when the validation set runs (every N policy
@@ -72,8 +78,31 @@ CRITIC_FREE_ESTIMATORS = frozenset(
 here so parsing a config imports no torch; a unit test holds the two equal)."""
 
 LOSS_AGG_MODES = frozenset(
-    {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
+    {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "rollout-mean"}
 )
+"""VERL's loss aggregations plus rollout-mean (agl_stream.training.levels; a unit test holds the two equal)."""
+
+DEFAULT_AGGREGATION = "trajectory"
+"""The trace aggregation of a VERL run when neither agentlightning.trace_aggregator.level nor the
+adapter's own ``aggregation`` says (the seed's and the adapter's default is transition)."""
+
+_CORRECTION = "algorithm.rollout_correction."
+
+
+def _importance_level(value: Any) -> str | None:
+    if value is None or value in ("token", "sequence"):
+        return None
+    return f"{value!r} is not one of None (no importance weights), 'token', 'sequence'"
+
+
+def _importance_cap(value: Any) -> str | None:
+    if isinstance(value, str):
+        return (
+            f"{value!r}: only a number (a cap: truncated IS) applies here; IcePop's 'lower_upper' bounds have no "
+            "counterpart (the trainer's --off-policy-correction mask zeroes weights over the cap)"
+        )
+    return _float(above=0.0)(value)
+
 
 NO_KL = (
     "KL terms need a reference policy, and neither trainer backend (torch, verl FSDP) keeps one; "
@@ -150,6 +179,9 @@ APPLIED: dict[str, Check] = {
         CRITIC_FREE_ESTIMATORS, " (estimators that need a critic, such as gae, are not supported: no critic here)"
     ),
     "algorithm.norm_adv_by_std_in_grpo": _bool,
+    # VERL's rollout correction (decoupled mode): the trainer's importance weights against the engine's logprobs.
+    f"{_CORRECTION}rollout_is": _importance_level,
+    f"{_CORRECTION}rollout_is_threshold": _importance_cap,
     "trainer.total_epochs": _int(1),
     "trainer.total_training_steps": _int(1, nullable=True),
     "trainer.test_freq": _int(),
@@ -175,6 +207,21 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v is None,
         "each validation runs the whole val_dataset at once (the seed recommends None too); None or remove it",
     ),
+    f"{_CORRECTION}rollout_is_batch_normalize": (
+        lambda v: v is False,
+        "the importance weights are used as they are (capped or masked), not normalised per batch",
+    ),
+    f"{_CORRECTION}rollout_rs": (
+        lambda v: v is None,
+        "no rejection sampling here: the trainer's --off-policy-correction mask zeroes weights over the cap",
+    ),
+    f"{_CORRECTION}rollout_rs_threshold": (lambda v: v is None, "no rejection sampling here (rollout_rs)"),
+    f"{_CORRECTION}bypass_mode": (
+        lambda v: v is False,
+        "the trainer recomputes its old log-probs (decoupled mode) whenever it corrects; "
+        "rollout_is: null switches the correction off",
+    ),
+    f"{_CORRECTION}loss_type": (lambda v: v == "ppo_clip", "the policy loss is PPO-clip (bypass mode does not apply)"),
     "data.filter_overlong_prompts": (
         lambda v: v is False,
         "prompts are never filtered here: data.max_prompt_length truncates them; false or remove it",
@@ -256,7 +303,7 @@ class VerlConfig:
     max_prompt_length: int | None = None
     max_response_length: int | None = None
     trainer_options: dict[str, Any] = field(default_factory=dict)
-    aggregation: str | None = None  # agentlightning.trace_aggregator.level; None: the adapter's
+    aggregation: str | None = None  # agentlightning.trace_aggregator.level; None: the adapter's, else trajectory
 
     @property
     def batch_rollouts(self) -> int:
@@ -370,6 +417,14 @@ def _config_of(applied: Mapping[str, Any]) -> VerlConfig:
     ):
         if applied.get(key) is not None:
             trainer_options[option] = applied[key]
+    if f"{_CORRECTION}rollout_is" in applied:
+        level = applied[f"{_CORRECTION}rollout_is"]
+        if level is None:
+            trainer_options["off_policy_correction"] = "none"
+        else:
+            trainer_options["rollout_is"] = level
+    if f"{_CORRECTION}rollout_is_threshold" in applied:
+        trainer_options["rollout_is_threshold"] = applied[f"{_CORRECTION}rollout_is_threshold"]
     estimator = applied.get("algorithm.adv_estimator")
     if estimator is not None and estimator != "grpo":
         trainer_options["adv_estimator"] = estimator
@@ -453,9 +508,14 @@ def adapter_flags(adapter: AdapterConfig) -> list[str]:
 
 
 def with_aggregation(adapter: AdapterConfig, level: str | None) -> AdapterConfig:
-    """``adapter`` with the config's ``agentlightning.trace_aggregator.level`` (None: as it is);
-    ConfigError when the adapter sets another aggregation itself."""
-    if level is None or level == adapter.aggregation:
+    """``adapter`` with the config's ``agentlightning.trace_aggregator.level``; when the config has
+    none, the adapter's own ``aggregation`` if it sets one, else :data:`DEFAULT_AGGREGATION`
+    (trajectory). ConfigError when the level and the adapter's own setting differ."""
+    if level is None:
+        if "aggregation" in adapter.model_fields_set:
+            return adapter
+        level = DEFAULT_AGGREGATION
+    if level == adapter.aggregation:
         return adapter
     if "aggregation" in adapter.model_fields_set:
         raise ConfigError(

@@ -41,6 +41,10 @@ CONFIG_KEYS = (
     "mini_batch_size",
     "loss_agg_mode",
     "max_grad_norm",
+    "advantage_level",
+    "off_policy_correction",
+    "rollout_is",
+    "rollout_is_threshold",
 )
 
 
@@ -119,8 +123,40 @@ def trainer(
     mini_batch_size: Annotated[
         int | None, typer.Option(min=1, help="Rows per optimizer step (default: the whole batch).")
     ] = None,
-    loss_agg_mode: Annotated[str | None, typer.Option(help="VERL's loss aggregation (default token-mean).")] = None,
+    loss_agg_mode: Annotated[
+        str | None,
+        typer.Option(
+            help="Loss aggregation: VERL's token-mean (default), token-sum, seq-mean-token-sum, "
+            "seq-mean-token-mean, seq-mean-token-sum-norm, or rollout-mean (token mean within a rollout's "
+            "samples, then mean over rollouts: a many-turn rollout weighs what a one-turn one does; the "
+            "verl backend takes it without an entropy bonus)."
+        ),
+    ] = None,
     max_grad_norm: Annotated[float | None, typer.Option(min=0.0, help="Gradient norm clipping bound.")] = None,
+    advantage_level: Annotated[
+        str | None,
+        typer.Option(
+            help="rollout (default): one group-relative advantage per rollout (its last sample's reward "
+            "against the other rollouts of its task), on every sample of it; sample: one per row (VERL's "
+            "estimator on the rows as they are)."
+        ),
+    ] = None,
+    off_policy_correction: Annotated[
+        str | None,
+        typer.Option(
+            help="With the serving engine's logprobs in the batch: truncate (default: importance weights "
+            "exp(trainer old logprob - engine logprob), capped at --rollout-is-threshold; VERL's TIS), mask "
+            "(weights over the cap set to 0) or none. The trainer recomputes its old logprobs unless none."
+        ),
+    ] = None,
+    rollout_is: Annotated[
+        str | None,
+        typer.Option(help="Importance ratio level (VERL's rollout_is): token (default) or sequence."),
+    ] = None,
+    rollout_is_threshold: Annotated[
+        float | None,
+        typer.Option(help="Cap of the importance weights, > 0 (VERL's rollout_is_threshold; 2.0)."),
+    ] = None,
 ) -> None:
     """Train the policy on batched triplets; publish every new version to agl.resources.
 
@@ -134,8 +170,11 @@ def trainer(
 
         torchrun --nproc-per-node 8 -m agl_stream trainer --backend verl --initial-model ./qwen --checkpoints ckpt
 
-    The RL options (--adv-estimator ... --max-grad-norm) apply to a new policy; a trainer that
-    resumes from --checkpoints keeps the options its checkpoint saved.
+    The RL options (--adv-estimator ... --rollout-is-threshold) apply to a new policy; a trainer that
+    resumes from --checkpoints keeps the options its checkpoint saved. Each step's metrics (table
+    trainer_steps) include the importance ratios (is_ratio_mean, is_ratio_max, is_truncated_share
+    or is_masked_share) and the staleness histogram (staleness_0, staleness_1, ..., staleness_max:
+    rows per policy version behind).
 
     Example config (trainer.toml):
 
@@ -170,6 +209,22 @@ def trainer(
         raise typer.BadParameter(
             f"the trainer needs the training extra ({error}): pip install 'agl-stream[train]'", param_hint="--backend"
         ) from error
+    from agl_stream.training.levels import ADVANTAGE_LEVELS, LOSS_AGG_MODES
+    from agl_stream.training.off_policy import IMPORTANCE_LEVELS, OFF_POLICY_CORRECTIONS
+
+    for name, choices in (
+        ("loss_agg_mode", LOSS_AGG_MODES),
+        ("advantage_level", ADVANTAGE_LEVELS),
+        ("off_policy_correction", OFF_POLICY_CORRECTIONS),
+        ("rollout_is", IMPORTANCE_LEVELS),
+    ):
+        if merged[name] is not None and merged[name] not in choices:
+            raise typer.BadParameter(
+                f"unknown {name} {merged[name]!r}: {', '.join(choices)}", param_hint="--" + name.replace("_", "-")
+            )
+    cap = merged["rollout_is_threshold"]
+    if cap is not None and not cap > 0:
+        raise typer.BadParameter(f"{cap} is not > 0", param_hint="--rollout-is-threshold")
     settings = settings_of(ctx)
     with metrics.expose(settings, "trainer"):
         trainer.main(settings, trainer.TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,51 @@ def test_old_log_probs_of_inserted_tokens_change_nothing(tokenizer: PreTrainedTo
         assert all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
+def _sampled(tokenizer: PreTrainedTokenizerFast) -> DataProto:
+    """Four responses of different lengths in two groups, with the tiny policy's (seed 0) log-probs as
+    the engine's (``rollout_log_probs``)."""
+    a, b = tokenizer.encode("say a"), tokenizer.encode("hello, say b")
+    data = _data([[(a, [5], 1.0, None), (a, [6, 7, 8], 0.0, None)], [(b, [9, 10], 0.0, None), (b, [11], 1.0, None)]])
+    data.batch["rollout_log_probs"] = _backend(tokenizer).log_probs(data)
+    return data
+
+
+@pytest.mark.parametrize(("shift", "weight"), [(0.5, 0.5), (1.0, 0.0)])
+def test_importance_weights_reach_the_loss(tokenizer: PreTrainedTokenizerFast, shift: float, weight: float) -> None:
+    """The engine's log-probs ``shift`` below the trainer's: ratio exp(shift) on every token. On the
+    first pass PPO's own ratio is 1, so the policy loss is the uncorrected one times the weight:
+    exp(0.5) under the cap of 2; exp(1) truncated to 2, or masked to 0."""
+    data = _sampled(tokenizer)
+    data.batch["rollout_log_probs"] = data.batch["rollout_log_probs"] - shift * data.batch["response_mask"]
+    plain = _backend(tokenizer, off_policy_correction="none", recompute_old_log_probs=True).step(data)
+    truncated = _backend(tokenizer).step(data)
+    masked = _backend(tokenizer, off_policy_correction="mask").step(data)
+    assert plain["recomputed_old_log_probs"] == truncated["recomputed_old_log_probs"] == 1.0
+    assert plain["pg_loss"] != 0.0 and plain["is_ratio_mean"] == pytest.approx(math.exp(shift), rel=1e-4)
+    assert truncated["pg_loss"] == pytest.approx(plain["pg_loss"] * min(math.exp(shift), 2.0), rel=1e-4)
+    assert truncated["is_ratio_max"] == pytest.approx(math.exp(shift), rel=1e-4)
+    assert truncated["is_truncated_share"] == (1.0 if shift == 1.0 else 0.0)
+    expected_masked = plain["pg_loss"] * (math.exp(shift) if weight else 0.0)
+    assert masked["pg_loss"] == pytest.approx(expected_masked, rel=1e-4, abs=1e-9)
+    assert masked["is_masked_share"] == truncated["is_truncated_share"]
+
+
+def test_rollout_mean_in_a_step(tokenizer: PreTrainedTokenizerFast) -> None:
+    """With one sample per rollout, rollout-mean is seq-mean-token-mean; with a rollout's sample given
+    twice (as two samples of it), its loss and gradient stay the same."""
+    data = _sampled(tokenizer)
+    by_rollout = _backend(tokenizer, loss_agg_mode="rollout-mean", entropy_coeff=0.01).step(data)
+    by_sequence = _backend(tokenizer, loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01).step(data)
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert by_rollout[key] == pytest.approx(by_sequence[key], rel=1e-5, abs=1e-6), key
+    twice = DataProto.concat([data, data[:1]])
+    twice.non_tensor_batch["triplet_index"][-1] = 1  # the same rollout's second sample
+    again = _backend(tokenizer, loss_agg_mode="rollout-mean", entropy_coeff=0.01).step(twice)
+    assert again["rollouts"] == by_rollout["rollouts"] == 4.0 and again["rows"] == 5.0
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert again[key] == pytest.approx(by_rollout[key], rel=1e-5, abs=1e-6), key
+
+
 def test_a_malformed_dataproto_is_an_invalid_batch(tokenizer: PreTrainedTokenizerFast) -> None:
     prompt = tokenizer.encode("say a")
     data = _data([[(prompt, [5], 1.0, None)]])
@@ -253,6 +299,10 @@ def test_unsupported_options_are_refused(tokenizer: PreTrainedTokenizerFast) -> 
         _backend(tokenizer, algorithm="dpo")
     with pytest.raises(ValueError, match="lr"):
         _backend(tokenizer, lr=0.0)
+    with pytest.raises(ValueError, match="off_policy_correction"):
+        _backend(tokenizer, off_policy_correction="clip")
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        _backend(tokenizer, loss_agg_mode="episode-mean")
 
 
 def test_a_few_steps_learn_a_trivial_task(tokenizer: PreTrainedTokenizerFast) -> None:

@@ -86,3 +86,32 @@ def test_rl_options_reach_a_new_policy_backend_and_unset_ones_keep_its_defaults(
         "clip_ratio_high": 0.28,
         "ppo_epochs": 2,
     }
+
+
+def test_advantage_loss_and_off_policy_options_reach_the_backend_and_bad_ones_are_named(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(trainer_role, "main", lambda settings, options: seen.append(options))
+    (tmp_path / "trainer.toml").write_text('off_policy_correction = "mask"\nrollout_is_threshold = 3.0\n')
+    app = typer.Typer()
+    app.command()(trainer_cmd.trainer)
+    flags = ["--checkpoints", str(tmp_path), "--config", str(tmp_path / "trainer.toml")]
+    flags += ["--advantage-level", "sample", "--loss-agg-mode", "rollout-mean", "--rollout-is", "sequence"]
+    result = CliRunner().invoke(app, flags, obj=Settings())
+    assert result.exit_code == 0, result.output
+    [options] = seen
+    chosen = trainer_role._new_backend_options(options)
+    assert {k: chosen[k] for k in trainer_role.BACKEND_OPTIONS if k in chosen} == {
+        "advantage_level": "sample",
+        "loss_agg_mode": "rollout-mean",
+        "off_policy_correction": "mask",
+        "rollout_is": "sequence",
+        "rollout_is_threshold": 3.0,
+    }
+    for flag, value in (("--off-policy-correction", "clip"), ("--advantage-level", "task")):
+        result = CliRunner().invoke(app, ["--checkpoints", str(tmp_path), flag, value], obj=Settings())
+        assert result.exit_code != 0 and "unknown" in result.output and value in result.output
+    help_text = CliRunner().invoke(app, ["--help"], obj=Settings(), env={"COLUMNS": "200"}).output
+    for flag in ("--advantage-level", "--off-policy-correction", "--rollout-is-threshold", "rollout-mean"):
+        assert flag in help_text, flag

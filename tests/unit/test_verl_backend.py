@@ -179,6 +179,36 @@ def test_the_engine_keeps_inserted_tokens_out_of_the_loss(policy_dir: Path, toke
     assert torch.allclose(verl.log_probs(data), reference.log_probs(data), atol=1e-4)
 
 
+@pytest.mark.parametrize("correction", ["truncate", "mask"])
+def test_importance_weights_and_rollout_mean_are_the_torch_backends(
+    policy_dir: Path, tokenizer: PreTrainedTokenizerFast, correction: str
+) -> None:
+    """The engine's log-probs off the trainer's (ratios exp(+-0.8): some over a cap of 1.5) and one
+    rollout of two samples: VERL's engine, given the weights as rollout_is_weights, lands where the
+    torch backend does, with rollout-mean riding on token-sum."""
+    data = _good_and_bad(tokenizer)
+    data.non_tensor_batch["rollout_id"][1] = data.non_tensor_batch["rollout_id"][0]  # r0 has two samples
+    shift = torch.tensor([[0.8], [-0.8], [0.3], [-0.3]]) * data.batch["response_mask"]
+    data.batch["rollout_log_probs"] = _torch(tokenizer).log_probs(data) - shift
+    options: dict[str, Any] = {
+        "off_policy_correction": correction,
+        "rollout_is_threshold": 1.5,
+        "loss_agg_mode": "rollout-mean",
+    }
+    verl, reference = _verl(policy_dir, **options), _torch(tokenizer, **options)
+    m_verl, m_torch = verl.step(data), reference.step(data)
+    share = "is_truncated_share" if correction == "truncate" else "is_masked_share"
+    assert m_verl[share] == m_torch[share] > 0 and m_verl["is_ratio_max"] == pytest.approx(math.exp(0.8), rel=1e-4)
+    assert m_verl["rollouts"] == 3.0 and m_verl["staleness_0"] == 4.0
+    for key in ("loss", "pg_loss"):
+        assert m_verl[key] == pytest.approx(m_torch[key], abs=1e-6), key
+    assert m_verl["grad_norm"] == pytest.approx(m_torch["grad_norm"], rel=1e-5)
+    assert m_verl["entropy"] == pytest.approx(m_torch["entropy"], rel=1e-5)
+    assert torch.allclose(verl.log_probs(data), reference.log_probs(data), atol=1e-4)
+    with pytest.raises(ValueError, match="rollout-mean"):
+        _verl(policy_dir, loss_agg_mode="rollout-mean", entropy_coeff=0.01)
+
+
 def test_save_and_load_round_trip(policy_dir: Path, tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
     data = _good_and_bad(tokenizer)
     backend = _verl(policy_dir, lr=5e-3, mini_batch_size=2)
@@ -219,7 +249,8 @@ def test_mini_batches_and_epochs_make_several_updates(policy_dir: Path, tokenize
 
 
 def test_rollout_log_probs_are_used_when_asked(policy_dir: Path, tokenizer: PreTrainedTokenizerFast) -> None:
-    backend = _verl(policy_dir, recompute_old_log_probs=False)
+    # off_policy_correction "none": the batch's old log-probs are used as they are (no recomputation).
+    backend = _verl(policy_dir, recompute_old_log_probs=False, off_policy_correction="none")
     gens = generate(build_model(seed=0), tokenizer, [tokenizer.encode("say a")] * 2, max_new_tokens=3, seed=1)
     records = [
         TripletRecord(

@@ -16,6 +16,7 @@ import agl_stream as agl
 from agl_stream.algorithm import ALGORITHMS, VERL, make_algorithm
 from agl_stream.algorithm.verl_config import (
     CRITIC_FREE_ESTIMATORS,
+    LOSS_AGG_MODES,
     RolePlan,
     VerlConfig,
     adapter_flags,
@@ -246,6 +247,41 @@ def test_the_estimators_are_the_trainer_backends() -> None:
     assert CRITIC_FREE_ESTIMATORS == BACKENDS
 
 
+def test_the_loss_aggregations_are_the_trainer_backends() -> None:
+    from agl_stream.training.levels import LOSS_AGG_MODES as BACKENDS
+
+    assert frozenset(BACKENDS) == LOSS_AGG_MODES
+
+
+def test_verls_rollout_correction_reaches_the_trainer() -> None:
+    """VERL 0.9's algorithm.rollout_correction names: rollout_is (None switches the correction off)
+    and a numeric rollout_is_threshold become the trainer's options; the others only as no-ops."""
+    corr = "algorithm.rollout_correction"
+    config = parse_verl_config({f"{corr}.rollout_is": "sequence", f"{corr}.rollout_is_threshold": 3.0})
+    assert config.trainer_options == {"rollout_is": "sequence", "rollout_is_threshold": 3.0}
+    assert parse_verl_config({corr: {"rollout_is": None}}).trainer_options == {"off_policy_correction": "none"}
+    trainer = next(r.args for r in verl_roles(config, PLAN, AdapterConfig()) if r.name == "trainer")
+    assert trainer[-4:] == ("--rollout-is", "sequence", "--rollout-is-threshold", "3.0")
+    assert parse_verl_config({f"{corr}.rollout_rs": None, f"{corr}.bypass_mode": False}) == VerlConfig()
+    assert parse_verl_config({"actor_rollout_ref.actor.loss_agg_mode": "rollout-mean"}).trainer_options == {
+        "loss_agg_mode": "rollout-mean"
+    }
+    with pytest.raises(AlgorithmConfigError) as info:
+        parse_verl_config(
+            {
+                f"{corr}.rollout_is": "turn",
+                f"{corr}.rollout_is_threshold": "0.5_5.0",
+                f"{corr}.rollout_rs": "token_k1",
+                f"{corr}.bypass_mode": True,
+            }
+        )
+    problems = info.value.problems
+    assert "not one of" in problems[f"{corr}.rollout_is"]
+    assert "IcePop" in problems[f"{corr}.rollout_is_threshold"]
+    assert "rejection sampling" in problems[f"{corr}.rollout_rs"]
+    assert "decoupled" in problems[f"{corr}.bypass_mode"]
+
+
 # -- what is enqueued --------------------------------------------------------------------------
 
 
@@ -334,9 +370,15 @@ def test_trace_aggregation_reaches_the_triplet_builder(tmp_path: Path, monkeypat
         result = CliRunner().invoke(app, list(triplets))
         assert result.exit_code == 0, result.output
         assert started["adapter"] == adapter.model_copy(update={"aggregation": "trajectory"})
-    # The default level adds no flag; a level the adapter contradicts, or an unknown one, is refused.
+    # Transition (the builder's own default) adds no flag; a level the adapter contradicts, or an
+    # unknown one, is refused.
     roles = verl_roles(parse_verl_config({level: "transition"}), PLAN, AdapterConfig())
     assert roles[0].name == "triplets" and "--aggregation" not in roles[0].args
+    # Without a level, trajectory is VERL's default, unless the adapter sets its own aggregation.
+    roles = verl_roles(parse_verl_config({}), PLAN, AdapterConfig(agent_match="solver"))
+    assert roles[0].args[-2:] == ("--aggregation", "trajectory")
+    roles = verl_roles(parse_verl_config({}), PLAN, AdapterConfig(aggregation="transition"))
+    assert "--aggregation" not in roles[0].args
     with pytest.raises(ConfigError, match="set one of them"):
         verl_roles(parse_verl_config({level: "transition"}), PLAN, AdapterConfig(aggregation="trajectory"))
     with pytest.raises(AlgorithmConfigError) as info:
@@ -411,7 +453,8 @@ def test_the_roles_arguments_parse_with_the_real_commands(tmp_path: Path, monkey
     assert (trainer.lr, trainer.clip_ratio_low, trainer.clip_ratio_high, trainer.mini_batch_size) == (1e-3, 0.2, 0.3, 3)
     assert (trainer.adv_estimator, trainer.initial_model, trainer.max_response_length) == ("rloo", model, 16)
     assert (started["batcher"].group_size, started["batcher"].max_rollouts, started["batcher"].linger_s) == (3, 6, 5.0)
-    assert started["triplets"]["adapter"] == adapter
+    # No trace_aggregator.level and no aggregation of the adapter's own: trajectory, VERL's default.
+    assert started["triplets"]["adapter"] == adapter.model_copy(update={"aggregation": "trajectory"})
     assert (started["inference"]["checkpoint"], started["inference"]["default_max_tokens"]) == (model, 16)
 
 
