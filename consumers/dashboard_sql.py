@@ -283,7 +283,8 @@ def version_lineage(database: str, version: int) -> dict[str, Query]:
             "SELECT rollout_id, attempt_id, any(batch_id) AS batch_id, any(group_id) AS group_id, "
             "any(policy_version) AS served_version, count() AS samples, sum(length(span_ids)) AS spans, "
             "sum(response_tokens) AS response_tokens, any(final_reward) AS final_reward "
-            f"FROM {db}.batch_samples FINAL WHERE {in_version} "
+            # Filtered in a subquery: outside, batch_id is the aggregate's alias.
+            f"FROM (SELECT * FROM {db}.batch_samples FINAL WHERE {in_version}) "
             "GROUP BY rollout_id, attempt_id ORDER BY batch_id, min(sample_index)",
             p,
         ),

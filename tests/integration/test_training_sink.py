@@ -302,6 +302,10 @@ def test_a_batch_keeps_its_samples_span_ids_and_the_lineage_query_finds_them_by_
         samples = _rows(ch, "SELECT * FROM agl.batch_samples FINAL WHERE batch_id = 'tb-lineage' ORDER BY sample_index")
         lineage = _rows(ch, dsql.trained_by_version("agl").replace("{version:Int64}", "4"))
         none = _rows(ch, dsql.trained_by_version("agl").replace("{version:Int64}", "3"))
+        page = {}  # the version page's statements, with the version bound as the gateway binds it
+        for name, query in dsql.version_lineage("agl", 4).items():
+            result = ch.query(query.sql, parameters=query.parameters)
+            page[name] = [dict(zip(result.column_names, row, strict=True)) for row in result.result_rows]
 
     assert [(s["sample_index"], s["rollout_id"], s["triplet_index"], s["span_ids"], s["calls"]) for s in samples] == [
         (0, "ro-000000000000", 0, ["sp-a", "sp-b", "sp-c"], 3),
@@ -321,3 +325,9 @@ def test_a_batch_keeps_its_samples_span_ids_and_the_lineage_query_finds_them_by_
         (2, 1, "sp-old", ""),
     ]
     assert {r["batch_id"] for r in lineage} == {"tb-lineage"} and none == []
+    assert [s["batch_id"] for s in page["steps"]] == [b["batch_id"] for b in page["batches"]] == ["tb-lineage"]
+    assert [(a["rollout_id"], a["samples"], a["spans"], a["served_version"]) for a in page["attempts"]] == [
+        ("ro-000000000000", 2, 4, 0),
+        ("ro-old", 1, 1, 1),
+    ]
+    assert page["lineage"] == lineage
