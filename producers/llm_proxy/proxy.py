@@ -29,6 +29,12 @@ attempt before the agent gets the answer. This module is the I/O edge; the rules
   status and message, and are recorded as ERROR spans. A span that cannot be written (store
   down, unknown attempt) never costs the agent its answer: it is logged and counted
   (``GET /health``).
+- **Version switches.** A vLLM backend run by ``agl-stream inference --engine vllm`` switches
+  policy versions behind its hand-off gate (``consumers/switch_gate.py``): during a switch a
+  call here is only slower (held there, then answered by the new server); past the gate's
+  deadlines its typed 503 (``policy_switch_timeout``, with Retry-After) reaches the agent like
+  any backend error. The version that served each call (the backend's ``x-agl-policy-version``,
+  which the gate sets) is recorded on its span, errors included.
 - ``/v1/...`` without the rollout and attempt is served too, unrecorded (there is no attempt
   to attach a span to), and counted as ``unattributed``.
 """
