@@ -165,7 +165,7 @@ async def test_the_vllm_engine_restarts_its_server_on_each_published_version(
     manager = start_role(
         settings,
         "inference",
-        *("--engine", "vllm", "--vllm-command", stand_in, "--ready-timeout", "120"),
+        *("--engine", "vllm", "--vllm-command", stand_in, "--ready-timeout", "300"),
         *("--port", str(port), "--model", str(folder), "--model-name", MODEL),
         log_name="vllm",
     )
@@ -182,9 +182,10 @@ async def test_the_vllm_engine_restarts_its_server_on_each_published_version(
             try:
                 return bool((await json_of(models))["data"][0]["root"] == str(newer))
             except httpx.HTTPError:
-                return False  # between the old server's stop and the new one's start
+                return False  # held at the role's gate while the new server starts (json_of waits up to 60 s)
 
-        await eventually(restarted_on_v1, timeout=120)
+        # A stand-in's start (torch's import, the model's load) beside busy tests took ~100 s.
+        await eventually(restarted_on_v1, timeout=300)
         body, _ = await chat(port, 0)
         assert body["model"] == MODEL and body["choices"][0]["message"]["role"] == "assistant"
     finally:
