@@ -176,7 +176,9 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def page(browser: Any, dash: Dash) -> Iterator[Any]:
+def page(dash: Dash, browser: Any) -> Iterator[Any]:
+    # dash first: its stack starts with asyncio.run, which fails once Playwright's sync API runs
+    # its event loop in this thread (a test run alone would set the browser up first).
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     tab = context.new_page()
     errors: list[str] = []
@@ -424,7 +426,7 @@ def test_a_versions_page_shows_the_batches_rollouts_and_spans_that_trained_it(pa
     assert _cells(page, "version-attempts", "rollout_id") == [c["rollout_id"] for c in calls]
     assert _cells(page, "version-spans-table", "span_id") == [r["span_id"] for r in lineage]
     assert _cells(page, "version-spans-table", "trace_id") == [r["trace_id"] for r in lineage]
-    assert "FROM agl.batch_samples FINAL" in page.inner_text('[data-testid="version-sql"]')
+    assert "FROM agl.batch_samples FINAL" in (page.text_content('[data-testid="version-sql"]') or "")  # folded
     _shot(page, dash, "version")
     # A span links to its attempt's waterfall with the span selected.
     page.locator('[data-testid="version-spans-table"] td[data-col="span_id"] a').first.click()
