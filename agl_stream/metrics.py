@@ -28,7 +28,7 @@ import json
 import os
 import time
 from collections import Counter as Tally
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,12 @@ RUNNER_ATTEMPTS = Counter(
     "Runner: attempts it claimed, by how each ended (succeeded, failed, released, already_closed, abandoned).",
     ["role", "status"],
 )
+TRAINING_SAMPLES = Counter(
+    "agl_training_samples",
+    "Triplet builder: training samples it built, and (outcome=break, reason) where trajectory "
+    "aggregation had to start a new sample (branch, rewritten, drift).",
+    ["role", "outcome", "reason"],
+)
 INGRESS_REQUESTS = Counter(
     "agl_ingress_requests",
     "Ingress: task requests it handled, by outcome (enqueued; already_enqueued: a copy, answered, "
@@ -178,6 +184,7 @@ ALL: tuple[MetricWrapperBase, ...] = (
     PROXY_CALL_SECONDS,
     INFERENCE_REQUEST_SECONDS,
     RUNNER_ATTEMPTS,
+    TRAINING_SAMPLES,
     INGRESS_REQUESTS,
 )
 """Every metric agl-stream defines (the Grafana dashboard may use these and no others)."""
@@ -215,6 +222,13 @@ def count_out(topic: str, records: int = 1) -> None:
     """``records`` produced to ``topic`` (once per batch or call)."""
     if records:
         RECORDS_OUT.labels(_role, topic_label(topic)).inc(records)
+
+
+def count_samples(samples: int, breaks: Mapping[str, int]) -> None:
+    """Count one attempt's training samples and, per reason, the calls that started a new one."""
+    TRAINING_SAMPLES.labels(_role, "built", "").inc(samples)
+    for reason, calls in breaks.items():
+        TRAINING_SAMPLES.labels(_role, "break", reason).inc(calls)
 
 
 def count_dlq(items: Iterable[tuple[str, BaseException]]) -> None:

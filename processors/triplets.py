@@ -231,6 +231,7 @@ class TripletBuilder:
         resources_id = resources_id_of(ready.finished)
         snapshot = await self.resources.get(resources_id) if resources_id else None
         record, result = triplet_record(ready.finished, ready.spans, self.adapter, snapshot)
+        metrics.count_samples(len(record.triplets), result.breaks)
         if result.issues or not ready.complete:
             log.info(
                 "attempt's trace had issues",

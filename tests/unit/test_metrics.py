@@ -166,3 +166,14 @@ async def test_status_shows_dead_endpoints_and_no_kafka_without_failing(tmp_path
     assert [(v.role, v.state) for v in seen.roles] == [("processor", "exited")]
     assert seen.lags == [] and seen.kafka_error
     assert not (folder / "processor-999999.json").exists()  # a dead process's file is cleared
+
+
+def test_training_samples_and_trajectory_breaks_are_counted_by_reason() -> None:
+    metrics.set_role("unit-samples")
+    built = metrics.TRAINING_SAMPLES.labels("unit-samples", "built", "")
+    drift = metrics.TRAINING_SAMPLES.labels("unit-samples", "break", "drift")
+    before_built, before_drift = built._value.get(), drift._value.get()
+    metrics.count_samples(2, {"drift": 1})
+    metrics.count_samples(1, {})
+    assert built._value.get() == before_built + 3
+    assert drift._value.get() == before_drift + 1
