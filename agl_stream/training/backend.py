@@ -25,6 +25,7 @@ batch; no groups needed). ``adv_estimator`` picks any other critic-free VERL est
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -36,7 +37,7 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from agl_stream.training.data import InvalidBatchError
 from agl_stream.training.levels import check_levels, rollout_advantages
-from agl_stream.training.off_policy import check_correction, staleness_histogram
+from agl_stream.training.off_policy import check_correction, importance_correction, staleness_histogram
 
 Algorithm = Literal["grpo", "ppo"]
 LossAggMode = Literal[
@@ -228,6 +229,31 @@ def row_versions(data: DataProto) -> list[int | None]:
     if versions is None:
         return [None] * len(data)
     return [None if v is None else int(v) for v in versions]
+
+
+def old_log_probs_and_weights(
+    batch: dict[str, torch.Tensor], options: Any, compute_log_probs: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float], bool]:
+    """The old-policy log-probs a step trains against, the importance weights for the loss (None
+    without the engine's ``rollout_log_probs``), their metrics, and whether the old log-probs were
+    recomputed (``compute_log_probs``: the backend's own forward pass). Correcting needs the
+    trainer's own old log-probs, so it recomputes them; otherwise the batch's are used unless
+    ``options.recompute_old_log_probs``. Shared by every backend."""
+    engine_log_probs = batch.get("rollout_log_probs")
+    correct = options.off_policy_correction != "none" and engine_log_probs is not None
+    recompute = options.recompute_old_log_probs or "old_log_probs" not in batch or correct
+    old_log_probs = compute_log_probs(batch) if recompute else batch["old_log_probs"].float()
+    if engine_log_probs is None:
+        return old_log_probs, None, {}, recompute
+    result = importance_correction(
+        old_log_probs,
+        engine_log_probs.float(),
+        batch["response_mask"],
+        correction=options.off_policy_correction,
+        level=options.rollout_is,
+        threshold=options.rollout_is_threshold,
+    )
+    return old_log_probs, result.weights, result.metrics, recompute
 
 
 def off_policy_metrics(

@@ -29,6 +29,7 @@ from agl_stream.training.backend import (
     check_common_options,
     compute_advantages,
     off_policy_metrics,
+    old_log_probs_and_weights,
     prepare_batch,
     row_versions,
     step_metrics,
@@ -42,7 +43,7 @@ from agl_stream.training.levels import (
     rollout_mean_weights,
     verl_loss_agg_mode,
 )
-from agl_stream.training.off_policy import ImportanceLevel, OffPolicyCorrection, importance_correction
+from agl_stream.training.off_policy import ImportanceLevel, OffPolicyCorrection
 
 
 @dataclass(frozen=True)
@@ -238,23 +239,10 @@ class TorchPolicyBackend:
         batch = self._prepare(data)
         rollouts = rollout_index(data)
         advantages = self._advantages(data, batch, rollouts)
-        engine_log_probs = batch.get("rollout_log_probs")
-        correct = options.off_policy_correction != "none" and engine_log_probs is not None
-        recompute = options.recompute_old_log_probs or "old_log_probs" not in batch or correct
         version_before = self._policy_version
-        old_log_probs = self._compute_log_probs(batch) if recompute else batch["old_log_probs"]
-        is_weights: torch.Tensor | None = None
-        correction: dict[str, float] = {}
-        if engine_log_probs is not None:
-            result = importance_correction(
-                old_log_probs,
-                engine_log_probs.float(),
-                batch["response_mask"],
-                correction=options.off_policy_correction,
-                level=options.rollout_is,
-                threshold=options.rollout_is_threshold,
-            )
-            is_weights, correction = result.weights, result.metrics
+        old_log_probs, is_weights, correction, recompute = old_log_probs_and_weights(
+            batch, options, self._compute_log_probs
+        )
 
         rows = batch["input_ids"].shape[0]
         mini = options.mini_batch_size or rows

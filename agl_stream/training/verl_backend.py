@@ -103,6 +103,7 @@ from agl_stream.training.backend import (
     check_common_options,
     compute_advantages,
     off_policy_metrics,
+    old_log_probs_and_weights,
     prepare_batch,
     resolve_estimator,
     row_versions,
@@ -117,7 +118,7 @@ from agl_stream.training.levels import (
     rollout_mean_weights,
     verl_loss_agg_mode,
 )
-from agl_stream.training.off_policy import ImportanceLevel, OffPolicyCorrection, importance_correction
+from agl_stream.training.off_policy import ImportanceLevel, OffPolicyCorrection
 from agl_stream.training.verl_cpu import use_cpu_platform
 
 VERL_STATE_FILE = "verl_state.json"
@@ -387,23 +388,8 @@ class VerlFSDPBackend:
     ) -> dict[str, float]:
         started = time.perf_counter()
         options = self.options
-        engine_log_probs = batch.get("rollout_log_probs")
-        correct = options.off_policy_correction != "none" and engine_log_probs is not None
-        recompute = options.recompute_old_log_probs or "old_log_probs" not in batch or correct
         version_before = self._policy_version
-        old_log_probs = self._log_probs(batch) if recompute else batch["old_log_probs"].float()
-        is_weights: torch.Tensor | None = None
-        correction: dict[str, float] = {}
-        if engine_log_probs is not None:
-            result = importance_correction(
-                old_log_probs,
-                engine_log_probs.float(),
-                batch["response_mask"],
-                correction=options.off_policy_correction,
-                level=options.rollout_is,
-                threshold=options.rollout_is_threshold,
-            )
-            is_weights, correction = result.weights, result.metrics
+        old_log_probs, is_weights, correction, recompute = old_log_probs_and_weights(batch, options, self._log_probs)
         tensors = {**batch, "advantages": advantages, "old_log_probs": old_log_probs}
 
         rows = batch["input_ids"].shape[0]
