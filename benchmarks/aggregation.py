@@ -2,12 +2,13 @@
 
 The keypad example (``examples/keypad``: three model calls per rollout, the keypad's feedback
 inserted between them, reward = mean digit fraction of the three answers) is trained by the
-demo's loop of roles (stack, triplet builder, batcher with GRPO groups of ``--group`` and
-batches of ``--groups`` groups, trainer with the torch backend and the tiny policy, CPU
-inference, LLM proxy, runner; learning rate 0.05 as the RL loop test trains: the demo's 0.01
-moves the tiny policy little in 8 versions), once with ``agl-stream triplets --aggregation transition`` and
-once with ``--aggregation trajectory``; everything else is the same (the same initial weights,
-seed 0; sampling is not seeded and the loop is asynchronous, so the runs are not replicas).
+demo's loop of roles (:func:`agl_stream.demo.loop.running_loop`: stack, triplet builder,
+batcher with GRPO groups of ``--group`` and batches of ``--groups`` groups, trainer with the
+torch backend and the tiny policy, CPU inference, LLM proxy, runner; learning rate 0.05 as the
+RL loop test trains: the demo's 0.01 moves the tiny policy little in 8 versions), once with
+``agl-stream triplets --aggregation transition`` and once with ``--aggregation trajectory``;
+everything else is the same (the same initial weights, seed 0; sampling is not seeded and the
+loop is asynchronous, so the runs are not replicas).
 
 Per mode it reports, from ClickHouse:
 
@@ -28,14 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +42,8 @@ from _measure import bench_settings  # type: ignore[import-not-found]
 from rich.console import Console
 from rich.table import Table
 
-from agl_stream import stack
 from agl_stream.config import Settings
-from agl_stream.kafka import broker
-from agl_stream.processes import RoleGroup
+from agl_stream.demo import loop
 from agl_stream.store.client import AglStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +51,8 @@ sys.path.insert(0, str(ROOT))  # the examples are imported from the repository r
 from examples.keypad import keypad_agent  # noqa: E402
 
 AGENT = "examples.keypad.keypad_agent:keypad_agent"
+# The runner imports the example from the repository root.
+RUNNER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 MODEL = "agl-tiny"
 
 TRAINED_BY_VERSION = (
@@ -70,50 +69,6 @@ RECORDS = (
     "SELECT count(), sum(n_triplets), sum(prompt_tokens + response_tokens), "
     "countIf(n_triplets > 1) FROM {db}.triplet_records FINAL"
 )
-
-
-@contextlib.contextmanager
-def running_loop(settings: Settings, aggregation: str, group: int, groups: int, lr: float) -> Iterator[Settings]:
-    """The demo's roles (:func:`agl_stream.demo.loop.running_loop`) with the keypad agent, the
-    triplet builder's ``--aggregation`` and the trainer's ``--lr``; stops everything it started."""
-    opened = stack.open_session(settings)
-    try:
-        running = opened.settings
-        model_port, proxy_port = broker.free_ports(2)
-        proxy_url = f"http://127.0.0.1:{proxy_port}/v1"
-        roles = RoleGroup(running, settings.data_dir / "logs")
-        try:
-            roles.start("triplets", "--settle", "2", "--aggregation", aggregation, name="triplets")
-            batcher_flags = ("--group-size", str(group), "--max-rollouts", str(group * groups), "--linger", "5")
-            roles.start("batcher", *batcher_flags, name="batcher")
-            roles.start(
-                "trainer",
-                "--checkpoints",
-                str(settings.data_dir / "checkpoints"),
-                "--model-name",
-                MODEL,
-                "--proxy-endpoint",
-                proxy_url,
-                "--lr",
-                str(lr),
-                name="trainer",
-            )
-            roles.start("inference", "--port", str(model_port), "--model-name", MODEL, name="inference")
-            roles.wait_http("inference", f"http://127.0.0.1:{model_port}/health")
-            backend = f"{MODEL}=http://127.0.0.1:{model_port}/v1"
-            roles.start("llm-proxy", "--port", str(proxy_port), "--backend", backend, name="llm-proxy")
-            roles.wait_http("llm-proxy", f"http://127.0.0.1:{proxy_port}/health")
-            roles.start(
-                "runner",
-                *("--agent", AGENT, "--concurrency", "16", "--resources", "latest"),
-                name="runner",
-                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
-            )
-            yield running
-        finally:
-            roles.stop(timeout=30)
-    finally:
-        stack.close_session(opened, settings)
 
 
 async def _rows(store: AglStore, sql: str, settings: Settings) -> list[Any]:
@@ -255,7 +210,16 @@ def main() -> None:
         console.print(f"[bold]{mode}[/bold]: training {args.versions} versions")
         with tempfile.TemporaryDirectory(prefix="agl-aggregation-") as folder:
             settings = bench_settings(Path(folder), "agg")
-            with running_loop(settings, mode, args.group, args.groups, args.lr) as running:
+            with loop.running_loop(
+                settings,
+                console,
+                trainer_options=("--lr", str(args.lr)),
+                triplet_options=("--aggregation", mode),
+                agent=AGENT,
+                group=args.group,
+                groups=args.groups,
+                runner_env=RUNNER_ENV,
+            ) as running:
                 results[mode] = asyncio.run(
                     drive(running, versions=args.versions, minutes=args.minutes, group=args.group, groups=args.groups)
                 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,14 +81,26 @@ class DemoResult:
 
 @contextlib.contextmanager
 def running_loop(
-    settings: Settings, console: Console, *, keep: bool = False, trainer_options: Sequence[str] = ()
+    settings: Settings,
+    console: Console,
+    *,
+    keep: bool = False,
+    trainer_options: Sequence[str] = (),
+    triplet_options: Sequence[str] = (),
+    agent: str = "agl_stream.demo.task:digits",
+    group: int = GROUP,
+    groups: int = GROUPS_PER_ROUND,
+    runner_env: Mapping[str, str] | None = None,
 ) -> Iterator[Settings]:
     """Start every role; stop them all on the way out (a stack `up` started is used, and left running).
 
     ``keep``: leave the local stack this started running (broker, processor, gateway, ...) so that
     its data stays in view on the dashboard; the demo's own roles (trainer, model, proxy, runner)
     stop as always. `agl-stream --data-dir <its data dir> down` stops the stack.
-    ``trainer_options``: more `agl-stream trainer` flags (e.g. ``("--lr", "0.05")``)."""
+    ``trainer_options``, ``triplet_options``: more `agl-stream trainer` / `triplets` flags (e.g.
+    ``("--lr", "0.05")``, ``("--aggregation", "trajectory")``). ``agent``: the runner's
+    ``module:function`` (another task: ``runner_env`` can put its folder on PYTHONPATH);
+    ``group`` rollouts per task and ``groups`` tasks per training batch."""
     with console.status("starting the local stack (broker, topics, processor, gateway) ...") as spinner:
         opened = stack.open_session(settings, progress=spinner.update)
     try:
@@ -101,13 +113,13 @@ def running_loop(
                 "starting the triplet builder, batcher, trainer, model, proxy and runner ..."
             ) as spinner:
                 roles.progress = spinner.update
-                roles.start("triplets", "--settle", "2", name="triplets")
+                roles.start("triplets", "--settle", "2", *triplet_options, name="triplets")
                 roles.start(
                     "batcher",
                     "--group-size",
-                    str(GROUP),
+                    str(group),
                     "--max-rollouts",
-                    str(GROUP * GROUPS_PER_ROUND),
+                    str(group * groups),
                     "--linger",
                     "5",
                     name="batcher",
@@ -137,12 +149,13 @@ def running_loop(
                 roles.start(
                     "runner",
                     "--agent",
-                    "agl_stream.demo.task:digits",
+                    agent,
                     "--concurrency",
                     "16",
                     "--resources",
                     "latest",
                     name="runner",
+                    env=runner_env,
                 )
             yield running
         finally:
