@@ -1,4 +1,4 @@
-"""A policy version switch under a steady stream of agent calls drops none (issue 27's hand-off).
+"""A policy version switch under a steady stream of agent calls drops none (the vLLM role's hand-off gate).
 
 Real processes and HTTP: the vLLM inference role (``agl-stream inference --engine vllm``, with
 ``agl-stream inference --no-follow`` on a tiny HF model folder standing in for vLLM, which needs
@@ -133,7 +133,7 @@ async def test_a_version_switch_under_a_steady_stream_of_calls_fails_none(
                             after += 1
 
             agents = [asyncio.create_task(agent(n)) for n in range(AGENTS)]
-            await until(lambda: asyncio.sleep(0, calls.ok >= 2 * AGENTS), "calls before the switch", 120, role, log)
+            await until(lambda: asyncio.sleep(0, calls.ok >= 2 * AGENTS), "calls before the switch", START_S, role, log)
             before = calls.ok
             await publish(settings, ModelCheckpoint(uri=str(newer), model=model, policy_version=1))
             await until(lambda: serves(1), "the switch to version 1", START_S, role, log)

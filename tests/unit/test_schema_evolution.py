@@ -223,7 +223,7 @@ def test_triplet_records_and_batches_written_before_the_mode_field_decode_withou
     assert batch.staleness_counts == [] and batch.kept_stale == 0  # older than the staleness histogram
 
 
-# The release before batches carried their staleness histogram (issue 27).
+# The release before batches carried their staleness histogram.
 TRIPLET_BATCH_BEFORE_HISTOGRAM = "schemas/history/TripletBatch.9b7041f2f6a540e7.avsc"
 
 
