@@ -46,7 +46,7 @@ test: venv jars browser
 	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts examples
 	$(MAKE) --no-print-directory typecheck
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 lint: venv
 	$(BIN)/ruff check .

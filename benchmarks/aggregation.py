@@ -20,15 +20,24 @@ Per mode it reports, from ClickHouse:
 * overall: samples per rollout and tokens per sample over every record the triplet builder
   wrote (``triplet_records``), and the wall time to the last version.
 
+* the attempts that failed (an agent call that failed fails its attempt) and, with
+  ``--engine vllm``, the inference role's hand-off counters (``/health``: switches, calls held,
+  retried, cut and refused, the longest pause, the longest hold of one call).
+
 Run: ``python benchmarks/aggregation.py [--versions 8] [--modes transition trajectory]``; JSON to
 benchmarks/results/aggregation.json. Each mode starts its own local stack in a temporary data
 dir (unless AGL_KAFKA_BOOTSTRAP names a cluster) and stops everything it started.
+
+On a GPU (``scripts/gpu_check_loop.sh`` runs it so): ``--backend verl --engine vllm --model-path
+FOLDER`` trains an HF model folder with VERL's FSDP engine and serves every version with vLLM
+behind the hand-off gate (``--vllm-arg=--gpu-memory-utilization=0.3`` leaves the trainer room).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -38,12 +47,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from _measure import bench_settings  # type: ignore[import-not-found]
 from rich.console import Console
 from rich.table import Table
 
 from agl_stream.config import Settings
 from agl_stream.demo import loop
+from agl_stream.kafka.broker import free_ports
 from agl_stream.store.client import AglStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +64,7 @@ from examples.keypad import keypad_agent  # noqa: E402
 AGENT = "examples.keypad.keypad_agent:keypad_agent"
 # The runner imports the example from the repository root.
 RUNNER_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-MODEL = "agl-tiny"
+MODEL = loop.MODEL
 
 TRAINED_BY_VERSION = (
     "SELECT s.policy_version, b.n_records, s.samples, s.tokens, s.metrics['response_tokens'], "
@@ -65,6 +76,7 @@ REWARD_BY_VERSION = (
     "SELECT policy_version, count(), avg(final_reward) FROM {db}.triplet_records FINAL "
     "WHERE policy_version IS NOT NULL GROUP BY policy_version ORDER BY policy_version"
 )
+ATTEMPTS = "SELECT countIf(status = 'failed'), count() FROM {db}.attempts FINAL WHERE status IN ('succeeded', 'failed')"
 RECORDS = (
     "SELECT count(), sum(n_triplets), sum(prompt_tokens + response_tokens), "
     "countIf(n_triplets > 1) FROM {db}.triplet_records FINAL"
@@ -76,7 +88,18 @@ async def _rows(store: AglStore, sql: str, settings: Settings) -> list[Any]:
     return list((await store.side.query(sql.format(db=settings.clickhouse_database))).rows)
 
 
-async def drive(settings: Settings, *, versions: int, minutes: float, group: int, groups: int) -> dict[str, Any]:
+async def gate_counters(health_url: str) -> dict[str, Any]:
+    """The inference role's hand-off counters (vLLM engine), or {} where its /health has none."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+            handoff = (await http.get(health_url)).json().get("handoff")
+            return dict(handoff) if isinstance(handoff, dict) else {}
+    return {}
+
+
+async def drive(
+    settings: Settings, *, versions: int, minutes: float, group: int, groups: int, health_url: str
+) -> dict[str, Any]:
     """Enqueue rounds of ``groups`` task groups (two rounds in flight, as the demo does) until the
     trainer published ``versions`` versions after version 0; then read what was trained."""
     tasks = keypad_agent.load_tasks(keypad_agent.TRAIN_FILE)
@@ -122,6 +145,8 @@ async def drive(settings: Settings, *, versions: int, minutes: float, group: int
             await asyncio.sleep(1)
         rewards = await _rows(store, REWARD_BY_VERSION, settings)
         records, samples, tokens, merged_more = (await _rows(store, RECORDS, settings))[0]
+        failed_attempts, attempts = (await _rows(store, ATTEMPTS, settings))[0]
+        gate = await gate_counters(health_url)
     finally:
         await store.close()
     return {
@@ -144,6 +169,9 @@ async def drive(settings: Settings, *, versions: int, minutes: float, group: int
         "samples_per_rollout": round(int(samples) / int(records), 3) if records else float("nan"),
         "tokens_per_sample": round(int(tokens) / int(samples), 1) if samples else float("nan"),
         "records_of_several_samples": int(merged_more),
+        "attempts": int(attempts),
+        "failed_attempts": int(failed_attempts),
+        "gate": gate,
     }
 
 
@@ -177,7 +205,8 @@ def show(results: dict[str, dict[str, Any]], console: Console) -> None:
         table.add_row(*cells)
     console.print(table)
     table = Table(title="overall (every triplet record written)")
-    for column in ("mode", "records", "samples/rollout", "tokens/sample", "versions", "wall s"):
+    columns = ("mode", "records", "samples/rollout", "tokens/sample", "versions", "wall s", "failed attempts")
+    for column in columns:
         table.add_column(column, justify="right")
     for mode in modes:
         r = results[mode]
@@ -188,8 +217,17 @@ def show(results: dict[str, dict[str, Any]], console: Console) -> None:
             str(r["tokens_per_sample"]),
             str(r["versions"]),
             str(r["wall_s"]),
+            f"{r['failed_attempts']}/{r['attempts']}",
         )
     console.print(table)
+    for mode in modes:
+        gate = results[mode]["gate"]
+        if gate:
+            console.print(
+                f"{mode}: hand-off gate: {gate['switches']} switches, longest pause {gate['longest_pause_s']:.1f} s, "
+                f"{gate['held']} calls held (longest {gate['longest_hold_s']:.1f} s), {gate['retried']} retried, "
+                f"{gate['cut']} cut, {gate['refused']} refused"
+            )
 
 
 def main() -> None:
@@ -200,28 +238,53 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="groups per batch")
     parser.add_argument("--lr", type=float, default=0.05, help="the trainer's learning rate (the RL loop test's)")
     parser.add_argument("--modes", nargs="+", default=["transition", "trajectory"])
+    parser.add_argument("--backend", choices=("torch", "verl"), default="torch", help="the trainer's policy backend")
+    parser.add_argument("--engine", choices=("cpu", "vllm"), default="cpu", help="the inference role's engine")
+    parser.add_argument("--model-path", help="HF causal LM folder to start from (default: the tiny policy)")
+    parser.add_argument("--model-name", default=MODEL, help="the name the policy is served under")
+    parser.add_argument("--vllm-arg", action="append", default=[], help="one more argument for vLLM's server")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "aggregation.json")
     args = parser.parse_args()
     console = Console()
     # SIGTERM (a timeout, a kill) unwinds like Ctrl-C, so every role and the stack are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.engine == "vllm" and not args.model_path:
+        parser.error("--engine vllm needs --model-path (vLLM serves a model folder)")
+    trainer_options = ["--lr", str(args.lr), "--backend", args.backend]
+    inference_options = [f"--vllm-arg={arg}" for arg in args.vllm_arg]
+    if args.model_path:
+        trainer_options += ["--initial-model", args.model_path]
+        inference_options += ["--model", args.model_path]
+    if args.engine == "vllm":
+        inference_options += ["--engine", "vllm"]
     results: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         console.print(f"[bold]{mode}[/bold]: training {args.versions} versions")
         with tempfile.TemporaryDirectory(prefix="agl-aggregation-") as folder:
             settings = bench_settings(Path(folder), "agg")
+            ports = free_ports(2)
             with loop.running_loop(
                 settings,
                 console,
-                trainer_options=("--lr", str(args.lr)),
+                trainer_options=trainer_options,
                 triplet_options=("--aggregation", mode),
                 agent=AGENT,
                 group=args.group,
                 groups=args.groups,
                 runner_env=RUNNER_ENV,
+                model=args.model_name,
+                inference_options=inference_options,
+                ports=(ports[0], ports[1]),
             ) as running:
                 results[mode] = asyncio.run(
-                    drive(running, versions=args.versions, minutes=args.minutes, group=args.group, groups=args.groups)
+                    drive(
+                        running,
+                        versions=args.versions,
+                        minutes=args.minutes,
+                        group=args.group,
+                        groups=args.groups,
+                        health_url=f"http://127.0.0.1:{ports[0]}/health",
+                    )
                 )
         args.out.parent.mkdir(parents=True, exist_ok=True)  # after each mode: a later failure keeps it
         args.out.write_text(json.dumps({"cpus": os.cpu_count(), "lr": args.lr, **results}, indent=2) + "\n")

@@ -4,9 +4,13 @@
 #   verl:  VERL's FSDP engine under torchrun, one process per GPU ($NPROC, default: every GPU torch sees);
 #   vllm:  every policy version reaches vLLM's server (scripts/gpu_check_vllm.py: trains on the GPU,
 #          publishes HF folders, the vLLM manager restarts the server on each); skipped, and said so,
-#          when vllm is not installed.
-# --backend torch|verl|vllm runs only that one; --dry-run runs them all on the CPU with a tiny model
-# (verl on 2 CPU ranks, or $NPROC; vllm with agl-stream inference standing in for vLLM): no GPU
+#          when vllm is not installed;
+#   loop:  the whole RL loop, VERL + vLLM with trajectory aggregation and the hand-off gate, on the
+#          keypad example (scripts/gpu_check_loop.py: reward per version, 0 failed calls, longest
+#          pause); $MODEL_PATH names an HF instruct folder (default: the tiny policy); skipped, and
+#          said so, when vllm is not installed.
+# --backend torch|verl|vllm|loop runs only that one; --dry-run runs them all on the CPU with a tiny model
+# (verl on 2 CPU ranks, or $NPROC; vllm and loop with agl-stream inference standing in for vLLM): no GPU
 # needed. Other arguments go to gpu_check.py (--steps 10 --json out.json ...); --json also reaches
 # gpu_check_vllm.py. Python: $PYTHON, else the repo's .venv, else python3; it needs torch,
 # transformers and verl (and vllm for the vllm check).
@@ -19,7 +23,7 @@ if [[ -z "$python" ]]; then
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-backends=(torch verl vllm)
+backends=(torch verl vllm loop)
 dry_run=0
 args=()
 vllm_args=()
@@ -65,8 +69,17 @@ for backend in "${backends[@]}"; do
         echo "gpu_check (vllm): vllm is not installed for $python; skipped (pip install vllm to check it)"
       fi
       ;;
+    loop)
+      loop_args=(${vllm_args[@]+"${vllm_args[@]}"})
+      if [[ -n "${MODEL_PATH:-}" ]]; then loop_args+=(--model-path "$MODEL_PATH"); fi
+      if [[ $dry_run == 1 ]] || "$python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
+        "$python" "$root/scripts/gpu_check_loop.py" ${loop_args[@]+"${loop_args[@]}"} || rc=$?
+      else
+        echo "gpu_check (loop): vllm is not installed for $python; skipped (pip install vllm to check it)"
+      fi
+      ;;
     *)
-      echo "gpu_check.sh: unknown backend '$backend' (torch, verl or vllm)" >&2
+      echo "gpu_check.sh: unknown backend '$backend' (torch, verl, vllm or loop)" >&2
       rc=2
       ;;
   esac

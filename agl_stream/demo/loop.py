@@ -91,6 +91,9 @@ def running_loop(
     group: int = GROUP,
     groups: int = GROUPS_PER_ROUND,
     runner_env: Mapping[str, str] | None = None,
+    model: str = MODEL,
+    inference_options: Sequence[str] = (),
+    ports: tuple[int, int] | None = None,
 ) -> Iterator[Settings]:
     """Start every role; stop them all on the way out (a stack `up` started is used, and left running).
 
@@ -100,12 +103,15 @@ def running_loop(
     ``trainer_options``, ``triplet_options``: more `agl-stream trainer` / `triplets` flags (e.g.
     ``("--lr", "0.05")``, ``("--aggregation", "trajectory")``). ``agent``: the runner's
     ``module:function`` (another task: ``runner_env`` can put its folder on PYTHONPATH);
-    ``group`` rollouts per task and ``groups`` tasks per training batch."""
+    ``group`` rollouts per task and ``groups`` tasks per training batch. ``model``: the name the
+    policy is published and served under; ``inference_options``: more `agl-stream inference` flags
+    (``("--engine", "vllm", "--model", folder)``); ``ports``: the inference role's and the LLM
+    proxy's (free ones by default), for a caller that reads their ``/health``."""
     with console.status("starting the local stack (broker, topics, processor, gateway) ...") as spinner:
         opened = stack.open_session(settings, progress=spinner.update)
     try:
         running = opened.settings
-        model_port, proxy_port = broker.free_ports(2)
+        model_port, proxy_port = ports or broker.free_ports(2)
         proxy_url = f"http://127.0.0.1:{proxy_port}/v1"
         roles = RoleGroup(running, settings.data_dir / "logs")
         try:
@@ -129,20 +135,28 @@ def running_loop(
                     "--checkpoints",
                     str(settings.data_dir / "checkpoints"),
                     "--model-name",
-                    MODEL,
+                    model,
                     "--proxy-endpoint",
                     proxy_url,
                     *trainer_options,
                     name="trainer",
                 )
-                roles.start("inference", "--port", str(model_port), "--model-name", MODEL, name="inference")
+                roles.start(
+                    "inference",
+                    "--port",
+                    str(model_port),
+                    "--model-name",
+                    model,
+                    *inference_options,
+                    name="inference",
+                )
                 roles.wait_http("inference", f"http://127.0.0.1:{model_port}/health")
                 roles.start(
                     "llm-proxy",
                     "--port",
                     str(proxy_port),
                     "--backend",
-                    f"{MODEL}=http://127.0.0.1:{model_port}/v1",
+                    f"{model}=http://127.0.0.1:{model_port}/v1",
                     name="llm-proxy",
                 )
                 roles.wait_http("llm-proxy", f"http://127.0.0.1:{proxy_port}/health")

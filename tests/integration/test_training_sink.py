@@ -148,6 +148,52 @@ def test_the_rollouts_mode_reaches_the_rows_and_refused_val_records_are_counted(
     assert [tuple(v) for v in view] == [("train", 3, 1, 1.0), ("val", 3, 1, 0.25), (None, 3, 1, 0.0)]
 
 
+def test_a_merged_samples_mask_calls_and_versions_and_a_batchs_staleness_reach_the_rows(tmp_path: Path) -> None:
+    """A trajectory sample keeps its response mask, its calls, their spans and serving versions
+    (migration 009); a transition sample written before those fields reads the defaults; the
+    batch keeps its staleness histogram."""
+    settings = Settings(data_dir=tmp_path)
+    merged = Triplet(
+        prompt_token_ids=[1, 2],
+        response_token_ids=[3, 4, 5, 6, 7],
+        response_mask=[1, 1, 0, 0, 1],  # two generated tokens, the tool result, one more generated
+        span_ids=["sp-a", "sp-b"],
+        calls=2,
+        policy_versions=[4, None],  # the second call's server named no version
+    )
+    fresh = TripletRecord(
+        rollout_id="ro-000000000010",
+        attempt_id="at-00000010",
+        group_id="g-a",
+        policy_version=4,
+        triplets=[merged],
+        final_reward=1.0,
+        finish_time=1.0,
+    )
+    old = record(11, "g-a", reward=0.0, triplets=1)  # no mask, spans or versions: as before the fields
+    old = old.model_copy(update={"policy_version": 2})
+    batcher = Batcher(BatchPolicy(max_rollouts=2, max_staleness=4), partition=0)
+    [batch] = [b for offset, r in enumerate([fresh, old]) for b in batcher.add(r, offset, 5.0)]
+    with clickhouse(settings) as ch:
+        triplets, batches = TableSink(settings, ch, TRIPLETS), TableSink(settings, ch, TRIPLET_BATCHES)
+        triplets.prepare_tables()
+        batches.prepare_tables()
+        triplets._insert(_fetched([fresh, old]), {})
+        batches._insert(_fetched([batch]), {})
+        rows = _rows(
+            ch,
+            "SELECT rollout_id, response_mask, calls, span_ids, policy_versions FROM agl.triplets FINAL "
+            "ORDER BY rollout_id",
+        )
+        [row] = _rows(ch, "SELECT staleness_counts, kept_stale FROM agl.batches FINAL")
+    assert [tuple(r.values()) for r in rows] == [
+        ("ro-00000000000b", [], 1, [], []),
+        ("ro-000000000010", [1, 1, 0, 0, 1], 2, ["sp-a", "sp-b"], [4, None]),
+    ]
+    assert batch.staleness_counts == [1, 0, 1]  # newest version 4: one record at 4, one 2 behind
+    assert (row["staleness_counts"], row["kept_stale"]) == ([1, 0, 1], 1)
+
+
 async def test_the_sinks_materialize_triplets_and_batches_from_the_topics(settings: Settings) -> None:
     await admin.apply(settings)
     records = [record(i, f"g-{i % 3}", reward=float(i)) for i in range(12)]

@@ -21,6 +21,7 @@ SELECT
     arrayMap(o -> toUInt64(o), record.input_offsets) AS input_offsets,
     toUInt64(record.input_position) AS input_position,
     toUInt32(record.kept_stale) AS kept_stale,
+    arrayMap(c -> toUInt32(c), record.staleness_counts) AS staleness_counts,
     toUInt32(record.dropped_stale) AS dropped_stale,
     toUInt32(record.dropped_incomplete) AS dropped_incomplete,
     toUInt32(record.dropped_duplicate) AS dropped_duplicate,

@@ -22,5 +22,9 @@ SELECT
     record.final_reward AS final_reward,
     record.finish_time AS finish_time,
     CAST(record.mode AS Nullable(String)) AS mode,
+    arrayMap(m -> toUInt8(m), triplet.response_mask) AS response_mask,
+    toUInt32(triplet.calls) AS calls,
+    triplet.span_ids AS span_ids,
+    triplet.policy_versions AS policy_versions,
     toUInt32(kafka_partition) AS kafka_partition,
     toUInt64(kafka_offset) AS kafka_offset
