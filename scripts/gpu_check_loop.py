@@ -9,7 +9,7 @@ every published version). Prints the reward per policy version and checks:
 1. the trainer published ``--versions`` versions and vLLM served each (gate switches);
 2. no attempt failed and the gate refused or cut no call across the switches (0 failed calls),
    with the longest pause and the longest hold of one call;
-3. trajectory aggregation merged the turns (fewer than 1.5 samples per rollout).
+3. trajectory aggregation merged the turns (fewer than 2 samples per rollout; transition makes 3).
 
 The model: ``--model-path`` (an HF instruct folder on local disk, e.g. Qwen2.5-0.5B-Instruct: the
 GPU machine may have no network), else the tiny policy the CPU demo trains, written as an HF
@@ -103,7 +103,7 @@ def checks(result: dict[str, Any], versions: int, dry_run: bool) -> list[str]:
                 failures.append(f"vLLM switched {gate['switches']} times for {versions} versions")
             if gate["refused"] or gate["cut"]:
                 failures.append(f"the gate refused {gate['refused']} and cut {gate['cut']} calls")
-    if not result["samples_per_rollout"] < 1.5:
+    if not result["samples_per_rollout"] < 2.0:
         failures.append(f"{result['samples_per_rollout']} samples per rollout: the turns were not merged")
     return failures
 
