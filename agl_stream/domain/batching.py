@@ -30,7 +30,10 @@ Rules (a :class:`BatchPolicy`):
   engine's logprobs ride with each sample). Only a record more than ``max_staleness``
   versions behind (default :data:`DEFAULT_MAX_STALENESS`) is dropped and counted
   (``dropped_stale``; ``on_stale="drop"``, the default: on arrival, and pending records when
-  the newest version moves on), or with ``on_stale="keep"`` kept like the others.
+  the newest version moves on), or with ``on_stale="keep"`` kept like the others. A group
+  member dropped stale will not arrive any more: its group is complete once the others have
+  (it goes out with one fewer, counted in ``incomplete_groups``) instead of waiting
+  ``max_group_wait_s`` for it.
   ``max_staleness=None`` sets no bound. Records without a version are never stale. Each
   batch carries the histogram of its records' staleness (``staleness_counts``), measured
   against the newest version when the batch is made.
@@ -264,6 +267,7 @@ class _Unit:
 class _OpenGroup:
     members: list[_Member]
     started: float
+    lost: int = 0  # members dropped stale: they count as arrived, so the group does not wait for them
 
 
 class Batcher:
@@ -308,11 +312,11 @@ class Batcher:
         if offset in self._decided:
             self._decided.discard(offset)
             self.stats.replayed += 1
-            self._observe_version(record.policy_version)
+            self._observe_version(record.policy_version, now)
             self._remember((record.rollout_id, record.attempt_id))
             return []
         self.stats.records += 1
-        self._observe_version(record.policy_version)
+        self._observe_version(record.policy_version, now)
         if record.mode in EVAL_MODES:
             self._drop(offset, "eval")
             return []
@@ -322,18 +326,19 @@ class Batcher:
             return []
         if self.policy.on_stale == "drop" and self._is_stale(record):
             self._drop(offset, "stale")
-            return []
+            if self._waits_for_groups():
+                group = self._open.setdefault(record.group_id, _OpenGroup([], now))
+                group.lost += 1
+                self._close_if_complete(record.group_id, group, now)
+            return self._emit(now, force=False)
         member = _Member(offset, record, record_tokens(record))
         self._pending_keys.add(key)
-        size = self.policy.group_size
-        if size is None:
+        if self.policy.group_size is None:
             self._ready.append(_Unit([member], now))
         else:
             group = self._open.setdefault(record.group_id, _OpenGroup([], now))
             group.members.append(member)
-            if len(group.members) >= size:
-                del self._open[record.group_id]
-                self._ready.append(_Unit(group.members, now, record.group_id))
+            self._close_if_complete(record.group_id, group, now)
         return self._emit(now, force=False)
 
     def skip(self, offset: int) -> None:
@@ -349,6 +354,8 @@ class Batcher:
             for group_id, group in list(self._open.items()):
                 if now - group.started >= policy.max_group_wait_s:
                     del self._open[group_id]
+                    if not group.members:  # only members dropped stale: nothing to flush
+                        continue
                     if policy.on_group_timeout == "flush":
                         self._ready.append(_Unit(group.members, now, group_id))
                     else:
@@ -360,7 +367,8 @@ class Batcher:
         if linger is not None and now >= linger:
             if policy.grouping and not policy.wait_for_groups:
                 for group_id, group in self._open.items():
-                    self._ready.append(_Unit(group.members, group.started, group_id))
+                    if group.members:
+                        self._ready.append(_Unit(group.members, group.started, group_id))
                 self._open.clear()
             out.extend(self._emit(now, force=True))
         return out
@@ -409,19 +417,35 @@ class Batcher:
         v = record.policy_version
         return k is not None and v is not None and self.newest_version is not None and self.newest_version - v > k
 
-    def _observe_version(self, version: int | None) -> None:
+    def _observe_version(self, version: int | None, now: float) -> None:
         if version is None or (self.newest_version is not None and version <= self.newest_version):
             return
         self.newest_version = version
         if self.policy.max_staleness is not None and self.policy.on_stale == "drop":
-            self._prune_stale()
+            self._prune_stale(now)
 
-    def _prune_stale(self) -> None:
-        """Drop held records the newest version has left behind (a group loses them, and with
-        that its completeness; an emptied group is gone)."""
+    def _waits_for_groups(self) -> bool:
+        return self.policy.group_size is not None and self.policy.wait_for_groups
+
+    def _close_if_complete(self, group_id: str, group: _OpenGroup, now: float) -> None:
+        """Every member of the group arrived or was dropped stale: it is ready (an emptied one is gone)."""
+        size = self.policy.group_size
+        if size is None or len(group.members) + group.lost < size:
+            return
+        del self._open[group_id]
+        if group.members:
+            self._ready.append(_Unit(group.members, now, group_id))
+
+    def _prune_stale(self, now: float) -> None:
+        """Drop held records the newest version has left behind. A group counts them as lost, so
+        it is complete once its other members arrived."""
         for group_id, group in list(self._open.items()):
-            group.members = self._keep_fresh(group.members)
-            if not group.members:
+            kept = self._keep_fresh(group.members)
+            group.lost += len(group.members) - len(kept)
+            group.members = kept
+            if self._waits_for_groups():
+                self._close_if_complete(group_id, group, now)
+            elif not group.members:
                 del self._open[group_id]
         for unit in self._ready:
             unit.members = self._keep_fresh(unit.members)

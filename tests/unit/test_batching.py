@@ -174,16 +174,25 @@ def test_stale_records_are_dropped_and_counted() -> None:
 
 
 def test_held_records_are_dropped_when_the_newest_version_leaves_them_behind() -> None:
-    batcher = Batcher(BatchPolicy(max_rollouts=6, group_size=3, max_staleness=1, linger_s=None))
+    batcher = Batcher(BatchPolicy(max_rollouts=5, group_size=3, max_staleness=1, linger_s=None))
     feed(batcher, [rec(0, "a", version=1), rec(1, "a", version=2), rec(2, "b", version=3)])
     assert batcher.pending_offsets() == [0, 1, 2] and batcher.pending == 2
     assert batcher.stats.dropped["stale"] == 1
-    feed(batcher, [rec(3, "a", version=3), rec(4, "b", version=3), rec(5, "b", version=3)], start=3)
-    out = batcher.tick(T0)
-    assert out == []  # group a lost its version-1 record: it waits for a third one
-    [batch] = feed(batcher, [rec(6, "a", version=3)], start=6)
-    assert members(batch) == [2, 4, 5, 1, 3, 6]
-    assert (batch.dropped_stale, batch.dropped_offsets, batch.incomplete_groups) == (1, [0], 0)
+    [batch] = feed(batcher, [rec(3, "a", version=3), rec(4, "b", version=3), rec(5, "b", version=3)], start=3)
+    # Group a is complete at its third record: two members, and the one dropped will never come.
+    assert members(batch) == [1, 3, 2, 4, 5]
+    assert (batch.dropped_stale, batch.dropped_offsets, batch.incomplete_groups) == (1, [0], 1)
+
+
+def test_a_group_does_not_wait_for_members_dropped_stale_on_arrival() -> None:
+    batcher = Batcher(BatchPolicy(max_rollouts=2, group_size=3, max_staleness=1, linger_s=None))
+    feed(batcher, [rec(0, "x", version=5)])  # version 5 is the newest seen
+    out = feed(batcher, [rec(1, "c", version=1), rec(2, "c", version=5), rec(3, "c", version=5)], start=1)
+    [batch] = out  # no 600 s wait for the third member of c: it was dropped
+    assert members(batch) == [2, 3] and batch.incomplete_groups == 1 and batch.dropped_offsets == [1]
+    # A group all of whose members are dropped holds nothing: only x's record is held.
+    feed(batcher, [rec(i, "d", version=2) for i in range(4, 7)], start=4)
+    assert batcher.pending_offsets() == [0, 4, 5, 6] and batcher.pending == 1
 
 
 def test_kept_stale_records_are_counted_in_their_batch() -> None:
