@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 AGL := $(BIN)/agl-stream
 
-.PHONY: venv lock jars browser test lint typecheck demo bench clean
+.PHONY: venv lock jars browser node-agent test lint typecheck demo bench clean
 
 # The venv is installed by uv (from PyPI into the venv, then it installs the rest): with its
 # cache, the whole set (torch, VERL, vLLM: ~7 GB) installs in seconds where pip took ~5 min,
@@ -42,11 +42,19 @@ browser:
 	  || echo "could not install chromium: the dashboard's browser tests will fail"; \
 	fi
 
-test: venv jars browser
+# The Node.js command agent of tests/integration/test_command_agents.py: the official openai
+# package at the version its package-lock.json pins (npm ci; Node.js and npm are prerequisites).
+NODE_AGENT := tests/agents/node
+$(NODE_AGENT)/node_modules/.package-lock.json: $(NODE_AGENT)/package-lock.json
+	cd $(NODE_AGENT) && npm ci --no-audit --no-fund --loglevel=error
+
+node-agent: $(NODE_AGENT)/node_modules/.package-lock.json
+
+test: venv jars browser node-agent
 	$(BIN)/ruff check agl_stream processors producers consumers tests benchmarks scripts examples
 	$(MAKE) --no-print-directory typecheck
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 lint: venv
 	$(BIN)/ruff check .

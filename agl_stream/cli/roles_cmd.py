@@ -77,6 +77,18 @@ def runner(
             "only load files your own Trainer wrote: unpickling runs the code they name.",
         ),
     ] = None,
+    command: Annotated[
+        str | None,
+        typer.Option(
+            help="Instead of --agent: a shell command run once per attempt, in any language (agl_stream.command_agent: "
+            "the task in $AGL_TASK_FILE, the model at $OPENAI_BASE_URL through the LLM proxy, the reward as the "
+            "last stdout line or in $AGL_REWARD_FILE).",
+        ),
+    ] = None,
+    command_timeout: Annotated[
+        float | None,
+        typer.Option(min=0.001, help="--command: seconds one run may take before its process group is stopped."),
+    ] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Attempts one runner process runs at once.")] = 4,
     workers: Annotated[int, typer.Option(min=1, help="Runner processes to start (one group member each).")] = 1,
     grace: Annotated[
@@ -106,15 +118,22 @@ def runner(
     rest so they are retried.
 
     Example: agl-stream runner --agent my_pkg.agents:solve --concurrency 8 --workers 2
+    Example: agl-stream runner --command "node agent.js" --command-timeout 300 --concurrency 8
     """
     settings = settings_of(ctx)
     if resources not in ("pinned", "latest"):
         raise typer.BadParameter(f"{resources!r}: pinned or latest", param_hint="--resources")
-    if (agent is None) == (agent_file is None):
-        raise typer.BadParameter("give the agent with either --agent or --agent-file", param_hint="--agent")
+    if sum(given is not None for given in (agent, agent_file, command)) != 1:
+        raise typer.BadParameter("give the agent with one of --agent, --agent-file or --command", param_hint="--agent")
+    if command_timeout is not None and command is None:
+        raise typer.BadParameter("--command-timeout applies to --command only", param_hint="--command-timeout")
     sys.path.insert(0, os.getcwd())  # agents are usually modules of the project being run
     if workers > 1:
-        child_args = ["--agent", agent] if agent is not None else ["--agent-file", str(agent_file)]
+        if command is not None:
+            child_args = ["--command", command]
+            child_args += ["--command-timeout", str(command_timeout)] if command_timeout is not None else []
+        else:
+            child_args = ["--agent", agent] if agent is not None else ["--agent-file", str(agent_file)]
         child_args += ["--concurrency", str(concurrency), "--grace", str(grace)]
         child_args += ["--heartbeat-interval", str(heartbeat_interval)]
         child_args += ["--max-rollouts", str(max_rollouts)] if max_rollouts else []
@@ -135,11 +154,16 @@ def runner(
     try:
         if agent_file is not None:
             loaded, hooks = runner.load_agent_file(agent_file)
+        elif command is not None:
+            from agl_stream.command_agent import CommandAgent
+
+            loaded, hooks = CommandAgent(command, timeout_s=command_timeout), []
         else:
             assert agent is not None
             loaded, hooks = runner.load_agent(agent), []
     except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="--agent-file" if agent_file else "--agent") from error
+        hint = "--agent-file" if agent_file else "--command" if command is not None else "--agent"
+        raise typer.BadParameter(str(error), param_hint=hint) from error
     with metrics.expose(settings, "runner"):
         runner.main(settings, loaded, options, hooks)
 

@@ -202,10 +202,12 @@ def test_the_runner_command_takes_one_way_to_the_agent() -> None:
 
     app = typer.Typer()
     app.command()(runner)
-    for args in ([], ["--agent", "a.b:c", "--agent-file", "x.pkl"]):
+    for args in ([], ["--agent", "a.b:c", "--agent-file", "x.pkl"], ["--agent", "a.b:c", "--command", "true"]):
         result = CliRunner().invoke(app, args, obj=Settings())
         words = " ".join(result.output.replace("│", " ").split())  # the error panel wraps the message
-        assert result.exit_code == 2 and "either --agent or --agent-file" in words, result.output
+        assert result.exit_code == 2 and "one of --agent, --agent-file or --command" in words, result.output
+    result = CliRunner().invoke(app, ["--agent", "a.b:c", "--command-timeout", "5"], obj=Settings())
+    assert result.exit_code == 2 and "--command only" in " ".join(result.output.replace("│", " ").split())
 
 
 # -- the stack and the processes ------------------------------------------------------------------------
