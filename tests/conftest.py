@@ -18,37 +18,6 @@ import pytest
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 
-# The test files that take longest on the 2-core machine (`make test`'s --durations), longest
-# first. `make test` hands whole files to its two workers in collection order
-# (--dist loadfile --no-loadscope-reorder); starting with these, then the other integration
-# files, then the many short unit files, lets both workers end together instead of one running
-# a long file alone at the end.
-LONGEST_FIRST = (
-    "integration/test_cluster.py",
-    "integration/test_trainer.py",
-    "integration/test_sql_cookbook.py",
-    "integration/test_hf_models.py",
-    "integration/test_rl_loop.py",
-    "integration/test_examples_keypad.py",
-    "integration/test_runner.py",
-    "integration/test_examples_calculator.py",
-    "integration/test_rl_data_path.py",
-    "integration/test_trainer_fit.py",
-    "integration/test_verl_fit.py",
-    "integration/test_handoff.py",
-    "unit/test_verl_backend.py",
-    "integration/test_store_crash.py",
-    "integration/test_apo_fit.py",
-)
-
-
-def _run_order(item: pytest.Item) -> tuple[int, int]:
-    path = Path(str(item.path)).as_posix()
-    for rank, name in enumerate(LONGEST_FIRST):
-        if path.endswith("/tests/" + name):
-            return (0, rank)
-    return (1, 0) if "/tests/integration/" in path else (2, 0)
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Tests that run the seed's own python (`-m seed` selects them, `-m "not seed"` skips the
@@ -56,7 +25,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "seed_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.seed)
-    items.sort(key=_run_order)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")
