@@ -22,6 +22,7 @@ import pytest
 from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM
 from agl_stream.policy import build_tokenizer
 from tests.integration.helpers import serve, start_role, stop_role
@@ -101,6 +102,9 @@ async def test_commands_in_any_language_become_exact_triplets_with_their_rewards
                 assert stop_role(runner, timeout=60) == 0, kind
             assert [r.status for r in finished] == ["succeeded"] * len(made), (kind, settings.data_dir)
             records = {r.rollout_id: r for r in await _records_covering(settings, {r.rollout_id for r in made}, 300)}
+            # The proxy's spans are not under this client's fence: wait for ClickHouse to hold agl.spans' end.
+            assert store.side is not None
+            await store.side.query("SELECT 1", fence=await fence_at_end(settings, "spans"))
             for rollout in made:
                 record = records[rollout.rollout_id]
                 [triplet] = record.triplets
