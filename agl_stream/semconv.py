@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = [
     "AGL_ANNOTATION",
+    "AGL_ATTEMPT",
     "AGL_EXCEPTION",
     "AGL_MESSAGE",
     "AGL_OBJECT",
@@ -46,6 +47,11 @@ __all__ = [
 
 AGL_ANNOTATION = "agentlightning.annotation"
 """Span name for annotations: rewards, tags and free-form metadata about part of a rollout."""
+
+AGL_ATTEMPT = "agentlightning.attempt"
+"""Span name of an attempt's root: the runner opens it around the agent, so every span the
+attempt makes (the agent's, its LLM client's, the LLM proxy's through ``traceparent``) is one
+trace and one tree. It ends last, so it takes the attempt's highest sequence id."""
 
 AGL_MESSAGE = "agentlightning.message"
 """Span name for textual log/debug messages."""

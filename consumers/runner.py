@@ -58,6 +58,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from opentelemetry.context import Context
+from opentelemetry.trace import Status, StatusCode, Tracer
+
 from agl_stream import metrics
 from agl_stream.config import Settings
 from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
@@ -66,6 +69,7 @@ from agl_stream.logs import describe, get_logger, log_llm_requests
 from agl_stream.models import ResourcesUpdate, Span
 from agl_stream.models.base import RUNNING_STATUSES
 from agl_stream.retry import FAILOVER, ONCE, Backoff, retrying
+from agl_stream.semconv import AGL_ATTEMPT
 from agl_stream.spans import span_from_otel
 from agl_stream.store.client import AglStore
 from agl_stream.store.resources_cache import ResourcesCache
@@ -279,6 +283,11 @@ class Runner:
             self.live[key] = task
             task.add_done_callback(functools.partial(self._ended, key, slots))
 
+    @functools.cached_property
+    def _root_tracer(self) -> Tracer:
+        """What opens attempts' root spans (the tracer's provider: known once it started)."""
+        return self.tracer.tracer_provider.get_tracer("agl_stream.runner")
+
     def _ended(self, key: tuple[str, str], slots: asyncio.Semaphore, _task: asyncio.Task[None]) -> None:
         self.live.pop(key, None)
         slots.release()
@@ -350,19 +359,30 @@ class Runner:
         returned: list[Any] = []
         try:
             async with self.tracer.attempt(rid, aid, first_sequence_id=first_id, policy_version=version) as trace:
-                await self._hooks("on_trace_start", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
-                try:
-                    result = await self._call_agent(rollout, snapshot)
-                    check_result(result)
-                    if _is_number(result):
-                        emit_reward(float(result))
-                    elif isinstance(result, list):
-                        returned = result
-                except Exception as error:
-                    status = "failed"
-                    log.info("agent raised", rollout=rid, attempt=aid, error=describe(error))
-                    emit_exception(error)
-                await self._hooks("on_trace_end", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout)
+                # The attempt's root (a new trace whatever the caller's context): every span
+                # made inside, and the LLM proxy's spans of calls carrying its traceparent, nest
+                # under it. It ends before the block flushes, so it is exported with the rest.
+                with self._root_tracer.start_as_current_span(
+                    AGL_ATTEMPT, context=Context(), record_exception=False, set_status_on_exception=False
+                ) as root:
+                    await self._hooks(
+                        "on_trace_start", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout
+                    )
+                    try:
+                        result = await self._call_agent(rollout, snapshot)
+                        check_result(result)
+                        if _is_number(result):
+                            emit_reward(float(result))
+                        elif isinstance(result, list):
+                            returned = result
+                    except Exception as error:
+                        status = "failed"
+                        log.info("agent raised", rollout=rid, attempt=aid, error=describe(error))
+                        emit_exception(error)
+                        root.set_status(Status(StatusCode.ERROR, describe(error)))
+                    await self._hooks(
+                        "on_trace_end", agent=self.agent, runner=self, tracer=self.tracer, rollout=rollout
+                    )
             # Leaving the block flushed the trace, each batch with the retries of options.retry.
             if trace.export_error is not None:
                 return await self._release(rollout, f"its spans could not be exported: {trace.export_error}")

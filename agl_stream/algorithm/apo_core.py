@@ -37,8 +37,10 @@ NOTES_PER_RUN = 12
 TASK_CHARS = 1_000
 """Characters of a task's JSON shown to the critique model."""
 
-_PROMPT_KEY = "gen_ai.prompt"  # the LLM proxy's attributes (agl_stream.domain.llm_calls)
-_COMPLETION_KEY = "gen_ai.completion"
+# The LLM proxy's messages (agl_stream.domain.llm_calls), and the keys spans recorded before it
+# wrote the GenAI conventions' current ones.
+_PROMPT_KEYS = ("gen_ai.input.messages", "gen_ai.prompt")
+_COMPLETION_KEYS = ("gen_ai.output.messages", "gen_ai.completion")
 _MESSAGE_BODY = LightningSpanAttributes.MESSAGE_BODY.value
 _EDIT_BLOCK = re.compile(r"<prompt>(.*?)</prompt>", re.DOTALL | re.IGNORECASE)
 _FENCED = re.compile(r"```[\w+-]*[ \t]*\n(.*?)```", re.DOTALL)
@@ -201,7 +203,8 @@ def rollout_result(task: Any, status: str, spans: Sequence[Span]) -> RolloutResu
         if span.name == AGL_EXCEPTION:
             kind, text = attributes.get("exception.type", "Exception"), attributes.get("exception.message", "")
             notes.append(f"error: {kind}: {_cut(str(text), NOTE_CHARS)}")
-        prompt, completion = attributes.get(_PROMPT_KEY), attributes.get(_COMPLETION_KEY)
+        prompt = next((attributes[k] for k in _PROMPT_KEYS if k in attributes), None)
+        completion = next((attributes[k] for k in _COMPLETION_KEYS if k in attributes), None)
         if isinstance(prompt, str):
             notes.append(f"model asked: {_cut(_chat_text(prompt), NOTE_CHARS)}")
         if isinstance(completion, str):
@@ -225,7 +228,7 @@ def final_reward(spans: Sequence[Span]) -> float | None:
 
 
 def _chat_text(value: str) -> str:
-    """The text of the proxy's JSON prompt/completion attribute (messages' contents, joined)."""
+    """The text of the proxy's JSON messages attribute (the text of each message, joined)."""
     try:
         parsed = json.loads(value)
     except ValueError:
@@ -237,6 +240,9 @@ def _chat_text(value: str) -> str:
                 message = entry.get("message", entry)
                 content = message.get("content") if isinstance(message, Mapping) else None
                 role = message.get("role", "") if isinstance(message, Mapping) else ""
+                if isinstance(message, Mapping) and isinstance(message.get("parts"), list):  # GenAI messages
+                    texts = [p.get("content") for p in message["parts"] if isinstance(p, Mapping)]
+                    content = " ".join(t for t in texts if isinstance(t, str)) or None
                 if isinstance(content, str):
                     parts.append(f"[{role}] {content}" if role else content)
             elif isinstance(entry, str):

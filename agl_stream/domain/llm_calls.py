@@ -26,8 +26,21 @@ import json
 import math
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeAlias, cast
+
+from opentelemetry.trace import format_span_id, format_trace_id, get_current_span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.genai.types import (
+    GenericPart,
+    InputMessage,
+    MessagePart,
+    OutputMessage,
+    Reasoning,
+    Text,
+    ToolCallRequest,
+    ToolCallResponse,
+)
 
 from agl_stream.models import OtelResource, Span, SpanStatus
 from agl_stream.models.spans import Attributes, AttributeScalar
@@ -68,14 +81,15 @@ OPERATION_NAMES: dict[CallKind, str] = {CHAT: "chat", COMPLETION: "text_completi
 
 SCOPE_NAME = "agl_stream.llm_proxy"
 SERVICE_NAME = "agl-stream-llm-proxy"
+_W3C = TraceContextTextMapPropagator()
 
 # Attributes that tie a span to its attempt (agl_stream.semconv.LightningResourceAttributes);
 # the runner's tracer writes them on every span, so proxy spans read the same in SQL.
 
-PROMPT_KEY = "gen_ai.prompt"
-COMPLETION_KEY = "gen_ai.completion"
-TOOLS_KEY = "gen_ai.request.tools"
-TEXT_KEYS = (PROMPT_KEY, COMPLETION_KEY, TOOLS_KEY)
+INPUT_MESSAGES_KEY = "gen_ai.input.messages"
+OUTPUT_MESSAGES_KEY = "gen_ai.output.messages"
+TOOLS_KEY = "gen_ai.tool.definitions"
+TEXT_KEYS = (INPUT_MESSAGES_KEY, OUTPUT_MESSAGES_KEY, TOOLS_KEY)
 """The text attributes :func:`slim` drops: the token ids already say what the model saw."""
 
 # Request parameters copied as ``gen_ai.request.<name>`` when they are numbers.
@@ -432,18 +446,112 @@ def logprobs_content(kind: CallKind, response: Mapping[str, Any]) -> list[dict[s
     return content
 
 
-def _completion_entries(kind: CallKind, response: Mapping[str, Any]) -> list[dict[str, Any]]:
-    entries = []
+# -- messages in the GenAI conventions ------------------------------------------------------
+#
+# ``gen_ai.input.messages`` / ``gen_ai.output.messages``: JSON arrays of {role, parts[,
+# finish_reason]}, each part typed (text, tool_call, tool_call_response, reasoning, or the
+# provider's own type with its value), as OpenTelemetry's GenAI semantic conventions define
+# them; built from opentelemetry-util-genai's message types.
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _content_parts(content: Any) -> list[MessagePart]:
+    """OpenAI message content (a string, or a list of typed parts) as GenAI parts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Text(content=content)]
+    if isinstance(content, list):
+        parts: list[MessagePart] = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(Text(content=part["text"]))
+            else:  # images, audio, files: the provider's part as it came
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                parts.append(GenericPart(type=str(kind or "unknown"), value=part))
+        return parts
+    return [GenericPart(type="unknown", value=content)]
+
+
+def _tool_calls(message: Mapping[str, Any]) -> list[MessagePart]:
+    calls: list[MessagePart] = []
+    for call in message.get("tool_calls") or []:
+        if not isinstance(call, Mapping):
+            continue
+        function = _mapping(call.get("function"))
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass  # the model's malformed arguments stay as it wrote them
+        name = function.get("name")
+        call_id = call.get("id")
+        calls.append(
+            ToolCallRequest(
+                arguments=arguments,
+                name=name if isinstance(name, str) else "",
+                id=call_id if isinstance(call_id, str) else None,
+            )
+        )
+    return calls
+
+
+def _message_parts(message: Mapping[str, Any]) -> list[MessagePart]:
+    if message.get("role") == "tool":
+        call_id = message.get("tool_call_id")
+        return [ToolCallResponse(response=message.get("content"), id=call_id if isinstance(call_id, str) else None)]
+    parts: list[MessagePart] = []
+    for key in ("reasoning_content", "reasoning"):  # vLLM's reasoning parsers
+        if isinstance(message.get(key), str) and message[key]:
+            parts.append(Reasoning(content=message[key]))
+            break
+    parts += _content_parts(message.get("content"))
+    parts += _tool_calls(message)
+    return parts
+
+
+def input_messages(kind: CallKind, request: Mapping[str, Any]) -> list[InputMessage]:
+    """What the agent sent: the chat messages, or a text completion's prompt as one user message."""
+    if kind == CHAT:
+        messages = request.get("messages")
+        return [
+            InputMessage(role=str(m.get("role") or "user"), parts=_message_parts(m))
+            for m in (messages if isinstance(messages, list) else [])
+            if isinstance(m, Mapping)
+        ]
+    prompt = request.get("prompt")
+    if prompt is None:
+        return []
+    part: MessagePart = Text(content=prompt) if isinstance(prompt, str) else GenericPart(type="prompt", value=prompt)
+    return [InputMessage(role="user", parts=[part])]
+
+
+def output_messages(kind: CallKind, response: Mapping[str, Any]) -> list[OutputMessage]:
+    """What the model answered: one message per choice, with its finish reason."""
+    messages = []
     for choice in response.get("choices") or []:
         if not isinstance(choice, Mapping):
             continue
+        finish = choice.get("finish_reason")
+        finish_reason = finish if isinstance(finish, str) else "error"
         if kind == CHAT:
-            message = choice.get("message")
-            if isinstance(message, Mapping):
-                entries.append({k: v for k, v in message.items() if v is not None and k != "provider_specific_fields"})
+            message = _mapping(choice.get("message"))
+            role = message.get("role")
+            role = role if isinstance(role, str) else "assistant"
+            messages.append(OutputMessage(role=role, parts=_message_parts(message), finish_reason=finish_reason))
         else:
-            entries.append({"text": choice.get("text")})
-    return entries
+            text = choice.get("text")
+            parts: list[MessagePart] = [Text(content=text)] if isinstance(text, str) else []
+            messages.append(OutputMessage(role="assistant", parts=parts, finish_reason=finish_reason))
+    return messages
+
+
+def _messages_json(messages: Sequence[InputMessage | OutputMessage]) -> str:
+    return _json_text([asdict(message) for message in messages])
 
 
 def _json_text(value: Any) -> str:
@@ -488,14 +596,16 @@ def span_attributes(call: LLMCall) -> Attributes:
     numeric sampling parameters, ``gen_ai.response.model|id|finish_reasons``,
     ``gen_ai.usage.input_tokens|output_tokens`` (the backend's usage, else the token id
     counts). Training: ``prompt_token_ids``, ``response_token_ids``, ``logprobs.content``.
-    Content, as JSON text: ``gen_ai.prompt`` (the messages, or a text completion's prompt),
-    ``gen_ai.request.tools``, ``gen_ai.completion`` (a list with one entry per choice: the
-    message for chat, ``{"text"}`` for text). Errors: ``error.type`` and
-    ``http.response.status_code``.
+    Content, as JSON text in the GenAI conventions' message shape (``{"role", "parts": [...]}``):
+    ``gen_ai.input.messages`` (the messages, or a text completion's prompt as one user message),
+    ``gen_ai.output.messages`` (one message per choice, with its ``finish_reason``) and
+    ``gen_ai.tool.definitions`` (the tools offered). ``gen_ai.provider.name`` is ``openai``.
+    Errors: ``error.type`` and ``http.response.status_code``.
     """
     request = call.request
     attributes: Attributes = {
-        "gen_ai.system": "openai",
+        "gen_ai.provider.name": "openai",
+        "gen_ai.system": "openai",  # the name before gen_ai.provider.name, which older tools read
         "gen_ai.operation.name": OPERATION_NAMES[call.kind],
         "llm.is_streaming": call.stream,
     }
@@ -507,9 +617,9 @@ def span_attributes(call: LLMCall) -> Attributes:
             attributes[f"gen_ai.request.{name}"] = value
     if call.backend:
         attributes["gen_ai.openai.api_base"] = call.backend
-    prompt = request.get("messages") if call.kind == CHAT else request.get("prompt")
-    if prompt is not None:
-        attributes[PROMPT_KEY] = _json_text(prompt)
+    sent = input_messages(call.kind, request)
+    if sent:
+        attributes[INPUT_MESSAGES_KEY] = _messages_json(sent)
     if request.get("tools"):
         attributes[TOOLS_KEY] = _json_text(request["tools"])
 
@@ -544,9 +654,9 @@ def span_attributes(call: LLMCall) -> Attributes:
     content = logprobs_content(call.kind, response)
     if content is not None:
         attributes["logprobs.content"] = _json_text(content)
-    completion = _completion_entries(call.kind, response)
-    if completion:
-        attributes[COMPLETION_KEY] = _json_text(completion)
+    answered = output_messages(call.kind, response)
+    if answered:
+        attributes[OUTPUT_MESSAGES_KEY] = _messages_json(answered)
     if call.error is not None:
         attributes["error.type"] = call.error.type
         attributes["http.response.status_code"] = call.error.status
@@ -565,16 +675,35 @@ def policy_version_of_header(value: str | None) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class TraceParent:
+    """The caller's span, from a W3C ``traceparent`` header: the call's span becomes its child."""
+
+    trace_id: str  # 32 hex digits
+    span_id: str  # 16 hex digits
+
+
+def trace_parent(headers: Mapping[str, str]) -> TraceParent | None:
+    """The W3C trace context of a request (``traceparent``, keys lower-case), or None when it has
+    none or an invalid one (a call is never refused for its trace context)."""
+    context = _W3C.extract(headers)
+    parent = get_current_span(context).get_span_context()
+    if not parent.is_valid:
+        return None
+    return TraceParent(format_trace_id(parent.trace_id), format_span_id(parent.span_id))
+
+
 def build_span(
     call: LLMCall,
     *,
     rollout_id: str,
     attempt_id: str,
     sequence_id: int,
-    trace_id: str | None = None,
+    parent: TraceParent | None = None,
     span_id: str | None = None,
 ) -> Span:
-    """The call as a CLIENT span of the attempt; ERROR status with the message when it failed."""
+    """The call as a CLIENT span of the attempt, a child of ``parent`` when the caller sent one;
+    ERROR status with the message when it failed."""
     attributes = span_attributes(call)
     attributes[ROLLOUT_ID_KEY] = rollout_id
     attributes[ATTEMPT_ID_KEY] = attempt_id
@@ -586,8 +715,9 @@ def build_span(
         rollout_id=rollout_id,
         attempt_id=attempt_id,
         sequence_id=sequence_id,
-        trace_id=trace_id or new_trace_id(),
+        trace_id=parent.trace_id if parent is not None else new_trace_id(),
         span_id=span_id or new_span_id(),
+        parent_id=parent.span_id if parent is not None else None,
         name=SPAN_NAMES[call.kind],
         kind="CLIENT",
         status=status,

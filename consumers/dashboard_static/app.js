@@ -295,7 +295,7 @@ async function attemptView(box, rolloutId, attemptId, selectedSpan) {
     row.addEventListener("click", () => select(s, row));
     return row;
   });
-  const llm = spans.filter((s) => Object.keys(s.attributes).some((k) => k.startsWith("gen_ai.prompt") || k === "gen_ai.request.model"));
+  const llm = llmCalls(spans);
   const rewards = spans.flatMap((s) => indexed(s.attributes, "agentlightning.reward.").map((r) => ({ span: s.name, ...r })));
   const errors = spans.filter((s) => s.status === "ERROR" || s.name === "agentlightning.exception" || s.events.some((e) => e.name === "exception"));
   box.replaceChildren(
@@ -317,23 +317,71 @@ async function attemptView(box, rolloutId, attemptId, selectedSpan) {
   if (chosen >= 0) select(spans[chosen], rows[chosen]);
 }
 
+// An LLM call's spans: the agent's client span and the LLM proxy's span (its child, same
+// gen_ai.response.id) describe one call; it is listed once, by the span that says most (the
+// proxy's: messages and token ids).
+const GENAI_KEYS = ["gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.prompt", "gen_ai.completion"];
+function isLLMCall(span) {
+  return Object.keys(span.attributes).some((k) => k === "gen_ai.request.model" || k === "gen_ai.operation.name"
+    || GENAI_KEYS.some((g) => k === g || k.startsWith(`${g}.`)));
+}
+function llmCalls(spans) {
+  const calls = spans.filter(isLLMCall);
+  const richness = (s) => (s.attributes["gen_ai.input.messages"] ? 2 : 0) + (s.attributes["prompt_token_ids"] ? 1 : 0);
+  const parents = new Set(calls.map((s) => s.parent_id).filter(Boolean));
+  const best = new Map();
+  for (const s of calls) {
+    const key = s.attributes["gen_ai.response.id"] || (parents.has(s.span_id) ? null : s.span_id);
+    if (key === null) continue;  // a client span whose call its child (the proxy's span) describes
+    const kept = best.get(key);
+    if (!kept || richness(s) > richness(kept)) best.set(key, s);
+  }
+  return calls.filter((s) => [...best.values()].includes(s));
+}
+
+function parsed(text) {
+  if (typeof text !== "string") return text;
+  try { return JSON.parse(text); } catch { return null; }
+}
+
+// The call's messages as [{role, parts: [{type, ...}]}]: the GenAI conventions' attribute
+// (gen_ai.input.messages / gen_ai.output.messages, the LLM proxy's), else the older JSON
+// text (gen_ai.prompt / gen_ai.completion: [{role, content, tool_calls}]), else flattened
+// keys (gen_ai.prompt.0.role, .0.content, ... as other instrumentations write them).
+function callMessages(attributes, key, oldKey) {
+  const current = parsed(attributes[key]);
+  if (Array.isArray(current)) return current;
+  const old = parsed(attributes[oldKey]);
+  const list = Array.isArray(old) ? old : indexed(attributes, `${oldKey}.`);
+  return list.map((m) => {
+    const { role, content, ...rest } = m;
+    const parts = content !== undefined && content !== null ? [{ type: "text", content }] : [];
+    if (Object.keys(rest).length) parts.push({ type: "fields", value: rest });
+    return { role, parts };
+  });
+}
+
+function messagePart(part) {
+  if (part.type === "text" || part.type === "reasoning") return h("pre", { class: part.type === "reasoning" ? "muted" : null }, String(part.content));
+  if (part.type === "tool_call") return h("pre", {}, `tool call ${part.name || ""}${part.id ? ` [${part.id}]` : ""}: ${pretty(part.arguments)}`);
+  if (part.type === "tool_call_response") return h("pre", {}, `tool result${part.id ? ` [${part.id}]` : ""}: ${pretty(part.response)}`);
+  return h("pre", {}, JSON.stringify(part.value ?? part, null, 2));
+}
+
 function llmCall(span) {
   const a = span.attributes;
-  const messages = (list) => list.map((m) => {
-    const { role, content, ...rest } = m;
-    // Anything besides role and content (tool calls, names) is shown with the message.
-    return h("div", {}, h("span", { class: "muted" }, `${role || ""} `), content !== undefined ? h("pre", {}, content) : null,
-      Object.keys(rest).length ? h("pre", {}, JSON.stringify(rest, null, 2)) : null);
-  });
-  return h("details", { class: "panel", open: true },
+  const messages = (list) => list.map((m) => h("div", { "data-testid": "llm-message" },
+    h("span", { class: "muted" }, `${m.role || ""}${m.finish_reason ? ` (${m.finish_reason})` : ""} `),
+    (m.parts || []).map(messagePart)));
+  const tools = a["gen_ai.tool.definitions"] || a["gen_ai.request.tools"];
+  return h("details", { class: "panel", open: true, "data-testid": "llm-call", "data-span": span.span_id },
     h("summary", {}, `${a["gen_ai.response.model"] || a["gen_ai.request.model"] || span.name} · ${span.duration_ms.toFixed(1)} ms · `,
       `${fmt(Number(a["gen_ai.usage.input_tokens"] ?? NaN) || a["gen_ai.usage.input_tokens"])} in / `,
       `${fmt(Number(a["gen_ai.usage.output_tokens"] ?? NaN) || a["gen_ai.usage.output_tokens"])} out tokens`),
-    h("div", { class: "muted" }, "prompt"), messages(indexed(a, "gen_ai.prompt.")),
-    h("div", { class: "muted" }, "response"), messages(indexed(a, "gen_ai.completion.")),
-    // Tools offered to the model (the proxy records the request's tools); a tool call the model
-    // made is part of its response message above.
-    a["gen_ai.request.tools"] ? [h("div", { class: "muted" }, "tools offered"), h("pre", {}, pretty(a["gen_ai.request.tools"]))] : null);
+    h("div", { class: "muted" }, "prompt"), messages(callMessages(a, "gen_ai.input.messages", "gen_ai.prompt")),
+    h("div", { class: "muted" }, "response"), messages(callMessages(a, "gen_ai.output.messages", "gen_ai.completion")),
+    // The tools offered to the model; a tool call it made is part of its response above.
+    tools ? [h("div", { class: "muted" }, "tools offered"), h("pre", {}, pretty(tools))] : null);
 }
 
 function spanDetail(span) {

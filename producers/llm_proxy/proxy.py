@@ -67,6 +67,7 @@ from agl_stream.domain.llm_calls import (
     CallError,
     CallKind,
     LLMCall,
+    TraceParent,
     backend_error,
     backend_request,
     build_span,
@@ -74,6 +75,7 @@ from agl_stream.domain.llm_calls import (
     merge_chunks,
     parse_sse,
     slim,
+    trace_parent,
 )
 from agl_stream.errors import AglError
 from agl_stream.http_serving import (
@@ -221,6 +223,7 @@ class _Attribution:
     rollout_id: str
     attempt_id: str
     sequence_id: asyncio.Task[int | None]
+    parent: TraceParent | None  # the caller's span (traceparent): the call's span is its child
 
 
 class LLMProxy:
@@ -293,11 +296,19 @@ class LLMProxy:
 
     # -- one call ------------------------------------------------------------------------------
 
-    async def handle(self, kind: CallKind, body: Any, rollout_id: str | None, attempt_id: str | None) -> Response:
-        """Serve one chat or text completion call and record it (when attributed)."""
+    async def handle(
+        self,
+        kind: CallKind,
+        body: Any,
+        rollout_id: str | None,
+        attempt_id: str | None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
+        """Serve one chat or text completion call and record it (when attributed); ``headers``:
+        the request's, whose W3C trace context makes the call's span a child of the caller's."""
         self.stats.calls += 1
         start = time.time()
-        where = self._attribution(rollout_id, attempt_id)
+        where = self._attribution(rollout_id, attempt_id, headers or {})
         if not isinstance(body, dict):
             return self._error_response(error_of_status(400, "the request body must be a JSON object"))
         stream = bool(body.get("stream"))
@@ -481,7 +492,9 @@ class LLMProxy:
         self.stats.errors += 1
         return JSONResponse(error.body(), status_code=error.status)
 
-    def _attribution(self, rollout_id: str | None, attempt_id: str | None) -> _Attribution | None:
+    def _attribution(
+        self, rollout_id: str | None, attempt_id: str | None, headers: Mapping[str, str]
+    ) -> _Attribution | None:
         """The call's attempt, its sequence id already on the way: a first call's reservation (a
         processor round trip) then overlaps the backend's work instead of adding to it."""
         if rollout_id is None or attempt_id is None:
@@ -490,7 +503,7 @@ class LLMProxy:
         task = asyncio.get_running_loop().create_task(self.blocks.next_id(rollout_id, attempt_id))
         # A call whose stream never started records nothing; its failure must not go unretrieved.
         task.add_done_callback(lambda done: done.cancelled() or done.exception())
-        return _Attribution(rollout_id, attempt_id, task)
+        return _Attribution(rollout_id, attempt_id, task, trace_parent(headers))
 
     async def _record(self, call: LLMCall, where: _Attribution | None) -> None:
         """Write the call's span and wait for the broker; failures are logged and counted, never raised."""
@@ -521,7 +534,9 @@ class LLMProxy:
             self.stats.unknown_attempts += 1
             return
         try:
-            span = build_span(call, rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id)
+            span = build_span(
+                call, rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id, parent=where.parent
+            )
         except ValueError as error:  # pydantic's ValidationError: a value no span attribute can hold
             self.stats.span_write_failures += 1
             self._log_limited(
@@ -607,11 +622,11 @@ def create_app(proxy: LLMProxy) -> FastAPI:
 
     @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions")
     async def attempt_chat(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await proxy.handle(CHAT, await _json_body(request), rollout_id, attempt_id)
+        return await proxy.handle(CHAT, await _json_body(request), rollout_id, attempt_id, request.headers)
 
     @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/completions")
     async def attempt_completion(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await proxy.handle(COMPLETION, await _json_body(request), rollout_id, attempt_id)
+        return await proxy.handle(COMPLETION, await _json_body(request), rollout_id, attempt_id, request.headers)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -25,6 +25,7 @@ from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM
 from agl_stream.policy import build_tokenizer
+from agl_stream.semconv import AGL_ATTEMPT
 from tests.integration.helpers import serve, start_role, stop_role
 from tests.integration.test_triplet_builder import _records_covering
 
@@ -38,6 +39,7 @@ COMMANDS = {
     "python": f"{shlex.quote(sys.executable)} {shlex.quote(str(AGENTS / 'agent.py'))}",
 }
 QUESTIONS = ["what is 2+2?", "say hi", "count to 3"]
+FORWARDS_TRACEPARENT = {"shell", "node"}  # the Python script sends the openai client's headers only
 
 
 @pytest.fixture
@@ -118,6 +120,11 @@ async def test_commands_in_any_language_become_exact_triplets_with_their_rewards
                 spans = await store.query_spans(rollout.rollout_id, "latest")
                 [call] = [s for s in spans if s.attributes.get("response_token_ids")]
                 assert call.attributes["response_token_ids"] == triplet.response_token_ids, kind
+                [root] = [s for s in spans if s.name == AGL_ATTEMPT]
+                if kind in FORWARDS_TRACEPARENT:  # the call's span is a child of the attempt's root
+                    assert (call.trace_id, call.parent_id) == (root.trace_id, root.span_id), kind
+                else:  # a program that sends no trace context: the call starts a trace of its own
+                    assert call.parent_id is None, kind
                 answer = tokenizer.decode(triplet.response_token_ids, skip_special_tokens=True)
                 reward = 0.5 if kind == "shell" else len(answer) / 10  # what each program reports
                 assert record.final_reward == pytest.approx(reward), (kind, answer)

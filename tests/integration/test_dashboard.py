@@ -1,8 +1,11 @@
 """The dashboard in a real headless browser (Debian's chromium, driven by Playwright).
 
 One module-scoped stack on the session broker (processor, gateway, ingress, triplet builder,
-batcher) and a runner with :func:`dashboard_agent`: an agent step with an LLM-call span whose
-prompt is hostile HTML, a tool span, a reward; one task raises. Every page is loaded and what
+batcher), the LLM proxy in front of a fake OpenAI-compatible model, and a runner with
+:func:`dashboard_agent`: an agent step that calls the model through the proxy with the openai
+client (a prompt of hostile HTML; the model answers with a tool call), a tool span, a reward;
+one task raises. The spans are the pipeline's own: the runner's root span, the openai client's
+span and the proxy's span of the same call (its child), as any agent's. Every page is loaded and what
 it shows is compared with SQL on the same data; a rollout's waterfall is opened, a cookbook
 query runs in the console, bad input gets a message, and the overview refreshes by itself.
 Screenshots of each page go to the test's temp dir (printed).
@@ -14,12 +17,17 @@ is never downloaded here. Without it the module fails and says how to install it
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -34,12 +42,13 @@ from agl_stream import connect, stack
 from agl_stream.auth import auth_headers, known_token
 from agl_stream.config import Settings
 from agl_stream.domain.batching import batch_id_of
+from agl_stream.kafka import broker
 from agl_stream.kafka.io import TypedProducer, make_producer
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
-from agl_stream.models import PromptTemplate, Rollout, TrainerStep, Triplet, TripletBatch, TripletRecord
+from agl_stream.models import LLM, PromptTemplate, ProxyLLM, TrainerStep, Triplet, TripletBatch, TripletRecord
 from consumers import dashboard_sql as dsql
-from tests.integration.helpers import start_role, stop_role
+from tests.integration.helpers import serve, start_role, stop_role
 
 pytestmark = pytest.mark.integration
 
@@ -47,26 +56,84 @@ CHROMIUM = Path("/usr/bin/chromium")
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b>bold?</b>"
 
 
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+
+
 @rollout
-async def dashboard_agent(task: dict[str, Any], rollout: Rollout) -> float:
+async def dashboard_agent(task: dict[str, Any], llm: LLM) -> float:
+    from openai import AsyncOpenAI
+
     tracer = trace.get_tracer("tests.dashboard")
-    with tracer.start_as_current_span("agent.step"):
-        with tracer.start_as_current_span("chat tiny") as llm:
-            llm.set_attribute("gen_ai.request.model", "tiny")
-            llm.set_attribute("gen_ai.prompt.0.role", "user")
-            llm.set_attribute("gen_ai.prompt.0.content", f"{task['question']} {HOSTILE}")
-            llm.set_attribute("gen_ai.completion.0.role", "assistant")
-            llm.set_attribute("gen_ai.completion.0.content", "forty-two")
-            llm.set_attribute("gen_ai.completion.0.tool_calls.0.function.name", "calculator")
-            llm.set_attribute("gen_ai.request.tools", '[{"type": "function", "function": {"name": "calculator"}}]')
-            llm.set_attribute("gen_ai.usage.input_tokens", 17)
-            llm.set_attribute("gen_ai.usage.output_tokens", 3)
-        with tracer.start_as_current_span("execute_tool calculator") as tool:
-            tool.set_attribute("gen_ai.tool.name", "calculator")
-            if task.get("broken"):
-                tool.set_status(Status(StatusCode.ERROR, "the calculator broke"))
-                raise ValueError(f"the task is broken {HOSTILE}")
+    client = AsyncOpenAI(base_url=llm.endpoint, api_key=llm.api_key or "none", max_retries=0)
+    try:
+        with tracer.start_as_current_span("agent.step"):
+            await client.chat.completions.create(
+                model=llm.model,
+                messages=[{"role": "user", "content": f"{task['question']} {HOSTILE}"}],
+                tools=[CALCULATOR],  # type: ignore[list-item]
+            )
+            with tracer.start_as_current_span("execute_tool calculator") as tool:
+                tool.set_attribute("gen_ai.tool.name", "calculator")
+                if task.get("broken"):
+                    tool.set_status(Status(StatusCode.ERROR, "the calculator broke"))
+                    raise ValueError(f"the task is broken {HOSTILE}")
+    finally:
+        await client.close()
     return float(task["reward"])
+
+
+class _FakeModel(BaseHTTPRequestHandler):
+    """An OpenAI-compatible chat endpoint that answers every call with a tool call, as vLLM
+    shapes it (token ids included)."""
+
+    calls = itertools.count(1)
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        call = {"name": "calculator", "arguments": json.dumps({"expression": "6*7"})}
+        answer = {
+            "id": f"chatcmpl-{next(self.calls)}",
+            "object": "chat.completion",
+            "created": 1_767_225_600,
+            "model": body["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": "forty-two",
+                        "tool_calls": [{"id": "call-1", "type": "function", "function": call}],
+                    },
+                    "finish_reason": "tool_calls",
+                    "token_ids": [7, 8, 9],
+                }
+            ],
+            "usage": {"prompt_tokens": 17, "completion_tokens": 3, "total_tokens": 20},
+            "prompt_token_ids": list(range(17)),
+        }
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def _fake_model() -> Iterator[str]:
+    """The fake model on a free local port, in a thread; yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeModel)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 @dataclass
@@ -99,10 +166,6 @@ TASKS: dict[str, dict[str, Any]] = {
 
 async def _produce(settings: Settings, names: list[str]) -> dict[str, str]:
     async with connect(**settings.model_dump(exclude_none=True)) as store:
-        if "t2" in names:
-            await store.add_resources(
-                {"prompt": PromptTemplate(template=f"Answer {{question}} {HOSTILE}", engine="f-string")}
-            )
         made = await store.enqueue_many_rollouts([TASKS[n] for n in names])
         ids = {name: r.rollout_id for name, r in zip(names, made, strict=True)}
         await store.wait_for_rollouts(rollout_ids=list(ids.values()), timeout=120)
@@ -134,27 +197,46 @@ def dash(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     stack.up(settings, training=True)
     settings = stack.local_stack_settings(settings)
     runner: subprocess.Popen[bytes] | None = None
+    proxy: subprocess.Popen[bytes] | None = None
     try:
-        runner = start_role(
-            settings,
-            *("runner", "--agent", "tests.integration.test_dashboard:dashboard_agent", "--concurrency", "4"),
-            log_name="runner",
-        )
-        ids = asyncio.run(_produce(settings, list(TASKS)))
-        url = stack.dashboard_url(settings)
-        token = known_token(settings)
-        assert url is not None and token and url.endswith(f"/dashboard/?{urlencode({'token': token})}")
-        base = url.split("/dashboard/")[0]
-        dash = Dash(settings, base, ids, tmp_path_factory.mktemp("screenshots"), url)
-        # the triplet builder writes one record per finished attempt (4); a deadline, not a speed
-        # goal: on a loaded machine (load 17 on 2 cores) 60 s was not enough
-        _wait_sql(dash, "SELECT count() FROM agl.triplet_records FINAL", 4, timeout=300)
-        print(f"\ndashboard screenshots: {dash.shots}")
-        yield dash
+        with _fake_model() as model:
+            [proxy_port] = broker.free_ports(1)
+            proxy = serve(
+                *(settings, "llm-proxy", "--port", str(proxy_port), "--backend", f"tiny={model}"),
+                name="proxy",
+                url=f"http://127.0.0.1:{proxy_port}/health",
+            )
+            # The proxy asks for the stack's API token too: the agent sends it as its key.
+            policy = ProxyLLM(endpoint=f"http://127.0.0.1:{proxy_port}/v1", model="tiny", api_key=known_token(settings))
+            prompt = PromptTemplate(template=f"Answer {{question}} {HOSTILE}", engine="f-string")
+            asyncio.run(_add_resources(settings, {"policy": policy, "prompt": prompt}))
+            runner = start_role(
+                settings,
+                *("runner", "--agent", "tests.integration.test_dashboard:dashboard_agent", "--concurrency", "4"),
+                log_name="runner",
+            )
+            ids = asyncio.run(_produce(settings, list(TASKS)))
+            url = stack.dashboard_url(settings)
+            token = known_token(settings)
+            assert url is not None and token and url.endswith(f"/dashboard/?{urlencode({'token': token})}")
+            base = url.split("/dashboard/")[0]
+            dash = Dash(settings, base, ids, tmp_path_factory.mktemp("screenshots"), url)
+            # the triplet builder writes one record per finished attempt (4); a deadline, not a speed
+            # goal: on a loaded machine (load 17 on 2 cores) 60 s was not enough
+            _wait_sql(dash, "SELECT count() FROM agl.triplet_records FINAL", 4, timeout=300)
+            print(f"\ndashboard screenshots: {dash.shots}")
+            yield dash
     finally:
         if runner is not None:
             stop_role(runner, timeout=30)
+        if proxy is not None:
+            stop_role(proxy, timeout=30)
         stack.down(settings)
+
+
+async def _add_resources(settings: Settings, resources: dict[str, Any]) -> None:
+    async with connect(**settings.model_dump(exclude_none=True)) as store:
+        await store.add_resources(resources)
 
 
 @pytest.fixture(scope="module")
@@ -297,18 +379,33 @@ def test_a_rollouts_waterfall_llm_calls_rewards_and_exception(page: Any, dash: D
     spans = dash.value(f"SELECT count() FROM agl.otel_traces FINAL WHERE {where}")
     assert page.locator('[data-testid="wf-row"]').count() == spans
     names = page.locator('[data-testid="wf-row"] .wf-name').all_inner_texts()
-    assert names.index("agent.step") < names.index("chat tiny")  # the child after its parent, indented
+    # One tree: the runner's root span, the agent's step, the openai client's span of the call
+    # and the proxy's span of the same call under it, each after its parent.
+    assert names[0] == "agentlightning.attempt"
+    assert names.index("agent.step") < names.index("chat tiny") < names.index("openai.chat.completion")
+    tree = {
+        r["SpanName"]: r
+        for r in dash.rows(f"SELECT SpanName, SpanId, ParentSpanId, TraceId FROM agl.otel_traces FINAL WHERE {where}")
+    }
+    assert len({r["TraceId"] for r in tree.values()}) == 1
+    assert tree["openai.chat.completion"]["ParentSpanId"] == tree["chat tiny"]["SpanId"]
     assert page.locator('[data-testid="wf-row"] .wf-bar.s-ERROR').count() >= 1  # the broken tool, in red
     exceptions = page.inner_text('[data-testid="exceptions"]')
     # the tool span and its parent, both ERROR, with the exception the agent raised (as text)
     assert "execute_tool calculator" in exceptions and "agent.step" in exceptions
     assert f"ValueError: the task is broken {HOSTILE}" in exceptions
+    # The call is listed once (its two spans describe one call), by the proxy's span, with the
+    # prompt and the response from its GenAI message attributes.
+    calls = page.locator('[data-testid="llm-call"]')
+    assert calls.count() == 1
+    assert calls.first.get_attribute("data-span") == tree["openai.chat.completion"]["SpanId"]
+    text = calls.first.inner_text()
     # Hostile span text is shown as text: no element was made from it.
-    assert HOSTILE in page.inner_text('[data-testid="llm-calls"]')
+    assert f"three {HOSTILE}" not in text and f"four {HOSTILE}" in text
     assert page.locator("main img").count() == 0 and page.title() != "pwned"
-    calls = page.inner_text('[data-testid="llm-calls"]')
-    assert "17 in / 3 out tokens" in calls
-    assert '"tool_calls.0.function.name": "calculator"' in calls and "tools offered" in calls
+    assert "17 in / 3 out tokens" in text and "forty-two" in text
+    assert "tool call calculator [call-1]" in text and '"expression": "6*7"' in text
+    assert "tools offered" in text and "(tool_calls)" in text
     page.locator('[data-testid="wf-row"]', has_text="chat tiny").click()
     assert "gen_ai.usage.input_tokens" in page.inner_text('[data-testid="span-detail"]')
     _shot(page, dash, "rollout-failed")
@@ -392,7 +489,7 @@ def test_a_versions_page_shows_the_batches_rollouts_and_spans_that_trained_it(pa
     members = [dash.ids["t1"], dash.ids["t2"]]
     calls = dash.rows(
         "SELECT RolloutId AS rollout_id, AttemptId AS attempt_id, SpanId AS span_id, TraceId AS trace_id "
-        f"FROM agl.otel_traces FINAL WHERE SpanName = 'chat tiny' AND RolloutId IN {tuple(members)} "
+        f"FROM agl.otel_traces FINAL WHERE SpanName = 'openai.chat.completion' AND RolloutId IN {tuple(members)} "
         "ORDER BY RolloutId, AttemptId"
     )
     assert {c["rollout_id"] for c in calls} == set(members), calls

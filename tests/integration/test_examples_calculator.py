@@ -155,7 +155,7 @@ def test_calculator_example_trains_one_step_on_its_tool_call_triplets(kafka_boot
             ).result_rows
         }
         proxy_spans = client.query(
-            f"SELECT RolloutId, SpanAttributes['gen_ai.request.tools'], SpanAttributes['gen_ai.completion'] "
+            f"SELECT RolloutId, SpanAttributes['gen_ai.tool.definitions'], SpanAttributes['gen_ai.output.messages'] "
             f"FROM {db}.otel_traces FINAL WHERE has(mapKeys(SpanAttributes), 'prompt_token_ids') "
             "AND RolloutId IN {ids:Array(String)}",
             parameters=ids,
@@ -188,7 +188,7 @@ def test_calculator_example_trains_one_step_on_its_tool_call_triplets(kafka_boot
     assert calls == {rid: 2 for rid in modes}
     assert all(json.loads(tools)[0]["function"]["name"] == "calculator" for _, tools, _ in proxy_spans)
     made = [json.loads(completion)[0] for _, _, completion in proxy_spans]
-    assert sum(1 for message in made if message.get("tool_calls")) == len(modes)
+    assert sum(1 for message in made if any(p["type"] == "tool_call" for p in message["parts"])) == len(modes)
     # Every evaluation is a span: the task's expression in, its value out.
     assert Counter(rid for rid, _, _ in tool_spans) == {rid: 1 for rid in modes}
     for _, arguments, value in tool_spans:

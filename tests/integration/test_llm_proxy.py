@@ -341,7 +341,10 @@ async def test_every_call_is_one_span_with_the_backend_token_ids(
     pieces = [chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices]
     assert "".join(pieces) == "hello"
 
-    text = await client.completions.create(model="policy", prompt="say hello", max_tokens=2)
+    caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"  # the agent's span, W3C trace context
+    text = await client.completions.create(
+        model="policy", prompt="say hello", max_tokens=2, extra_headers={"traceparent": caller}
+    )
     assert text.choices[0].text == "hello"
 
     text_stream = await client.completions.create(model="policy", prompt=[5, 6, 7], max_tokens=2, stream=True)
@@ -374,8 +377,22 @@ async def test_every_call_is_one_span_with_the_backend_token_ids(
         assert span.attributes["agentlightning.rollout_id"] == rid
         assert span.start_time is not None and span.end_time is not None and span.start_time <= span.end_time
         assert len(span.trace_id) == 32 and len(span.span_id) == 16
-    assert json.loads(str(spans[0].attributes["gen_ai.prompt"])) == messages
-    assert json.loads(str(spans[1].attributes["gen_ai.completion"])) == [{"role": "assistant", "content": "hello"}]
+    # A call with a traceparent is a child of the caller's span; the others start traces of their own.
+    assert (spans[2].trace_id, spans[2].parent_id) == ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")
+    assert [s.parent_id for s in spans] == [None, None, "b7ad6b7169203331", None]
+    # Messages as the GenAI conventions shape them: typed parts, tool calls with parsed arguments.
+    assert json.loads(str(spans[0].attributes["gen_ai.input.messages"])) == [
+        {"role": "user", "parts": [{"type": "text", "content": "say hello"}]},
+        {"role": "assistant", "parts": [{"type": "tool_call", "id": "call-1", "name": "greet", "arguments": {}}]},
+        {"role": "tool", "parts": [{"type": "tool_call_response", "id": "call-1", "response": "greeted"}]},
+    ]
+    assert json.loads(str(spans[1].attributes["gen_ai.output.messages"])) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": "hello"}], "finish_reason": "stop"}
+    ]
+    assert json.loads(str(spans[2].attributes["gen_ai.input.messages"])) == [
+        {"role": "user", "parts": [{"type": "text", "content": "say hello"}]}
+    ]
+    assert all(s.attributes["gen_ai.provider.name"] == "openai" for s in spans)
     assert spans[0].attributes["gen_ai.request.temperature"] == 0.7
     assert [s.attributes["llm.is_streaming"] for s in spans] == [False, True, False, True]
     assert [s.attributes.get(POLICY_VERSION) for s in spans] == [41, None, None, None]

@@ -20,6 +20,7 @@ from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM
 from agl_stream.policy import build_tokenizer
+from agl_stream.semconv import AGL_ATTEMPT
 from tests.integration.helpers import serve, start_role, stop_role
 from tests.integration.test_triplet_builder import _records_covering
 
@@ -101,6 +102,17 @@ async def test_an_agents_model_calls_become_exact_triplets(training_stack: Setti
                 assert triplet.reward == pytest.approx(len(answer) / 10)
                 [call] = [s for s in spans if s.name == "openai.chat.completion"]
                 assert call.attributes["response_token_ids"] == triplet.response_token_ids
+                # One trace, one tree: the proxy's span is a child of the agent's openai client
+                # span (its request carried traceparent), and every span descends from the root.
+                [root] = [s for s in spans if s.name == AGL_ATTEMPT]
+                assert root.parent_id is None and {s.trace_id for s in spans} == {root.trace_id}
+                by_id = {s.span_id: s for s in spans}
+                client = by_id[call.parent_id]  # type: ignore[index]
+                assert client.attributes["gen_ai.request.model"] == "agl-tiny" and client.kind == "CLIENT"
+                for span in spans:
+                    while span.parent_id is not None:
+                        span = by_id[span.parent_id]
+                    assert span is root
     finally:
         assert stop_role(runner, timeout=60) == 0
         stop_role(proxy, timeout=30)

@@ -88,12 +88,17 @@ _COMPLETION: dict[str, Any] = {
 }
 
 
+TRACEPARENTS: list[str | None] = []  # what the fake server was sent, per call
+
+
 @pytest.fixture
 async def fake_openai() -> AsyncIterator[str]:
     """A minimal OpenAI-compatible server on a free local port; yields its base URL."""
+    TRACEPARENTS.clear()
 
     async def completions(request: web.Request) -> web.Response:
         body = await request.json()
+        TRACEPARENTS.append(request.headers.get("traceparent"))
         return web.json_response({**_COMPLETION, "model": body["model"]})
 
     app = web.Application()
@@ -129,6 +134,11 @@ async def test_openai_calls_make_gen_ai_spans(store: AglStore, fake_openai: str)
     assert [s.sequence_id for s in spans] == [1, 2] == [s.sequence_id for s in attempt_trace.spans]
     llm, agent = spans
     assert agent.name == "agent" and llm.parent_id == agent.span_id
+    # The request carried the client span's context, so a proxy's span of it is the client span's child.
+    # (version 00, then the trace flags: sampled, plus the SDK's random-trace-id flag if it sets it)
+    [sent] = TRACEPARENTS
+    assert sent is not None and sent.startswith(f"00-{llm.trace_id}-{llm.span_id}-")
+    assert int(sent.rsplit("-", 1)[1], 16) & 0x01  # sampled
     assert llm.attributes["gen_ai.request.model"] == "fake-model-7"
     assert llm.attributes["gen_ai.response.model"] == "fake-model-7"
     assert llm.attributes["gen_ai.response.id"] == "chatcmpl-agl-fake-1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections import Counter
 from itertools import islice
@@ -178,6 +179,10 @@ def _span(sequence_id: int, name: str, attributes: dict[str, Any]) -> Span:
     )
 
 
+def _text(content: str) -> dict[str, str]:
+    return {"type": "text", "content": content}
+
+
 def test_a_rollout_result_holds_the_final_reward_and_what_the_agent_logged() -> None:
     spans = [
         _span(1, AGL_MESSAGE, {"agentlightning.message.body": "answer: positive; expected: negative"}),
@@ -185,8 +190,8 @@ def test_a_rollout_result_holds_the_final_reward_and_what_the_agent_logged() -> 
             2,
             "openai.chat.completion",
             {
-                "gen_ai.prompt": '[{"role": "user", "content": "Classify: bad day"}]',
-                "gen_ai.completion": '[{"index": 0, "message": {"role": "assistant", "content": "positive"}}]',
+                "gen_ai.input.messages": json.dumps([{"role": "user", "parts": [_text("Classify: bad day")]}]),
+                "gen_ai.output.messages": json.dumps([{"role": "assistant", "parts": [_text("positive")]}]),
             },
         ),
         _span(3, AGL_EXCEPTION, {"exception.type": "KeyError", "exception.message": "'label'"}),
@@ -206,6 +211,9 @@ def test_a_rollout_result_holds_the_final_reward_and_what_the_agent_logged() -> 
     )
     assert len(result.notes[4]) < 700  # a long message is cut
     assert rollout_result({}, "failed", []).reward is None
+    # Spans recorded before the proxy wrote the GenAI conventions' current keys read as well.
+    earlier = _span(1, "openai.chat.completion", {"gen_ai.prompt": '[{"role": "user", "content": "hi"}]'})
+    assert rollout_result({}, "succeeded", [earlier]).notes == ("model asked: [user] hi",)
 
 
 def test_the_critique_chat_shows_the_template_and_every_run() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +20,23 @@ from agl_stream.domain.llm_calls import (
     COMPLETION,
     CallError,
     LLMCall,
+    TraceParent,
     backend_error,
     backend_request,
     build_span,
     error_of_status,
+    input_messages,
     logprobs_content,
     merge_chunks,
     new_span_id,
     new_trace_id,
+    output_messages,
     parse_sse,
     policy_version_of_header,
     slim,
     span_attributes,
     token_ids,
+    trace_parent,
 )
 from agl_stream.models import Span
 from agl_stream.semconv import POLICY_VERSION
@@ -226,14 +231,18 @@ def test_a_chat_call_span_carries_what_training_and_sql_read() -> None:
     attributes = dict(span.attributes)
     content = json.loads(str(attributes.pop("logprobs.content")))
     assert content == fixture("chat.json")["choices"][0]["logprobs"]["content"]
-    assert json.loads(str(attributes.pop("gen_ai.prompt"))) == [{"role": "user", "content": "2+2="}]
-    assert json.loads(str(attributes.pop("gen_ai.completion"))) == [
-        {"role": "assistant", "content": "4", "tool_calls": []}
+    # Messages as OpenTelemetry's GenAI conventions write them: typed parts, finish reasons.
+    assert json.loads(str(attributes.pop("gen_ai.input.messages"))) == [
+        {"role": "user", "parts": [{"type": "text", "content": "2+2="}]}
     ]
-    assert json.loads(str(attributes.pop("gen_ai.request.tools"))) == [
+    assert json.loads(str(attributes.pop("gen_ai.output.messages"))) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": "4"}], "finish_reason": "stop"}
+    ]
+    assert json.loads(str(attributes.pop("gen_ai.tool.definitions"))) == [
         {"type": "function", "function": {"name": "calc"}}
     ]
     assert attributes == {
+        "gen_ai.provider.name": "openai",
         "gen_ai.system": "openai",
         "gen_ai.operation.name": "chat",
         "llm.is_streaming": False,
@@ -264,8 +273,12 @@ def test_a_text_completion_span() -> None:
     attributes = span_attributes(call)
     assert attributes["gen_ai.operation.name"] == "text_completion"
     assert attributes["llm.is_streaming"] is True
-    assert attributes["gen_ai.prompt"] == "[17,10,17,28]"
-    assert attributes["gen_ai.completion"] == '[{"text":" 4"}]'
+    assert json.loads(str(attributes["gen_ai.input.messages"])) == [
+        {"role": "user", "parts": [{"type": "prompt", "value": [17, 10, 17, 28]}]}
+    ]
+    assert json.loads(str(attributes["gen_ai.output.messages"])) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": " 4"}], "finish_reason": "length"}
+    ]
     assert attributes["prompt_token_ids"] == [17, 10, 17, 28]
     assert build_span(call, rollout_id="r", attempt_id="a", sequence_id=1).name == "openai.completion"
 
@@ -280,11 +293,12 @@ def test_usage_falls_back_to_the_token_id_counts() -> None:
 def test_an_error_span() -> None:
     error = CallError(500, "CUDA out of memory", "api_error", 500)
     call = LLMCall(CHAT, {"model": "m", "messages": []}, 0.0, 1.0, error=error)
-    span = build_span(call, rollout_id="r", attempt_id="a", sequence_id=3, trace_id="a" * 32, span_id="b" * 16)
+    parent = TraceParent("a" * 32, "c" * 16)
+    span = build_span(call, rollout_id="r", attempt_id="a", sequence_id=3, parent=parent, span_id="b" * 16)
     assert span.status.status_code == "ERROR" and span.status.description == "CUDA out of memory"
     assert span.attributes["error.type"] == "api_error"
     assert span.attributes["http.response.status_code"] == 500
-    assert (span.trace_id, span.span_id) == ("a" * 32, "b" * 16)
+    assert (span.trace_id, span.span_id, span.parent_id) == ("a" * 32, "b" * 16, "c" * 16)
     assert "prompt_token_ids" not in span.attributes
 
 
@@ -303,9 +317,9 @@ def test_ids_are_random_hex_of_the_otel_widths() -> None:
 def test_slim_drops_the_text_but_keeps_the_token_ids() -> None:
     span = build_span(chat_call(), rollout_id="r", attempt_id="a", sequence_id=1)
     small = slim(span)
-    assert "gen_ai.prompt" not in small.attributes and "gen_ai.completion" not in small.attributes
+    assert "gen_ai.input.messages" not in small.attributes and "gen_ai.output.messages" not in small.attributes
     assert small.attributes["prompt_token_ids"] == PROMPT_IDS and small.attributes["agl.truncated"] is True
-    assert "gen_ai.prompt" in span.attributes  # a copy
+    assert "gen_ai.input.messages" in span.attributes  # a copy
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -458,3 +472,69 @@ def test_the_policy_version_a_backend_names_is_on_the_span() -> None:
     assert span_attributes(call)[POLICY_VERSION] == 7
     unversioned = LLMCall(CHAT, {"model": "m", "messages": []}, 1.0, 2.0, response={"id": "x"})
     assert POLICY_VERSION not in span_attributes(unversioned)
+
+
+def test_a_calls_traceparent_makes_its_span_a_child_of_the_callers() -> None:
+    header = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert trace_parent({"traceparent": header}) == TraceParent("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331")
+    # None, malformed or all-zero contexts are no parent: the call's span starts a trace of its own.
+    for headers in ({}, {"traceparent": "garbage"}, {"traceparent": "00-" + "0" * 32 + "-b7ad6b7169203331-01"}):
+        assert trace_parent(headers) is None
+        span = build_span(chat_call(), rollout_id="r", attempt_id="a", sequence_id=1, parent=trace_parent(headers))
+        assert span.parent_id is None and len(span.trace_id) == 32
+
+
+def test_tool_turns_reasoning_and_multimodal_parts_in_the_genai_message_shape() -> None:
+    request = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "u"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "look", "arguments": '{"x": 1}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "a cat"},
+        ]
+    }
+    assert [asdict(m) for m in input_messages(CHAT, request)] == [
+        {"role": "system", "parts": [{"type": "text", "content": "be brief"}]},
+        {
+            "role": "user",
+            "parts": [
+                {"type": "text", "content": "what is this?"},
+                {"type": "image_url", "value": {"type": "image_url", "image_url": {"url": "u"}}},
+            ],
+        },
+        {"role": "assistant", "parts": [{"type": "tool_call", "id": "c1", "name": "look", "arguments": {"x": 1}}]},
+        {"role": "tool", "parts": [{"type": "tool_call_response", "id": "c1", "response": "a cat"}]},
+    ]
+    response = {
+        "choices": [
+            {
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "reasoning_content": "I should look",
+                    "content": "",
+                    "tool_calls": [{"id": "c2", "function": {"name": "look", "arguments": "not json"}}],
+                },
+            }
+        ]
+    }
+    [answer] = output_messages(CHAT, response)
+    assert asdict(answer) == {
+        "role": "assistant",
+        "finish_reason": "tool_calls",
+        "parts": [
+            {"type": "reasoning", "content": "I should look"},
+            {"type": "text", "content": ""},
+            {"type": "tool_call", "id": "c2", "name": "look", "arguments": "not json"},
+        ],
+    }

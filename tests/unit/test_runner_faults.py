@@ -2,7 +2,8 @@
 
 A stand-in for the store client (the processor's answers, in memory) fails chosen calls with
 the errors a failover brings, ``TimeoutError()`` among them (its message is empty). The
-runner is the real one, with its real tracer over the stand-in, and short retry waits.
+runner is the real one, with its real tracer over the stand-in, and short retry waits. At the
+end: the trace an attempt makes (one root span around the agent).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
+from opentelemetry import trace
+
 from agl_stream.config import Settings
 from agl_stream.litagent import FunctionalLitAgent
 from agl_stream.models import Attempt, Rollout, Span
 from agl_stream.models.base import AttemptStatus, RolloutStatus
 from agl_stream.retry import Backoff
+from agl_stream.semconv import AGL_ATTEMPT
 from agl_stream.store.client import AglStore
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import UNSET, AttemptedRollout, Unset
@@ -88,7 +92,9 @@ class FlakyStore:
         return self.attempt, 1
 
     async def export_spans(self, spans: Sequence[Span]) -> None:
-        self._call("export_spans")
+        # The tracer's flushes (which hold the attempt's root span) and the agent's returned spans.
+        returned = all(span.name == RETURNED for span in spans)
+        self._call("export_returned" if returned else "export_spans")
         self.spans += spans
 
     async def update_attempt(
@@ -125,8 +131,13 @@ async def reward(task: Any) -> float:
     return 0.5
 
 
+RETURNED = "returned"
+
+
 async def returns_a_span(task: Any) -> list[Span]:
-    return [Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=1, trace_id="0" * 32, span_id="1" * 16, name="s")]
+    return [
+        Span(rollout_id="ro-1", attempt_id="at-1", sequence_id=1, trace_id="0" * 32, span_id="1" * 16, name=RETURNED)
+    ]
 
 
 async def run_one(store: FlakyStore, agent: Any = reward) -> RunnerStats:
@@ -150,7 +161,8 @@ async def test_a_span_flush_failing_during_a_failover_is_retried_and_the_attempt
     assert stats.succeeded == 1
     assert _status(store) == ("succeeded", "succeeded")
     assert store.calls.count("export_spans") == 3
-    assert [span.name for span in store.spans] == ["agentlightning.annotation"]  # the reward
+    # The reward, then the attempt's root (it ends last), both in the flush that was retried.
+    assert [span.name for span in store.spans] == ["agentlightning.annotation", AGL_ATTEMPT]
 
 
 async def test_a_span_flush_that_never_gets_through_releases_the_attempt() -> None:
@@ -222,14 +234,48 @@ async def test_an_attempt_neither_reported_nor_released_is_counted_abandoned() -
 
 
 async def test_returned_spans_are_exported_with_retries() -> None:
-    store = FlakyStore({"export_spans": times(2)})
+    store = FlakyStore({"export_returned": times(2)})
     stats = await run_one(store, returns_a_span)
-    assert stats.succeeded == 1 and [span.name for span in store.spans] == ["s"]
+    assert stats.succeeded == 1 and [span.name for span in store.spans] == [AGL_ATTEMPT, RETURNED]
+    assert store.calls.count("export_returned") == 3
 
 
 async def test_returned_spans_the_store_cannot_take_fail_the_attempt() -> None:
     # The agent's output, not the cluster: not retried, and not released (a retry would fail alike).
-    store = FlakyStore({"export_spans": iter([ValueError("a span over the size limit")])})
+    store = FlakyStore({"export_returned": iter([ValueError("a span over the size limit")])})
     stats = await run_one(store, returns_a_span)
     assert stats.failed == 1 and _status(store) == ("failed", "failed")
-    assert store.calls.count("export_spans") == 1
+    assert store.calls.count("export_returned") == 1
+
+
+# -- the attempt's trace ---------------------------------------------------------------------
+
+
+async def steps_and_rewards(task: Any) -> float:
+    with trace.get_tracer("tests.runner").start_as_current_span("step"):
+        with trace.get_tracer("tests.runner").start_as_current_span("tool"):
+            pass
+    return 0.5
+
+
+async def test_an_attempt_is_one_trace_under_its_root_span() -> None:
+    store = FlakyStore({})
+    stats = await run_one(store, steps_and_rewards)
+    assert stats.succeeded == 1
+    tool, step, reward_span, root = store.spans  # in the order they ended: the root last
+    assert (root.name, root.parent_id, root.sequence_id) == (AGL_ATTEMPT, None, 4)
+    assert {span.trace_id for span in store.spans} == {root.trace_id}
+    assert step.parent_id == reward_span.parent_id == root.span_id and tool.parent_id == step.span_id
+    assert root.status.status_code != "ERROR"
+
+
+async def test_a_failed_attempts_root_span_says_why() -> None:
+    async def broken(task: Any) -> float:
+        raise RuntimeError("the tool is gone")
+
+    store = FlakyStore({})
+    stats = await run_one(store, broken)
+    assert stats.failed == 1
+    [root] = [span for span in store.spans if span.name == AGL_ATTEMPT]
+    assert root.status.status_code == "ERROR" and "the tool is gone" in (root.status.description or "")
+    assert all(span.trace_id == root.trace_id for span in store.spans)
