@@ -171,6 +171,54 @@ def failure_message(returncode: int, stderr_tail: str) -> str:
 # -- the shell: one process ----------------------------------------------------------------------
 
 
+class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's streams, plus ``exited``: done when the shell exits. ``Process.wait()`` returns
+    only once every pipe is closed too, which a process the command left running (holding its
+    stdout) may never do; the agent's run ends with the shell, then its group is stopped."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=65536, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+async def _spawn(
+    command: str, *, cwd: Path, env: Mapping[str, str], stop_grace_s: float
+) -> tuple[asyncio.subprocess.Process, _Protocol]:
+    """``/bin/sh -c command`` leading a process group of its own, with its output piped.
+
+    A cancellation while it starts lets it start, stops its group, then goes on: asyncio's own
+    clean-up of a half-started process kills the shell alone and waits for its pipes, which a
+    child of the shell holds open (a run cancelled there waited for ``sleep 600`` to end).
+    """
+    loop = asyncio.get_running_loop()
+
+    async def start() -> tuple[asyncio.subprocess.Process, _Protocol]:
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _Protocol(loop),
+            *("/bin/sh", "-c", command),
+            cwd=cwd,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        return asyncio.subprocess.Process(transport, protocol, loop), protocol
+
+    starting = asyncio.ensure_future(start())
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        process, _ = await starting
+        await _stop_group(process, stop_grace_s)
+        raise
+
+
 async def _keep_tail(stream: asyncio.StreamReader, into: bytearray) -> None:
     while chunk := await stream.read(65536):
         into += chunk
@@ -264,22 +312,12 @@ class CommandAgent(LitAgent[Any]):
             trace_context=carrier,
             base={**os.environ, **self.env},
         )
-        process = await asyncio.create_subprocess_exec(
-            "/bin/sh",
-            "-c",
-            self.command,
-            cwd=workdir,
-            env=env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
+        process, protocol = await _spawn(self.command, cwd=workdir, env=env, stop_grace_s=self.stop_grace_s)
         assert process.stdout is not None and process.stderr is not None
         out, err = bytearray(), bytearray()
         readers = asyncio.gather(_keep_tail(process.stdout, out), _keep_tail(process.stderr, err))
         try:
-            await asyncio.wait_for(asyncio.shield(process.wait()), self.timeout_s)
+            await asyncio.wait_for(asyncio.shield(protocol.exited), self.timeout_s)
         except TimeoutError:
             await _stop_group(process, self.stop_grace_s)
             await _settle(readers)
@@ -293,6 +331,7 @@ class CommandAgent(LitAgent[Any]):
             await _settle(readers)
             raise
         _signal_group(process, signal.SIGKILL)  # what the command left running in its group
+        await process.wait()  # its pipes close with the group
         await _settle(readers)
         stderr = err.decode(errors="replace")
         if process.returncode != 0:

@@ -78,10 +78,17 @@ async def test_240_rollouts_across_4_runner_processes(own_stack: Settings) -> No
             rows = result.dicts()
             assert len(rows) == 240, "every rollout has spans from exactly one attempt"
             for row in rows:
-                assert row["n"] == 4, row  # agent.step, tool.call, the message, the reward: each exactly once
-                assert sorted(row["seqs"]) == [1, 2, 3, 4], row  # gap-free, from 1
+                # the root span, agent.step, tool.call, the message, the reward: each exactly once
+                assert row["n"] == 5, row
+                assert sorted(row["seqs"]) == [1, 2, 3, 4, 5], row  # gap-free, from 1
                 assert sorted(row["names"]) == sorted(
-                    ["agent.step", "tool.call", "agentlightning.message", "agentlightning.annotation"]
+                    [
+                        "agentlightning.attempt",
+                        "agent.step",
+                        "tool.call",
+                        "agentlightning.message",
+                        "agentlightning.annotation",
+                    ]
                 )
             sample = made[7]
             [attempt] = await store.query_attempts(sample.rollout_id)
@@ -195,8 +202,10 @@ async def test_a_sync_agent_runs_in_a_thread_and_is_traced(own_stack: Settings) 
             assert store.side is not None
             await store.side.query("SELECT 1", fence=await fence_at_end(own_stack, "spans"))
             spans = await store.query_spans(rollouts[0].rollout_id, "latest")
-            assert [s.name for s in spans] == ["sync.step", "agentlightning.annotation"]
-            assert [s.sequence_id for s in spans] == [1, 2]
+            # the thread's span is a child of the attempt's root span, which ends last
+            assert [s.name for s in spans] == ["sync.step", "agentlightning.annotation", "agentlightning.attempt"]
+            assert [s.sequence_id for s in spans] == [1, 2, 3]
+            assert spans[0].parent_id == spans[2].span_id
     finally:
         assert stop_role(runner, timeout=60) == 0
 

@@ -84,7 +84,8 @@ async def test_a_flush_failing_a_few_times_is_retried_and_the_attempt_succeeds(o
         assert store.side is not None
         await store.side.query("SELECT 1", fence=await fence_at_end(own_stack, "spans"))  # the spans sink caught up
         spans = await store.query_spans(rollout.rollout_id, attempts[0].attempt_id)
-        assert [s.name for s in spans] == ["agentlightning.annotation"]  # the reward, stored once
+        # the reward and the attempt's root span, each stored once
+        assert [s.name for s in spans] == ["agentlightning.annotation", "agentlightning.attempt"]
 
 
 async def test_a_flush_that_never_gets_through_releases_the_attempt_and_the_rollout_finishes(

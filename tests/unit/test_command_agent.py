@@ -222,6 +222,48 @@ def test_a_timeout_stops_the_whole_process_group(tmp_path: Path) -> None:
     assert _wait_gone(int(pidfile.read_text()))
 
 
+def test_a_run_ends_with_its_shell_even_while_a_child_it_left_holds_the_output(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    # The background sleep keeps stdout open: waiting for the pipes would wait for it (a
+    # regression runs into the timeout and fails, rather than hanging the test).
+    agent = CommandAgent(
+        f"sh -c 'echo $$ > {pidfile}; exec sleep 600' & while [ ! -s {pidfile} ]; do sleep 0.01; done; echo 0.5",
+        timeout_s=120,
+    )
+    assert _run(agent) == 0.5
+    assert _wait_gone(int(pidfile.read_text()))  # stopped with the command's group
+
+
+def test_a_cancellation_at_any_point_of_the_start_stops_the_process_group(tmp_path: Path) -> None:
+    """Cancelled after 0, 1, 2, ... turns of the event loop: before the process exists, while
+    asyncio connects its pipes (where asyncio alone would kill the shell and wait for the pipes
+    its child holds), and once it runs. Every run ends promptly and leaves nothing running."""
+
+    async def busy_loop() -> None:
+        while True:  # each turn of the loop takes 20 ms, as on a busy machine: the child runs meanwhile
+            time.sleep(0.02)  # noqa: ASYNC251 (blocking the loop is the point)
+            await asyncio.sleep(0)
+
+    async def cancel_after(turns: int, pidfile: Path) -> None:
+        agent = CommandAgent(f"sh -c 'echo $$ > {pidfile}; exec sleep 600' & wait", stop_grace_s=5.0)
+        task = asyncio.create_task(agent.rollout_async(None, {}, _rollout(None)))
+        busy = asyncio.create_task(busy_loop())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), 120)  # a hang fails here, not at 600 s
+        finally:
+            busy.cancel()
+
+    for turns in range(12):
+        pidfile = tmp_path / f"child-{turns}.pid"
+        asyncio.run(cancel_after(turns, pidfile))
+        if pidfile.exists() and pidfile.read_text().strip():
+            assert _wait_gone(int(pidfile.read_text())), f"cancelled after {turns} turns, the child lives on"
+
+
 def test_cancelling_the_attempt_stops_the_process_group(tmp_path: Path) -> None:
     pidfile = tmp_path / "child.pid"
     agent = CommandAgent(f"sh -c 'echo $$ > {pidfile}; exec sleep 600' & wait", stop_grace_s=5.0)
