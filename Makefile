@@ -14,7 +14,9 @@ AGL := $(BIN)/agl-stream
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt -e '.[dev,train]'
+	$(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt -e '.[dev,train,frameworks]'
+	@# superseded by opentelemetry-instrumentation-genai-openai: a venv made before keeps it, and both would patch openai
+	$(BIN)/uv pip uninstall -q --python $(BIN)/python opentelemetry-instrumentation-openai-v2
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -22,7 +24,7 @@ venv: $(STAMP)
 # Resolve pyproject.toml's dependencies again (after changing them), keeping the versions of
 # constraints.txt where they still fit, and write the result there.
 lock: venv
-	$(BIN)/uv pip compile -q pyproject.toml --extra dev --extra train --custom-compile-command "make lock" -o constraints.txt
+	$(BIN)/uv pip compile -q pyproject.toml --extra dev --extra train --extra frameworks --custom-compile-command "make lock" -o constraints.txt
 
 # Resolves the Apache Kafka server jars from Maven Central with Maven (cached).
 jars: venv

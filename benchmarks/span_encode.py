@@ -144,7 +144,7 @@ async def _traced_run(
 ) -> tuple[float, CapturingSink]:
     """CPU seconds of making ``calls`` x ``make`` through our tracer into a sink (one thread)."""
     sink = CapturingSink(Codec.default(), encode=encode)
-    tracer = AttemptTracer(sink, instrument_openai=False)
+    tracer = AttemptTracer(sink, instrument_genai=False)
     await tracer.start()
     otel = tracer.tracer_provider.get_tracer("bench")
     ids.reset()

@@ -454,6 +454,15 @@ def logprobs_content(kind: CallKind, response: Mapping[str, Any]) -> list[dict[s
 # them; built from opentelemetry-util-genai's message types.
 
 
+@dataclass
+class ProviderPart(GenericPart):
+    """A part the conventions have no type of their own for (images, audio, files, a prompt of
+    token ids): the provider's part as it came, under ``value`` (a generic part takes any
+    properties)."""
+
+    value: Any = None
+
+
 def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
@@ -471,9 +480,9 @@ def _content_parts(content: Any) -> list[MessagePart]:
                 parts.append(Text(content=part["text"]))
             else:  # images, audio, files: the provider's part as it came
                 kind = part.get("type") if isinstance(part, Mapping) else None
-                parts.append(GenericPart(type=str(kind or "unknown"), value=part))
+                parts.append(ProviderPart(type=str(kind or "unknown"), value=part))
         return parts
-    return [GenericPart(type="unknown", value=content)]
+    return [ProviderPart(type="unknown", value=content)]
 
 
 def _tool_calls(message: Mapping[str, Any]) -> list[MessagePart]:
@@ -526,7 +535,7 @@ def input_messages(kind: CallKind, request: Mapping[str, Any]) -> list[InputMess
     prompt = request.get("prompt")
     if prompt is None:
         return []
-    part: MessagePart = Text(content=prompt) if isinstance(prompt, str) else GenericPart(type="prompt", value=prompt)
+    part: MessagePart = Text(content=prompt) if isinstance(prompt, str) else ProviderPart(type="prompt", value=prompt)
     return [InputMessage(role="user", parts=[part])]
 
 
@@ -550,8 +559,13 @@ def output_messages(kind: CallKind, response: Mapping[str, Any]) -> list[OutputM
     return messages
 
 
-def _messages_json(messages: Sequence[InputMessage | OutputMessage]) -> str:
-    return _json_text([asdict(message) for message in messages])
+def _without_none(fields: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {key: value for key, value in fields if value is not None}
+
+
+def messages_json(messages: Sequence[InputMessage | OutputMessage]) -> str:
+    # Unset optional fields (a message's name, a tool call's id) are left out, not written as null.
+    return _json_text([asdict(message, dict_factory=_without_none) for message in messages])
 
 
 def _json_text(value: Any) -> str:
@@ -619,7 +633,7 @@ def span_attributes(call: LLMCall) -> Attributes:
         attributes["gen_ai.openai.api_base"] = call.backend
     sent = input_messages(call.kind, request)
     if sent:
-        attributes[INPUT_MESSAGES_KEY] = _messages_json(sent)
+        attributes[INPUT_MESSAGES_KEY] = messages_json(sent)
     if request.get("tools"):
         attributes[TOOLS_KEY] = _json_text(request["tools"])
 
@@ -656,7 +670,7 @@ def span_attributes(call: LLMCall) -> Attributes:
         attributes["logprobs.content"] = _json_text(content)
     answered = output_messages(call.kind, response)
     if answered:
-        attributes[OUTPUT_MESSAGES_KEY] = _messages_json(answered)
+        attributes[OUTPUT_MESSAGES_KEY] = messages_json(answered)
     if call.error is not None:
         attributes["error.type"] = call.error.type
         attributes["http.response.status_code"] = call.error.status

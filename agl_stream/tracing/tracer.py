@@ -120,14 +120,14 @@ class AttemptTracer:
         max_buffered_spans: int = 10_000,
         batch_size: int = 512,
         flush_interval_s: float = 0.1,
-        instrument_openai: bool = True,
+        instrument_genai: bool = True,
         block_timeout_s: float = 30.0,
         export_backoff: Backoff = FAILOVER,
     ) -> None:
         self._sink = store
         self._policy = ExportPolicy(batch_size=batch_size, flush_interval_s=flush_interval_s)
         self._buffer = SpanBuffer(self._policy, max_buffered_spans, 2 * max_buffered_spans)
-        self._instrument_openai = instrument_openai
+        self._instrument_genai = instrument_genai
         self._block_timeout_s = block_timeout_s
         self._export_backoff = export_backoff
         self._drops = _DropLog()
@@ -141,7 +141,7 @@ class AttemptTracer:
         self._exporter: asyncio.Task[None] | None = None
         self._processor: AttemptSpanProcessor | None = None
         self._provider: TracerProvider | None = None
-        self.openai_instrumented = False
+        self.genai_instrumented = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -158,8 +158,8 @@ class AttemptTracer:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._processor, self._provider = install()
-        if self._instrument_openai:
-            self.openai_instrumented = instrumentation.instrument_openai(self._provider)
+        if self._instrument_genai:
+            self.genai_instrumented = instrumentation.instrument_genai(self._provider)
         # A context of its own: spans the export itself makes (an instrumented HTTP or Kafka
         # client) must not count as an attempt's, whatever context start() was called from.
         self._exporter = asyncio.create_task(
@@ -184,9 +184,9 @@ class AttemptTracer:
         finally:
             self._flushing -= 1
             self._state = "closed"
-            if self.openai_instrumented:
-                instrumentation.uninstrument_openai()
-                self.openai_instrumented = False
+            if self.genai_instrumented:
+                instrumentation.uninstrument_genai()
+                self.genai_instrumented = False
 
     async def __aenter__(self) -> AttemptTracer:
         await self.start()

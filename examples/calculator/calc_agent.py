@@ -1,6 +1,10 @@
 """A calculator math agent: multi-turn chat with an OpenAI ``calculator`` tool, rewarded by answer match.
 
-The agent asks the model to solve an arithmetic word problem. Whenever the model calls the
+The agent asks the model to solve an arithmetic word problem. It is written three ways, each
+an ``@agl.rollout`` function the runner traces with no change to the agent's code:
+:func:`calculator_agent` on the openai client, :func:`langgraph_calculator_agent` with LangChain's
+``create_agent`` (a LangGraph graph) and :func:`agents_sdk_calculator_agent` with the OpenAI
+Agents SDK (``pip install 'agl-stream[frameworks]'`` for those two). Whenever the model calls the
 ``calculator`` tool, the agent evaluates the expression with :func:`evaluate` (a whitelist
 over Python's ``ast``: numbers, + - * / // % **, parentheses and a few functions; model output
 never reaches ``eval``) and hands back the value; each evaluation is a span of its own
@@ -182,9 +186,17 @@ def format_number(value: Number) -> str:
     return str(value)
 
 
+def calculate(expression: str) -> str:
+    """The tool's answer: the expression's value, or ``error: <why>`` for the model to read (a
+    bad call is the model's mistake to fix, never the rollout's crash)."""
+    try:
+        return format_number(evaluate(expression))
+    except CalculatorError as error:
+        return f"error: {error}"
+
+
 def run_calculator(arguments: str) -> str:
-    """The tool's answer to a call's JSON arguments: the value, or ``error: <why>`` for the model
-    to read (a bad call is the model's mistake to fix, never the rollout's crash)."""
+    """The tool's answer to a call's JSON arguments (see :func:`calculate`)."""
     try:
         parsed = json.loads(arguments) if arguments.strip() else {}
     except ValueError:
@@ -192,10 +204,7 @@ def run_calculator(arguments: str) -> str:
     expression = parsed.get("expression") if isinstance(parsed, dict) else parsed
     if not isinstance(expression, str):
         return 'error: call calculator with {"expression": "..."}'
-    try:
-        return format_number(evaluate(expression))
-    except CalculatorError as error:
-        return f"error: {error}"
+    return calculate(expression)
 
 
 # -- answers and the reward ---------------------------------------------------------------------
@@ -313,3 +322,70 @@ async def calculator_agent(task: dict[str, Any], llm: LLM) -> float:
     finally:
         await client.close()
     return answer_reward(reply, float(task["answer"]))
+
+
+# -- the same agent with LangGraph and with the OpenAI Agents SDK ---------------------------------
+#
+# The runner instruments both frameworks through OpenTelemetry's GenAI instrumentations: their
+# agent and tool spans join the attempt's trace, with one chat span per model call (LangChain's
+# for LangGraph, the openai client's for the Agents SDK) and the LLM proxy's span under it. The
+# model calls go through the LLM resource's endpoint (the proxy, with a ProxyLLM), so each
+# becomes a triplet exactly as the plain agent's do.
+
+CALCULATOR_DESCRIPTION = str(CALCULATOR_TOOL["function"]["description"])
+
+
+@agl.rollout
+async def langgraph_calculator_agent(task: dict[str, Any], llm: LLM) -> float:
+    """:func:`calculator_agent` as a LangGraph agent (LangChain's ``create_agent``)."""
+    from langchain.agents import create_agent
+    from langchain_core.tools import StructuredTool
+    from langchain_openai import ChatOpenAI
+    from langgraph.errors import GraphRecursionError
+
+    sampling = _sampling(llm)
+    model = ChatOpenAI(
+        model=llm.model,
+        base_url=llm.endpoint,
+        api_key=llm.api_key or "none",  # type: ignore[arg-type]
+        max_retries=1,
+        temperature=sampling.get("temperature"),
+        max_tokens=sampling["max_tokens"],  # type: ignore[call-arg]
+    )
+    tool = StructuredTool.from_function(calculate, name="calculator", description=CALCULATOR_DESCRIPTION)
+    agent = create_agent(model, tools=[tool], system_prompt=SYSTEM_PROMPT, name="calculator_agent")
+    # Each turn is a model node and a tool node: a model that keeps calling the tool is cut off
+    # (and scores 0: it gave no answer).
+    try:
+        result = await agent.ainvoke(
+            {"messages": [{"role": "user", "content": task["question"]}]}, {"recursion_limit": 2 * MAX_TURNS}
+        )
+    except GraphRecursionError:
+        return 0.0
+    return answer_reward(result["messages"][-1].text, float(task["answer"]))
+
+
+@agl.rollout
+async def agents_sdk_calculator_agent(task: dict[str, Any], llm: LLM) -> float:
+    """:func:`calculator_agent` with the OpenAI Agents SDK (its chat-completions model: the LLM
+    proxy and vLLM serve ``/v1/chat/completions``, not the Responses API)."""
+    from agents import Agent, MaxTurnsExceeded, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool
+    from openai import AsyncOpenAI
+
+    sampling = _sampling(llm)
+    client = AsyncOpenAI(base_url=llm.endpoint, api_key=llm.api_key or "none", max_retries=1)
+    tool = function_tool(calculate, name_override="calculator", description_override=CALCULATOR_DESCRIPTION)
+    agent = Agent(
+        name="calculator_agent",
+        instructions=SYSTEM_PROMPT,
+        tools=[tool],
+        model=OpenAIChatCompletionsModel(model=llm.model, openai_client=client),
+        model_settings=ModelSettings(temperature=sampling.get("temperature"), max_tokens=sampling["max_tokens"]),
+    )
+    try:
+        result = await Runner.run(agent, task["question"], max_turns=MAX_TURNS)
+    except MaxTurnsExceeded:  # a model that keeps calling the tool gave no answer
+        return 0.0
+    finally:
+        await client.close()
+    return answer_reward(str(result.final_output), float(task["answer"]))

@@ -19,7 +19,13 @@ import argparse
 import os
 from typing import Any
 
-from calc_agent import TRAIN_FILE, VAL_FILE, calculator_agent  # the script's folder is on sys.path
+from calc_agent import (  # the script's folder is on sys.path
+    TRAIN_FILE,
+    VAL_FILE,
+    agents_sdk_calculator_agent,
+    calculator_agent,
+    langgraph_calculator_agent,
+)
 
 import agl_stream as agl
 
@@ -35,9 +41,22 @@ VERL_CONFIG: dict[str, Any] = {
 """GRPO settings for a small instruction model; the seed's VERL keys (see README.md)."""
 
 
+AGENTS = {
+    "openai": calculator_agent,
+    "langgraph": langgraph_calculator_agent,
+    "agents-sdk": agents_sdk_calculator_agent,
+}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithm", choices=("baseline", "verl"), default="baseline")
+    parser.add_argument(
+        "--framework",
+        choices=tuple(AGENTS),
+        default="openai",
+        help="the agent's code: the openai client, LangGraph or the OpenAI Agents SDK (the same task and tool)",
+    )
     parser.add_argument("--endpoint", default=os.environ.get("OPENAI_BASE_URL"), help="OpenAI-compatible base URL")
     parser.add_argument("--model", default=os.environ.get("AGL_EXAMPLE_MODEL"), help="model name at the endpoint")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
@@ -66,7 +85,7 @@ def main() -> None:
             n_runners=args.n_runners,
             initial_resources={"main_llm": llm},
         )
-        result = trainer.fit(calculator_agent, args.train_file, args.val_file)
+        result = trainer.fit(AGENTS[args.framework], args.train_file, args.val_file)
         print(f"train reward {result.mean_reward('train')}, val reward {result.mean_reward('val')}")
         return
     config = dict(VERL_CONFIG)
@@ -74,7 +93,7 @@ def main() -> None:
         config["actor_rollout_ref.model.path"] = args.model_path
     algorithm = agl.VERL(config)
     trainer = agl.Trainer(algorithm=algorithm, n_runners=args.n_runners)
-    result = trainer.fit(calculator_agent, args.train_file, args.val_file)
+    result = trainer.fit(AGENTS[args.framework], args.train_file, args.val_file)
     print(f"policy version {result.policy_version}")
     for validation in algorithm.validations:
         print(f"validation at policy version {validation.policy_version}: mean reward {validation.mean_reward}")

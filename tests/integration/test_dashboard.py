@@ -17,17 +17,13 @@ is never downloaded here. Without it the module fails and says how to install it
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -49,6 +45,7 @@ from agl_stream.litagent import rollout
 from agl_stream.models import LLM, PromptTemplate, ProxyLLM, TrainerStep, Triplet, TripletBatch, TripletRecord
 from consumers import dashboard_sql as dsql
 from tests.integration.helpers import serve, start_role, stop_role
+from tests.scripted_openai import scripted_openai, tool_call
 
 pytestmark = pytest.mark.integration
 
@@ -82,58 +79,14 @@ async def dashboard_agent(task: dict[str, Any], llm: LLM) -> float:
     return float(task["reward"])
 
 
-class _FakeModel(BaseHTTPRequestHandler):
-    """An OpenAI-compatible chat endpoint that answers every call with a tool call, as vLLM
-    shapes it (token ids included)."""
-
-    calls = itertools.count(1)
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        call = {"name": "calculator", "arguments": json.dumps({"expression": "6*7"})}
-        answer = {
-            "id": f"chatcmpl-{next(self.calls)}",
-            "object": "chat.completion",
-            "created": 1_767_225_600,
-            "model": body["model"],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": "forty-two",
-                        "tool_calls": [{"id": "call-1", "type": "function", "function": call}],
-                    },
-                    "finish_reason": "tool_calls",
-                    "token_ids": [7, 8, 9],
-                }
-            ],
-            "usage": {"prompt_tokens": 17, "completion_tokens": 3, "total_tokens": 20},
-            "prompt_token_ids": list(range(17)),
-        }
-        data = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+def _model_reply(body: dict[str, Any]) -> dict[str, Any]:
+    """The scripted model answers every call with a tool call."""
+    arguments = json.dumps({"expression": "6*7"})
+    return {"content": "forty-two", "tool_calls": [tool_call("call-1", "calculator", arguments)]}
 
 
-@contextmanager
-def _fake_model() -> Iterator[str]:
-    """The fake model on a free local port, in a thread; yields its base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeModel)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+def _model_ids(body: dict[str, Any], message: dict[str, Any]) -> tuple[list[int], list[int]]:
+    return list(range(17)), [7, 8, 9]
 
 
 @dataclass
@@ -199,10 +152,10 @@ def dash(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     runner: subprocess.Popen[bytes] | None = None
     proxy: subprocess.Popen[bytes] | None = None
     try:
-        with _fake_model() as model:
+        with scripted_openai(_model_reply, _model_ids) as model:
             [proxy_port] = broker.free_ports(1)
             proxy = serve(
-                *(settings, "llm-proxy", "--port", str(proxy_port), "--backend", f"tiny={model}"),
+                *(settings, "llm-proxy", "--port", str(proxy_port), "--backend", f"tiny={model.base_url}"),
                 name="proxy",
                 url=f"http://127.0.0.1:{proxy_port}/health",
             )

@@ -44,7 +44,7 @@ async def test_nested_spans_of_an_attempt_reach_the_store_numbered(store: AglSto
         with tracer_api.start_as_current_span("thread-step") as span:
             span.set_attribute("reward", 0.5)
 
-    async with AttemptTracer(store, batch_size=4, flush_interval_s=0.05, instrument_openai=False) as tracer:
+    async with AttemptTracer(store, batch_size=4, flush_interval_s=0.05, instrument_genai=False) as tracer:
         async with tracer.attempt(rid, aid) as attempt_trace:
             with tracer_api.start_as_current_span("agent"):
                 for index in range(5):
@@ -119,8 +119,8 @@ async def test_openai_calls_make_gen_ai_spans(store: AglStore, fake_openai: str)
     rid, aid = started.rollout_id, started.attempt.attempt_id
     client = openai.AsyncOpenAI(base_url=fake_openai, api_key="not-a-key", max_retries=0)
     try:
-        async with AttemptTracer(store, instrument_openai=True) as tracer:
-            assert tracer.openai_instrumented
+        async with AttemptTracer(store, instrument_genai=True) as tracer:
+            assert tracer.genai_instrumented
             async with tracer.attempt(rid, aid) as attempt_trace:
                 with tracer_api.start_as_current_span("agent"):
                     reply = await client.chat.completions.create(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from agl_stream.domain.llm_calls import (
     input_messages,
     logprobs_content,
     merge_chunks,
+    messages_json,
     new_span_id,
     new_trace_id,
     output_messages,
@@ -503,7 +503,7 @@ def test_tool_turns_reasoning_and_multimodal_parts_in_the_genai_message_shape() 
             {"role": "tool", "tool_call_id": "c1", "content": "a cat"},
         ]
     }
-    assert [asdict(m) for m in input_messages(CHAT, request)] == [
+    assert json.loads(messages_json(input_messages(CHAT, request))) == [
         {"role": "system", "parts": [{"type": "text", "content": "be brief"}]},
         {
             "role": "user",
@@ -528,8 +528,8 @@ def test_tool_turns_reasoning_and_multimodal_parts_in_the_genai_message_shape() 
             }
         ]
     }
-    [answer] = output_messages(CHAT, response)
-    assert asdict(answer) == {
+    [answer] = json.loads(messages_json(output_messages(CHAT, response)))
+    assert answer == {
         "role": "assistant",
         "finish_reason": "tool_calls",
         "parts": [

@@ -92,7 +92,7 @@ def test_policy_wakes_only_on_transitions() -> None:
 
 async def test_concurrent_attempts_and_a_thread_get_their_own_gap_free_sequences() -> None:
     sink = FakeSink()
-    async with AttemptTracer(sink, batch_size=3, flush_interval_s=0.05, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, batch_size=3, flush_interval_s=0.05, instrument_genai=False) as tracer:
 
         async def async_agent(rollout_id: str, attempt_id: str, count: int) -> list[Span]:
             async with tracer.attempt(rollout_id, attempt_id) as attempt_trace:
@@ -131,7 +131,7 @@ async def test_concurrent_attempts_and_a_thread_get_their_own_gap_free_sequences
 
 async def test_nested_spans_keep_parent_ids_and_are_numbered_in_end_order() -> None:
     sink = FakeSink()
-    async with AttemptTracer(sink, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, instrument_genai=False) as tracer:
         async with tracer.attempt("ro-1", "at-1") as attempt_trace:
             with tracer_api.start_as_current_span("outer") as outer:
                 with tracer_api.start_as_current_span("middle") as middle:
@@ -152,7 +152,7 @@ async def test_nested_spans_keep_parent_ids_and_are_numbered_in_end_order() -> N
 
 async def test_spans_carry_the_policy_version_of_their_attempt() -> None:
     sink = FakeSink()
-    async with AttemptTracer(sink, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, instrument_genai=False) as tracer:
         async with tracer.attempt("ro-1", "at-1", policy_version=6) as versioned:
             with tracer_api.start_as_current_span("step"):
                 pass
@@ -168,7 +168,7 @@ async def test_traced_spans_make_the_bytes_the_validated_models_make() -> None:
     the records are byte for byte those of validated models written by fastavro (the old path)."""
     sink = FakeSink()
     linked = trace.SpanContext(0x1234, 0x5678, is_remote=True, trace_state=trace.TraceState([("k", "v")]))
-    async with AttemptTracer(sink, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, instrument_genai=False) as tracer:
         async with tracer.attempt("ro-000000000001", "at-00000001", policy_version=6):
             with tracer_api.start_as_current_span("agent", attributes={"ids": [1, 2, 3], "names": ["a", "é"]}):
                 with tracer_api.start_as_current_span(
@@ -191,7 +191,7 @@ async def test_traced_spans_make_the_bytes_the_validated_models_make() -> None:
 
 async def test_spans_outside_an_attempt_are_counted_not_exported() -> None:
     sink = FakeSink()
-    async with AttemptTracer(sink, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, instrument_genai=False) as tracer:
         before = tracer.stats().untracked
         _spans(["before"])
         async with tracer.attempt("ro-1", "at-1") as attempt_trace:
@@ -211,7 +211,7 @@ async def test_spans_outside_an_attempt_are_counted_not_exported() -> None:
 async def test_leaving_the_attempt_flushes_everything_it_made() -> None:
     sink = FakeSink()
     # Neither a full batch nor the interval would ever cut these: only the flush does.
-    async with AttemptTracer(sink, batch_size=10_000, flush_interval_s=3600, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, batch_size=10_000, flush_interval_s=3600, instrument_genai=False) as tracer:
         async with tracer.attempt("ro-1", "at-1") as attempt_trace:
             _spans([f"s{i}" for i in range(7)])
             await asyncio.to_thread(_spans, ["t0", "t1"])
@@ -225,7 +225,7 @@ async def test_leaving_the_attempt_flushes_everything_it_made() -> None:
 
 async def test_spans_that_outlive_their_attempt_are_counted_as_dropped() -> None:
     sink = FakeSink()
-    async with AttemptTracer(sink, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, instrument_genai=False) as tracer:
         leaked: list[asyncio.Task[None]] = []
         gate = asyncio.Event()
 
@@ -247,7 +247,7 @@ async def test_spans_that_outlive_their_attempt_are_counted_as_dropped() -> None
 
 async def test_close_exports_what_open_attempts_left() -> None:
     sink = FakeSink()
-    tracer = AttemptTracer(sink, flush_interval_s=3600, instrument_openai=False)
+    tracer = AttemptTracer(sink, flush_interval_s=3600, instrument_genai=False)
     await tracer.start()
     opened = tracer.attempt("ro-1", "at-1")
     await opened.__aenter__()
@@ -266,7 +266,7 @@ async def test_close_exports_what_open_attempts_left() -> None:
 async def test_a_full_buffer_blocks_a_thread_until_there_is_room() -> None:
     sink = FakeSink(gate=asyncio.Event())
     async with AttemptTracer(
-        sink, max_buffered_spans=2, batch_size=1, flush_interval_s=0, instrument_openai=False
+        sink, max_buffered_spans=2, batch_size=1, flush_interval_s=0, instrument_genai=False
     ) as tracer:
         async with tracer.attempt("ro-1", "at-1") as attempt_trace:
             agent = asyncio.create_task(asyncio.to_thread(_spans, [f"s{i}" for i in range(5)]))
@@ -284,7 +284,7 @@ async def test_a_thread_that_waits_too_long_drops_its_span_and_ids_stay_gap_free
     gate = asyncio.Event()
     sink = FakeSink(gate=gate)
     async with AttemptTracer(
-        sink, max_buffered_spans=2, batch_size=1, flush_interval_s=0, block_timeout_s=0.05, instrument_openai=False
+        sink, max_buffered_spans=2, batch_size=1, flush_interval_s=0, block_timeout_s=0.05, instrument_genai=False
     ) as tracer:
         async with tracer.attempt("ro-1", "at-1") as attempt_trace:
             await asyncio.wait_for(asyncio.to_thread(_spans, ["a", "b", "c", "d"]), TIMEOUT)
@@ -299,7 +299,7 @@ async def test_the_loop_never_blocks_and_new_attempts_wait_for_room() -> None:
     gate = asyncio.Event()
     sink = FakeSink(gate=gate)
     async with AttemptTracer(
-        sink, max_buffered_spans=2, batch_size=1, flush_interval_s=0, instrument_openai=False
+        sink, max_buffered_spans=2, batch_size=1, flush_interval_s=0, instrument_genai=False
     ) as tracer:
         entered = asyncio.Event()
 
@@ -328,7 +328,7 @@ async def test_the_loop_never_blocks_and_new_attempts_wait_for_room() -> None:
 async def test_a_record_error_isolates_the_bad_span() -> None:
     sink = FakeSink()
     sink.fail = lambda spans: ValueError("too large") if any(s.name == "bad" for s in spans) else None
-    async with AttemptTracer(sink, flush_interval_s=3600, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, flush_interval_s=3600, instrument_genai=False) as tracer:
         async with tracer.attempt("ro-1", "at-1") as attempt_trace:
             _spans(["a", "b", "bad", "c", "d"])
         stats = tracer.stats()
@@ -340,7 +340,7 @@ async def test_a_transient_error_is_retried() -> None:
     sink = FakeSink()
     failures = [ConnectionError("broker away")]
     sink.fail = lambda spans: failures.pop() if failures else None
-    async with AttemptTracer(sink, flush_interval_s=3600, instrument_openai=False) as tracer:
+    async with AttemptTracer(sink, flush_interval_s=3600, instrument_genai=False) as tracer:
         async with tracer.attempt("ro-1", "at-1") as attempt_trace:
             _spans(["a", "b"])
         assert tracer.stats().export_failed == 0
@@ -348,7 +348,7 @@ async def test_a_transient_error_is_retried() -> None:
 
 
 async def test_an_attempt_cannot_be_traced_twice_at_once() -> None:
-    async with AttemptTracer(FakeSink(), instrument_openai=False) as tracer:
+    async with AttemptTracer(FakeSink(), instrument_genai=False) as tracer:
         async with tracer.attempt("ro-1", "at-1"):
             with pytest.raises(ValueError, match="already"):
                 async with tracer.attempt("ro-1", "at-1"):
