@@ -19,6 +19,13 @@ empty working directory, in a process group of its own. What the process gets (e
 ``AGL_REWARD_FILE``    where the process may write its reward
 ``TRACEPARENT``        the W3C trace context of the attempt (OpenTelemetry SDKs that read it join the
                        attempt's trace)
+``OTEL_RESOURCE_``     ``agentlightning.rollout_id=...,agentlightning.attempt_id=...`` (after what
+``ATTRIBUTES``         the runner's environment had), so spans an OpenTelemetry SDK exports belong to
+                       the attempt
+``OTEL_EXPORTER_``     under a runner that knows the stack's gateway: its OTLP/HTTP receiver
+``OTLP_TRACES_``       (``ENDPOINT``, ``HEADERS`` with the API token, ``PROTOCOL`` ``http/protobuf``),
+``*``                  so a program whose SDK is configured from the environment exports its spans
+                       into the attempt; with ``TRACEPARENT`` as their parent they join its tree
 =====================  ==============================================================================
 
 The reward comes back through one of two channels, the first that has one:
@@ -48,15 +55,17 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from opentelemetry import propagate
 
 from agl_stream.litagent import LitAgent, NamedResources
 from agl_stream.models import LLM, ProxyLLM, Rollout
+from agl_stream.semconv import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY
 
 OUTPUT_TAIL_BYTES = 64 * 1024
 """How much of a process's stdout and of its stderr is kept (the end of each)."""
@@ -92,6 +101,21 @@ def endpoint_of(resources: NamedResources, rollout_id: str, attempt_id: str) -> 
     return None
 
 
+@dataclass(frozen=True)
+class OtlpTarget:
+    """Where a command's OpenTelemetry SDK sends its spans: an OTLP/HTTP traces endpoint (the
+    gateway's ``/v1/traces``) and the headers it asks for."""
+
+    traces_endpoint: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def _otel_pairs(pairs: Mapping[str, str]) -> str:
+    """``key=value,...`` as OTEL_RESOURCE_ATTRIBUTES and OTEL_EXPORTER_OTLP_HEADERS take them
+    (values percent-encoded)."""
+    return ",".join(f"{key}={quote(value, safe='')}" for key, value in pairs.items())
+
+
 def command_environment(
     *,
     task_json: str,
@@ -103,9 +127,18 @@ def command_environment(
     endpoint: Endpoint | None,
     trace_context: Mapping[str, str],
     base: Mapping[str, str],
+    otlp: OtlpTarget | None = None,
 ) -> dict[str, str]:
     """The process's environment: ``base`` (the runner's) plus what the module docstring lists."""
     env = dict(base)
+    ids = _otel_pairs({ROLLOUT_ID_KEY: rollout_id, ATTEMPT_ID_KEY: attempt_id})
+    env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(filter(None, (base.get("OTEL_RESOURCE_ATTRIBUTES"), ids)))
+    if otlp is not None:
+        env.update(
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=otlp.traces_endpoint,
+            OTEL_EXPORTER_OTLP_TRACES_HEADERS=_otel_pairs(otlp.headers),
+            OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+        )
     env.update(
         AGL_TASK_FILE=str(task_file),
         AGL_REWARD_FILE=str(reward_file),
@@ -265,6 +298,7 @@ class CommandAgent(LitAgent[Any]):
         workdir_root: str | Path | None = None,
         env: Mapping[str, str] | None = None,
         stop_grace_s: float = 10.0,
+        otlp: Callable[[], OtlpTarget | None] | None = None,
     ) -> None:
         if not command.strip():
             raise ValueError("the agent command is empty")
@@ -275,6 +309,9 @@ class CommandAgent(LitAgent[Any]):
         self.workdir_root = Path(workdir_root) if workdir_root is not None else None
         self.env = dict(env or {})
         self.stop_grace_s = stop_grace_s
+        self.otlp = otlp
+        """Where the process's OTLP exports go, asked per attempt (the runner sets it: the stack's
+        gateway, wherever it runs now); None: no exporter settings."""
 
     def __repr__(self) -> str:
         return f"CommandAgent({self.command!r})"
@@ -311,6 +348,7 @@ class CommandAgent(LitAgent[Any]):
             endpoint=endpoint_of(resources, rollout.rollout_id, attempt_id),
             trace_context=carrier,
             base={**os.environ, **self.env},
+            otlp=self.otlp() if self.otlp is not None else None,
         )
         process, protocol = await _spawn(self.command, cwd=workdir, env=env, stop_grace_s=self.stop_grace_s)
         assert process.stdout is not None and process.stderr is not None

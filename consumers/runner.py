@@ -62,6 +62,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from agl_stream import metrics
+from agl_stream.auth import auth_headers
+from agl_stream.command_agent import CommandAgent, OtlpTarget
 from agl_stream.config import Settings
 from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
 from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
@@ -72,6 +74,7 @@ from agl_stream.retry import FAILOVER, ONCE, Backoff, retrying
 from agl_stream.semconv import AGL_ATTEMPT
 from agl_stream.spans import span_from_otel
 from agl_stream.store.client import AglStore
+from agl_stream.store.readside import read_gateway_file
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import AttemptedRollout
 from agl_stream.tracing import RECORD_ERRORS, AttemptTracer
@@ -208,6 +211,18 @@ def check_result(result: Any) -> None:
     )
 
 
+def gateway_otlp(settings: Settings) -> OtlpTarget | None:
+    """The OTLP/HTTP receiver of the stack's gateway (``gateway_url``, else the one this data
+    dir's stack runs now), with the API token; None when there is none."""
+    url = settings.gateway_url
+    if url is None:
+        record = read_gateway_file(settings.run_dir)
+        url = record.url if record is not None else None
+    if url is None:
+        return None
+    return OtlpTarget(f"{url.rstrip('/')}/v1/traces", auth_headers(settings))
+
+
 class Runner:
     def __init__(
         self,
@@ -228,6 +243,8 @@ class Runner:
         self.store = store if store is not None else AglStore(settings)
         self.resources = ResourcesCache(settings)
         self.tracer = AttemptTracer(self.store, export_backoff=self.options.retry)
+        if isinstance(agent, CommandAgent) and agent.otlp is None:
+            agent.otlp = functools.partial(gateway_otlp, settings)
         agent.set_runner(self)  # the seed's agent.runner / agent.tracer
 
     # -- the loop --------------------------------------------------------------------------

@@ -7,6 +7,9 @@ and talks to the CPU model through the LLM proxy at the ``OPENAI_BASE_URL`` it i
 triplets hold exactly the tokens the model received and produced, with the reward the program
 reported. A command that fails fails its attempt.
 
+OTLP: a program that exports a span of its own over OTLP under `$TRACEPARENT` (the runner gives
+it the gateway's receiver in the standard `OTEL_*` variables) joins the attempt's tree.
+
 Frameworks: the calculator example written with LangGraph and with the OpenAI Agents SDK
 (``examples/calculator/calc_agent.py``), traced through OpenTelemetry's GenAI instrumentations.
 A scripted model plays the calculator behind the same proxy (the tiny policy cannot call tools):
@@ -35,6 +38,7 @@ import pytest
 
 from agl_stream import connect, stack
 from agl_stream.config import Settings
+from agl_stream.emitters import find_final_reward
 from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM, Span
@@ -204,6 +208,29 @@ async def test_commands_in_any_language_become_exact_triplets_with_their_rewards
         assert ended.status == "failed"
         [attempt] = await store.query_attempts(doomed.rollout_id)
         assert attempt.status == "failed"
+
+
+async def test_a_commands_own_spans_exported_over_otlp_join_the_attempts_trace(served: Served) -> None:
+    settings = served.settings
+    command = f"{shlex.quote(sys.executable)} {shlex.quote(str(AGENTS / 'otlp_agent.py'))}"
+    async with connect(**settings.model_dump(exclude_none=True)) as store:
+        runner = start_role(settings, "runner", "--command", command, log_name="runner-otlp")
+        try:
+            made = await store.enqueue_many_rollouts([{"input": {"question": q}, "mode": "train"} for q in QUESTIONS])
+            finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=300)
+        finally:
+            assert stop_role(runner, timeout=60) == 0
+        assert [r.status for r in finished] == ["succeeded"] * len(made), settings.data_dir
+        # The program's span came through the gateway's OTLP receiver, not the runner's export.
+        assert store.side is not None
+        await store.side.query("SELECT 1", fence=await fence_at_end(settings, "spans"))
+        for rollout in made:
+            spans = await store.query_spans(rollout.rollout_id, "latest")
+            [root] = [s for s in spans if s.name == AGL_ATTEMPT]
+            [plan] = [s for s in spans if s.name == "agent.plan"]
+            assert (plan.trace_id, plan.parent_id) == (root.trace_id, root.span_id)
+            assert plan.attributes["plan.steps"] == 3 and plan.attempt_id == root.attempt_id
+            assert find_final_reward(spans) == 0.25
 
 
 FRAMEWORKS = {

@@ -17,6 +17,7 @@ from agl_stream.command_agent import (
     TASK_ENV_LIMIT,
     CommandAgent,
     CommandError,
+    OtlpTarget,
     command_environment,
     endpoint_of,
     failure_message,
@@ -110,6 +111,40 @@ def test_the_environment_holds_the_task_ids_endpoint_and_trace_context(tmp_path:
         base={"AGL_TASK": "stale"},
     )
     assert "AGL_TASK" not in big and "OPENAI_BASE_URL" not in big and big["AGL_MODE"] == ""
+    # Spans the process exports belong to the attempt; without a target no exporter settings.
+    assert big["OTEL_RESOURCE_ATTRIBUTES"] == "agentlightning.rollout_id=ro-1,agentlightning.attempt_id=at-2"
+    assert not any(key.startswith("OTEL_EXPORTER_OTLP") for key in big)
+
+
+def test_an_otlp_target_becomes_the_sdks_standard_variables(tmp_path: Path) -> None:
+    env = command_environment(
+        task_json="{}",
+        task_file=tmp_path / "task.json",
+        reward_file=tmp_path / "reward.json",
+        rollout_id="ro-1",
+        attempt_id="at-2",
+        mode="train",
+        endpoint=None,
+        trace_context={},
+        base={"OTEL_RESOURCE_ATTRIBUTES": "team=rl"},
+        otlp=OtlpTarget("http://127.0.0.1:9/v1/traces", {"authorization": "Bearer a b,c"}),
+    )
+    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://127.0.0.1:9/v1/traces"
+    assert env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "authorization=Bearer%20a%20b%2Cc"  # percent-encoded
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    # the runner's own resource attributes are kept, the attempt's ids added after them
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == "team=rl,agentlightning.rollout_id=ro-1,agentlightning.attempt_id=at-2"
+    # ... and the OpenTelemetry SDK reads them back as meant
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.util.re import parse_env_headers
+
+    assert parse_env_headers(env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"], liberal=True) == {
+        "authorization": "Bearer a b,c"
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OTEL_RESOURCE_ATTRIBUTES", env["OTEL_RESOURCE_ATTRIBUTES"])
+        attributes = Resource.create().attributes
+    assert (attributes["team"], attributes["agentlightning.attempt_id"]) == ("rl", "at-2")
 
 
 def test_a_failure_names_the_status_or_signal_and_the_end_of_stderr() -> None:
