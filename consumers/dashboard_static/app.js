@@ -336,7 +336,8 @@ function llmCalls(spans) {
     const kept = best.get(key);
     if (!kept || richness(s) > richness(kept)) best.set(key, s);
   }
-  return calls.filter((s) => [...best.values()].includes(s));
+  const kept = new Set(best.values());
+  return calls.filter((s) => kept.has(s));
 }
 
 function parsed(text) {

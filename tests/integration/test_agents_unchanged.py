@@ -36,12 +36,12 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import connect, stack
+from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
 from agl_stream.emitters import find_final_reward
 from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
-from agl_stream.models import ProxyLLM, Span
+from agl_stream.models import ProxyLLM, Rollout, Span
 from agl_stream.policy import build_tokenizer
 from agl_stream.semconv import AGL_ATTEMPT
 from examples.calculator import calc_agent as calculator
@@ -154,6 +154,20 @@ def served(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> It
         stack.down(settings)
 
 
+async def _run(
+    store: AglStore, settings: Settings, name: str, runner_args: list[str], requests: list[dict[str, Any]]
+) -> tuple[list[Rollout], list[Rollout]]:
+    """Enqueue ``requests``, run them under one runner process (``agl-stream runner <args>``) until
+    they finish, stop it; (the rollouts made, the rollouts as they finished)."""
+    runner = start_role(settings, "runner", *runner_args, log_name=f"runner-{name}")
+    try:
+        made = await store.enqueue_many_rollouts(requests)
+        finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=300)
+    finally:
+        assert stop_role(runner, timeout=60) == 0, name
+    return made, finished
+
+
 async def test_commands_in_any_language_become_exact_triplets_with_their_rewards(served: Served) -> None:
     settings, proxy_port = served.settings, served.proxy_port
     assert (NODE_AGENT.parent / "node_modules" / "openai").is_dir(), "run `make test` (it installs tests/agents/node)"
@@ -161,16 +175,13 @@ async def test_commands_in_any_language_become_exact_triplets_with_their_rewards
     async with connect(**settings.model_dump(exclude_none=True)) as store:
         await store.add_resources({"policy": ProxyLLM(endpoint=f"http://127.0.0.1:{proxy_port}/v1", model="agl-tiny")})
         for kind, command in COMMANDS.items():
-            runner = start_role(
-                settings, "runner", "--command", command, "--concurrency", "3", log_name=f"runner-{kind}"
+            made, finished = await _run(
+                store,
+                settings,
+                kind,
+                ["--command", command, "--concurrency", "3"],
+                [{"input": {"question": q}, "mode": "train"} for q in QUESTIONS],
             )
-            try:
-                made = await store.enqueue_many_rollouts(
-                    [{"input": {"question": q}, "mode": "train"} for q in QUESTIONS]
-                )
-                finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=300)
-            finally:
-                assert stop_role(runner, timeout=60) == 0, kind
             assert [r.status for r in finished] == ["succeeded"] * len(made), (kind, settings.data_dir)
             records = {r.rollout_id: r for r in await _records_covering(settings, {r.rollout_id for r in made}, 300)}
             # The proxy's spans are not under this client's fence: wait for ClickHouse to hold agl.spans' end.
@@ -199,12 +210,13 @@ async def test_commands_in_any_language_become_exact_triplets_with_their_rewards
                 assert record.final_reward == pytest.approx(reward), (kind, answer)
 
         # A command that fails (status 3) fails its attempt; the runner goes on.
-        failing = start_role(settings, "runner", "--command", "echo no luck >&2; exit 3", log_name="runner-failing")
-        try:
-            [doomed] = await store.enqueue_many_rollouts([{"input": {"question": "x"}, "mode": "train"}])
-            [ended] = await store.wait_for_rollouts(rollout_ids=[doomed.rollout_id], timeout=300)
-        finally:
-            assert stop_role(failing, timeout=60) == 0
+        [doomed], [ended] = await _run(
+            store,
+            settings,
+            "failing",
+            ["--command", "echo no luck >&2; exit 3"],
+            [{"input": {"question": "x"}, "mode": "train"}],
+        )
         assert ended.status == "failed"
         [attempt] = await store.query_attempts(doomed.rollout_id)
         assert attempt.status == "failed"
@@ -214,12 +226,9 @@ async def test_a_commands_own_spans_exported_over_otlp_join_the_attempts_trace(s
     settings = served.settings
     command = f"{shlex.quote(sys.executable)} {shlex.quote(str(AGENTS / 'otlp_agent.py'))}"
     async with connect(**settings.model_dump(exclude_none=True)) as store:
-        runner = start_role(settings, "runner", "--command", command, log_name="runner-otlp")
-        try:
-            made = await store.enqueue_many_rollouts([{"input": {"question": q}, "mode": "train"} for q in QUESTIONS])
-            finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=300)
-        finally:
-            assert stop_role(runner, timeout=60) == 0
+        made, finished = await _run(
+            store, settings, "otlp", ["--command", command], [{"input": {"question": q}} for q in QUESTIONS]
+        )
         assert [r.status for r in finished] == ["succeeded"] * len(made), settings.data_dir
         # The program's span came through the gateway's OTLP receiver, not the runner's export.
         assert store.side is not None
@@ -258,18 +267,15 @@ async def test_framework_agents_are_one_trace_and_exact_triplets(served: Served,
     async with connect(**settings.model_dump(exclude_none=True)) as store:
         proxied = ProxyLLM(endpoint=f"http://127.0.0.1:{served.proxy_port}/v1", model="scripted")
         resources = await store.add_resources({"policy": proxied})
-        runner = start_role(
-            settings, "runner", "--agent", FRAMEWORKS[framework], "--concurrency", "3", log_name=f"runner-{framework}"
+        with script.lock:
+            script.calls.clear()
+        made, finished = await _run(
+            store,
+            settings,
+            framework,
+            ["--agent", FRAMEWORKS[framework], "--concurrency", "3"],
+            [{"input": task, "mode": "train", "resources_id": resources.resources_id} for task in TASKS],
         )
-        try:
-            with script.lock:
-                script.calls.clear()
-            made = await store.enqueue_many_rollouts(
-                [{"input": task, "mode": "train", "resources_id": resources.resources_id} for task in TASKS]
-            )
-            finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=300)
-        finally:
-            assert stop_role(runner, timeout=60) == 0, framework
         assert [r.status for r in finished] == ["succeeded"] * len(made), (framework, settings.data_dir)
         records = {r.rollout_id: r for r in await _records_covering(settings, {r.rollout_id for r in made}, 300)}
         assert store.side is not None
