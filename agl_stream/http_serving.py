@@ -208,15 +208,20 @@ class SameOriginOnly:
 
 
 # Liveness answers carry no data, so probes (and the seed client's health check) need no token.
-HEALTH_PATHS = frozenset({"/health", "/v1/health", "/v1/agl/health"})
+HEALTH_PATHS = frozenset({"/health", "/healthz", "/v1/health", "/v1/agl/health"})
 
 
 class BearerToken:
-    """Refuses a request without the listener's token (401 ``unauthorized``), health checks aside."""
+    """Refuses a request without the listener's token (401 ``unauthorized``), health checks aside.
+
+    The token comes as ``Authorization: Bearer <token>`` or, as several LLM APIs take a key, as
+    ``x-api-key: <token>``. The refusal's body carries ``detail`` too (FastAPI's error key, which
+    Agent Lightning 1.0's clients read)."""
 
     def __init__(self, app: ASGIApp, token: str, public_pages: tuple[str, ...] = ()) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode()
+        self.key = token.encode()
         self.public_pages = public_pages
 
     def _public(self, scope: Scope) -> bool:
@@ -230,12 +235,16 @@ class BearerToken:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self._public(scope):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+            if not hmac.compare_digest(given, self.expected) and not (
+                key is not None and hmac.compare_digest(key, self.key)
+            ):
                 response = JSONResponse(
                     {
                         "error": "unauthorized",
                         "message": "this listener requires its API token: send `Authorization: Bearer <token>` "
                         "(the token is AGL_API_TOKEN, or the file api-token in the stack's run dir)",
+                        "detail": "Invalid or missing API key",
                     },
                     status_code=401,
                     headers={"www-authenticate": "Bearer"},

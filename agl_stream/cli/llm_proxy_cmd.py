@@ -81,6 +81,32 @@ def llm_proxy(
             min=1, help="Processes sharing the port (LiteLLM costs a few ms of CPU per call: one per core scales)."
         ),
     ] = 1,
+    agl_v1_model: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            metavar="MODEL",
+            help=(
+                "Also serve Agent Lightning 1.0's protocol (/api/..., /proxy/rollout/..., /healthz) so its "
+                "controller, trainer and agents run unchanged here; MODEL is its default_proxy.model_name, "
+                "served by the endpoints its trainer registers (POST /api/models) or by --backend MODEL=URL."
+            ),
+            rich_help_panel="Agent Lightning 1.0",
+        ),
+    ] = None,
+    agl_v1_key: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            envvar="AGL_V1_KEY",
+            help="The key 1.0's clients send (its server's key=): required on every route but /healthz.",
+            rich_help_panel="Agent Lightning 1.0",
+        ),
+    ] = None,
+    agl_v1_train_temperature: Annotated[
+        float, typer.Option(help="Temperature set on 1.0's train-mode calls.", rich_help_panel="Agent Lightning 1.0")
+    ] = 1.0,
+    agl_v1_val_temperature: Annotated[
+        float, typer.Option(help="Temperature set on 1.0's val-mode calls.", rich_help_panel="Agent Lightning 1.0")
+    ] = 0.7,
 ) -> None:
     """Run the LLM proxy until SIGTERM or Ctrl-C.
 
@@ -89,6 +115,10 @@ def llm_proxy(
     is forwarded through LiteLLM with vLLM's return_token_ids, and recorded as one span of the
     attempt (token ids, logprobs, messages) before the agent gets its answer. /v1 without a
     rollout and attempt works too, unrecorded. GET /health shows the counters.
+
+    With --agl-v1-model it also serves Agent Lightning 1.0's server protocol: point 1.0's
+    agl_server.url at http://HOST:PORT (rollouts, events and calls land in the stack's log and
+    tables: replay, SQL, the dashboard, agl-stream's own trainer).
 
     Example: agl-stream llm-proxy --backend Qwen/Qwen2.5-0.5B-Instruct=http://127.0.0.1:8000/v1
     """
@@ -101,7 +131,7 @@ def llm_proxy(
         raise typer.BadParameter(str(error), param_hint="--backend") from error
     if model_list is not None:
         models += _load_model_list(model_list)
-    if not models:
+    if not models and agl_v1_model is None:
         raise typer.BadParameter(
             "name at least one backend, e.g. --backend Qwen/Qwen2.5-0.5B-Instruct=http://127.0.0.1:8000/v1",
             param_hint="--backend",
@@ -114,6 +144,15 @@ def llm_proxy(
         timeout_s=timeout,
         sequence_block=sequence_block,
         workers=workers,
+        agl_v1=None
+        if agl_v1_model is None
+        else llm_proxy.AglV1Options(
+            model_name=agl_v1_model,
+            train_temperature=agl_v1_train_temperature,
+            val_temperature=agl_v1_val_temperature,
+            include_log_probs=logprobs,
+        ),
+        agl_v1_key=agl_v1_key or None,
     )
     metrics.set_role("llm-proxy")  # served on its own app, at /metrics
     llm_proxy.main(local_stack_settings(settings_of(ctx)), models, options)

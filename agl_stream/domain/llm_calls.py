@@ -51,6 +51,8 @@ __all__ = [
     "CHAT_SPAN_NAME",
     "COMPLETION",
     "COMPLETION_SPAN_NAME",
+    "INPUT_MESSAGES_KEY",
+    "OUTPUT_MESSAGES_KEY",
     "SCOPE_NAME",
     "CallError",
     "CallKind",

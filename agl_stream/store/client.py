@@ -420,18 +420,37 @@ class AglStore(StoreReads):
         processor folded it, so every later read sees it. Raises ValueError for unknown
         resources or a rollout the fold refuses.
         """
-        resources_id = await self._pinned_resources(resources_id)
-        rollout = self._new_rollout(input, mode, resources_id, config, metadata)
-        attempt = Attempt(
-            rollout_id=rollout.rollout_id,
-            attempt_id=new_attempt_id(),
-            sequence_id=1,
-            start_time=rollout.start_time,
-            worker_id=worker_id,
-        )
-        state = await self._request(rollout.rollout_id, RolloutEnqueued(rollout=rollout, attempt=attempt))
+        rollout = self._new_rollout(input, mode, resources_id, config, metadata)  # pinned below
+        [started] = await self.start_rollouts([rollout], worker_id=worker_id)
+        return started
+
+    async def start_rollouts(
+        self, rollouts: Sequence[Rollout], *, attempt_id: str | None = None, worker_id: str | None = None
+    ) -> list[AttemptedRollout]:
+        """Create rollouts the caller built (``queuing``, ids included), each with its first
+        attempt started, in one produce batch and one wait for their folds: :meth:`start_rollout`
+        for callers that choose their ids (a retried create is then idempotent: a copy of a
+        rollout that exists, the same id and input, is answered with it as it is now).
+
+        ``attempt_id``: the first attempts' id (a fresh one each when None). ``resources_id``
+        None on a rollout pins the latest resources. ValueError on the first rollout the fold
+        refuses (an id that exists with another input, for one).
+        """
+        pinned = {rid: await self._pinned_resources(rid) for rid in {r.resources_id for r in rollouts}}
+        events = []
+        for rollout in rollouts:
+            rollout = rollout.model_copy(update={"resources_id": pinned[rollout.resources_id]})
+            attempt = Attempt(
+                rollout_id=rollout.rollout_id,
+                attempt_id=attempt_id or new_attempt_id(),
+                sequence_id=1,
+                start_time=rollout.start_time,
+                worker_id=worker_id,
+            )
+            events.append((rollout.rollout_id, RolloutEnqueued(rollout=rollout, attempt=attempt)))
+        states = await self._request_many(events)
         self._busy(worker_id)
-        return _attempted(state)
+        return [_attempted(state) for state in states]
 
     async def enqueue_rollout(
         self,

@@ -293,6 +293,62 @@ class StoreQueries:
             {"rollout_id": rollout_id},
         )
 
+    # -- Agent Lightning 1.0's rollouts (agl_stream/domain/agl_v1.py) -------------------------
+
+    def _v1(self, select: str, *where: str) -> str:
+        """1.0 rollouts (store rollouts whose metadata holds ``agentlightning_v1``) with the
+        metadata of their attempt "0" (``attempt_metadata``) and their 1.0 state (``v1_state``)."""
+        return _sql(
+            f"SELECT {select} FROM (",
+            f"  SELECT {', '.join(f'r.{c} AS {c}' for c in ROLLOUT_COLUMNS)}, r.finished_time AS finished_time,",
+            "    a.metadata AS attempt_metadata,",
+            "    multiIf(r.status = 'succeeded', 'succeeded', r.status IN ('failed', 'cancelled'), 'failed',",
+            "      JSONExtractString(ifNull(a.metadata, ''), 'agentlightning_v1', 'state') = 'running', 'running',",
+            "      'queuing') AS v1_state",
+            f"  FROM {self.db}.rollouts AS r FINAL",
+            f"  LEFT JOIN (SELECT rollout_id, metadata FROM {self.db}.attempts FINAL WHERE attempt_id = '0') AS a",
+            "    ON a.rollout_id = r.rollout_id",
+            "  WHERE JSONHas(ifNull(r.metadata, ''), 'agentlightning_v1')",
+            ")",
+            *where,
+        )
+
+    def v1_rollouts(
+        self, *, rollout_ids: Sequence[str] | None = None, states: Sequence[str] | None = None, limit: int = -1
+    ) -> Query:
+        """1.0 rollouts by id or by 1.0 state, oldest first."""
+        where: list[str] = []
+        p: dict[str, Any] = {}
+        if rollout_ids is not None:
+            where.append("rollout_id IN {rollout_ids:Array(String)}")
+            p["rollout_ids"] = list(rollout_ids)
+        if states is not None:
+            where.append("v1_state IN {states:Array(String)}")
+            p["states"] = list(states)
+        return Query(
+            self._v1(
+                f"{', '.join(ROLLOUT_COLUMNS)}, attempt_metadata",
+                f"WHERE {' AND '.join(where)}" if where else "",
+                "ORDER BY start_time, rollout_id",
+                _page(limit, 0, p),
+            ),
+            p,
+        )
+
+    def v1_terminal(self, *, after: int, limit: int) -> Query:
+        """1.0 rollouts that finished, in the order they finished, from position ``after``."""
+        p: dict[str, Any] = {}
+        sql = self._v1(
+            "rollout_id, v1_state, mode, input",
+            "WHERE v1_state IN ('succeeded', 'failed')",
+            "ORDER BY finished_time, rollout_id",
+            _page(limit, after, p),
+        )
+        return Query(sql, p)
+
+    def v1_terminal_total(self) -> Query:
+        return Query(self._v1("count() AS total", "WHERE v1_state IN ('succeeded', 'failed')"))
+
     # -- spans ---------------------------------------------------------------------------
 
     def spans(

@@ -59,6 +59,11 @@ class StoreReads:
         result = await self.side.query(query.sql, query.parameters, fence=fence or None)
         return result.dicts()
 
+    async def read(self, query: Query, *sources: str) -> list[dict[str, Any]]:
+        """The rows of ``query`` (a :class:`StoreQueries` builder's), fenced like every read here
+        on this client's writes to ``sources`` (``rollout-state``, ``spans``, ...)."""
+        return await self._rows(query, *sources)
+
     async def _all(self, query: Query, convert: Callable[[Mapping[str, Any]], T], *sources: str) -> list[T]:
         return [convert(row) for row in await self._rows(query, *sources)]
 

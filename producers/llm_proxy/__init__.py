@@ -2,6 +2,7 @@
 the backend's raw answers captured (capture.py) and span sequence ids reserved per attempt
 (sequence_ids.py)."""
 
+from producers.llm_proxy.agl_v1 import AglV1Options
 from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport
 from producers.llm_proxy.proxy import (
     LLMProxy,
@@ -18,6 +19,7 @@ from producers.llm_proxy.sequence_ids import SequenceBlocks
 
 __all__ = [
     "CALL_HEADER",
+    "AglV1Options",
     "Capture",
     "CaptureTransport",
     "LLMProxy",

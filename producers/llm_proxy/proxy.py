@@ -77,7 +77,7 @@ from agl_stream.domain.llm_calls import (
     slim,
     trace_parent,
 )
-from agl_stream.errors import AglError
+from agl_stream.errors import AglError, ConfigError
 from agl_stream.http_serving import (
     MalformedBodyError,
     QuietServer,
@@ -90,6 +90,7 @@ from agl_stream.http_serving import (
 )
 from agl_stream.logs import configure_logging, describe, get_logger
 from agl_stream.store.client import AglStore
+from producers.llm_proxy.agl_v1 import AglV1Options, install
 from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport
 from producers.llm_proxy.sequence_ids import SequenceBlocks, SpanStore
 
@@ -116,6 +117,10 @@ class ProxyOptions:
     """Longest a backend call may take."""
     span_write_timeout_s: float = 30.0
     """Longest the proxy waits for the broker to acknowledge a span before answering anyway."""
+    agl_v1: AglV1Options | None = None
+    """Serve Agent Lightning 1.0's protocol beside the proxy (producers/llm_proxy/agl_v1.py)."""
+    agl_v1_key: str | None = None
+    """The key 1.0's clients send (the listener's token), when the stack requires none."""
     workers: int = 1
     """Processes serving the port together (SO_REUSEPORT): LiteLLM costs milliseconds of CPU per
     call, so one process tops out at a few hundred calls a second."""
@@ -230,21 +235,13 @@ class LLMProxy:
     """The proxy's state: the LiteLLM Router, the capture transport, the store client, counters."""
 
     def __init__(self, settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions) -> None:
-        if not model_list:
+        if not model_list and options.agl_v1 is None:
             raise ValueError("the LLM proxy needs at least one backend (--backend MODEL=URL)")
         self.settings = settings
         self.options = options
-        self.model_list = [_priced(entry) for entry in model_list]
-        self.models = sorted({str(entry["model_name"]) for entry in self.model_list})
-        for entry in self.model_list:
-            provider = str(entry.get("litellm_params", {}).get("model", "")).split("/", 1)[0]
-            if provider != "openai":
-                log.warning(
-                    "backends should use LiteLLM's openai/ provider: the proxy reads raw responses through it, "
-                    "and other providers may lose streamed token ids",
-                    model=entry.get("model_name"),
-                    provider=provider,
-                )
+        self.model_list: list[dict[str, Any]] = []
+        self.models: list[str] = []
+        self._set_model_list(model_list)
         self.stats = ProxyStats()
         self.started = int(time.time())
         self.url: str | None = None
@@ -257,6 +254,25 @@ class LLMProxy:
         self._background: set[asyncio.Task[None]] = set()
         self._last_log: dict[str, float] = {}
 
+    def _set_model_list(self, model_list: Sequence[Mapping[str, Any]]) -> None:
+        self.model_list = [_priced(entry) for entry in model_list]
+        self.models = sorted({str(entry["model_name"]) for entry in self.model_list})
+        for entry in self.model_list:
+            provider = str(entry.get("litellm_params", {}).get("model", "")).split("/", 1)[0]
+            if provider != "openai":
+                log.warning(
+                    "backends should use LiteLLM's openai/ provider: the proxy reads raw responses through it, "
+                    "and other providers may lose streamed token ids",
+                    model=entry.get("model_name"),
+                    provider=provider,
+                )
+
+    def use_backends(self, model_list: Sequence[Mapping[str, Any]]) -> None:
+        """Serve these backends from now on instead of those before (calls in flight finish on theirs)."""
+        self._set_model_list(model_list)
+        if self.router is not None:
+            self.router.set_model_list(self.model_list)
+
     async def start(self) -> LLMProxy:
         litellm = self._litellm = await asyncio.to_thread(_import_litellm)  # ~3 s of imports
         self.transport = CaptureTransport(_new_inner_transport(litellm))
@@ -265,7 +281,8 @@ class LLMProxy:
         self.router = litellm.Router(
             model_list=self.model_list, num_retries=self.options.num_retries, timeout=self.options.timeout_s
         )
-        store = SpanStore(self.settings)
+        # The 1.0 routes read rollouts and spans; the proxy alone only writes (it needs no gateway).
+        store = AglStore(self.settings) if self.options.agl_v1 is not None else SpanStore(self.settings)
         await store.start()
         self.store = store
         self.blocks = SequenceBlocks(
@@ -288,6 +305,12 @@ class LLMProxy:
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "models": self.models, "stats": asdict(self.stats)}
 
+    async def next_sequence_id(self, rollout_id: str, attempt_id: str) -> int | None:
+        """A sequence id for a span of the attempt, from its reserved block; None for an attempt
+        the store does not know."""
+        assert self.blocks is not None, "the proxy is not started"
+        return await self.blocks.next_id(rollout_id, attempt_id)
+
     def _log_limited(self, kind: str, message: str, **fields: Any) -> None:
         now = time.monotonic()
         if now - self._last_log.get(kind, -_LOG_EVERY_S) >= _LOG_EVERY_S:
@@ -303,16 +326,18 @@ class LLMProxy:
         rollout_id: str | None,
         attempt_id: str | None,
         headers: Mapping[str, str] | None = None,
+        route: str | None = None,
     ) -> Response:
         """Serve one chat or text completion call and record it (when attributed); ``headers``:
-        the request's, whose W3C trace context makes the call's span a child of the caller's."""
+        the request's, whose W3C trace context makes the call's span a child of the caller's;
+        ``route``: the backend group to send it to, when not the one the body's model names."""
         self.stats.calls += 1
         start = time.time()
         where = self._attribution(rollout_id, attempt_id, headers or {})
         if not isinstance(body, dict):
             return self._error_response(error_of_status(400, "the request body must be a JSON object"))
         stream = bool(body.get("stream"))
-        invalid = self._invalid(kind, body)
+        invalid = self._invalid(kind, body, route)
         if invalid is not None:
             await self._record(LLMCall(kind, body, start, time.time(), error=invalid, stream=stream), where)
             return self._error_response(invalid)
@@ -320,7 +345,7 @@ class LLMProxy:
         with contextlib.ExitStack() as stack:
             call_id, capture = stack.enter_context(self.transport.capturing())
             try:
-                result = await self._forward(kind, body, call_id, stream)
+                result = await self._forward(kind, body, call_id, stream, route)
             except Exception as error:
                 failure = self._call_error(error, capture, str(body["model"]))
                 backend = _base_of(capture.url)
@@ -356,11 +381,11 @@ class LLMProxy:
         await self._record(call, where)
         return Response(answer, media_type="application/json")
 
-    def _invalid(self, kind: CallKind, body: Mapping[str, Any]) -> CallError | None:
+    def _invalid(self, kind: CallKind, body: Mapping[str, Any], route: str | None = None) -> CallError | None:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             return error_of_status(400, "the request names no model", param="model")
-        if model not in self.models:
+        if (route or model) not in self.models:
             return error_of_status(
                 404,
                 f"the model {model!r} is not served by this proxy; it serves {', '.join(self.models)}",
@@ -373,9 +398,12 @@ class LLMProxy:
             return error_of_status(400, "a completion needs a prompt", param="prompt")
         return None
 
-    async def _forward(self, kind: CallKind, body: Mapping[str, Any], call_id: str, stream: bool) -> Any:
+    async def _forward(
+        self, kind: CallKind, body: Mapping[str, Any], call_id: str, stream: bool, route: str | None = None
+    ) -> Any:
         sent = backend_request(kind, body, logprobs=self.options.logprobs)
-        model = sent.pop("model")
+        model = route or sent.pop("model")
+        sent.pop("model", None)
         sent.pop("stream", None)
         # The agent's body travels in extra_body, which the openai SDK merges into the request
         # last: the backend gets exactly what the agent sent (LiteLLM rewrites messages, e.g. it
@@ -597,11 +625,7 @@ async def _json_body(request: Request) -> Any:
 
 def create_app(proxy: LLMProxy) -> FastAPI:
     app = FastAPI(title="agl-stream LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
-    guard(
-        app,
-        allowed_hosts(proxy.options.host, proxy.settings.extra_hosts),
-        listener_token(proxy.settings, proxy.options.host),
-    )
+    guard(app, allowed_hosts(proxy.options.host, proxy.settings.extra_hosts), proxy_token(proxy))
     app.add_route("/metrics", metrics.metrics_endpoint, methods=["GET"])
 
     def models() -> dict[str, Any]:
@@ -636,7 +660,22 @@ def create_app(proxy: LLMProxy) -> FastAPI:
     async def completion(request: Request) -> Response:
         return await proxy.handle(COMPLETION, await _json_body(request), None, None)
 
+    if proxy.options.agl_v1 is not None:
+        install(app, proxy, proxy.options.agl_v1)
     return app
+
+
+def proxy_token(proxy: LLMProxy) -> str | None:
+    """The token the listener requires: the stack's (``listener_token``) or the 1.0 key given
+    for Agent Lightning 1.0's clients, which send it as theirs. Both given must agree."""
+    token = listener_token(proxy.settings, proxy.options.host)
+    key = proxy.options.agl_v1_key
+    if key and token is not None and key != token:
+        raise ConfigError(
+            "--agl-v1-key differs from the API token this listener requires (AGL_API_TOKEN): give 1.0's "
+            "clients that token as their key, and leave --agl-v1-key unset"
+        )
+    return key or token
 
 
 @contextlib.asynccontextmanager
