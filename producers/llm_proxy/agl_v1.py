@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
@@ -46,6 +47,7 @@ from agl_stream.domain.agl_v1 import (
     V1State,
 )
 from agl_stream.domain.llm_calls import CHAT, COMPLETION, CallKind
+from agl_stream.errors import AglError, CodecError
 from agl_stream.http_serving import MalformedBodyError, parse_json
 from agl_stream.logs import get_logger
 from agl_stream.models import Rollout
@@ -406,6 +408,22 @@ async def proxy_call(request: Request, rollout_id: str, attempt_id: str, mode: s
         server.inflight -= 1
 
 
+async def _store_failed(request: Request, exc: Exception) -> JSONResponse:
+    """What the store or the broker refused, as 1.0's clients expect errors (``detail``): a value
+    too large or unencodable is the caller's (413/422); anything else is ours for now (503, which
+    1.0's clients retry)."""
+    if isinstance(exc, MessageSizeTooLargeError):
+        return JSONResponse({"detail": f"a value is too large to store: {exc}"}, status_code=413)
+    if isinstance(exc, CodecError):
+        return JSONResponse({"detail": f"a value cannot be stored: {exc}"}, status_code=422)
+    log.warning("the store failed a 1.0 request", path=request.url.path, error=f"{type(exc).__name__}: {exc}")
+    return JSONResponse(
+        {"detail": f"the store is unavailable ({type(exc).__name__}): retry"},
+        status_code=503,
+        headers={"Retry-After": "2"},
+    )
+
+
 def install(app: FastAPI, proxy: ProxyCore, options: AglV1Options) -> V1Server:
     """Serve 1.0's routes on ``app`` (the proxy's own); the proxy's backends named
     ``options.model_name`` count as registered endpoints from the start."""
@@ -420,4 +438,6 @@ def install(app: FastAPI, proxy: ProxyCore, options: AglV1Options) -> V1Server:
         server.sync_backends()
     app.state.agl_v1 = server
     app.include_router(router)
+    for error in (AglError, KafkaError):
+        app.add_exception_handler(error, _store_failed)
     return server

@@ -248,6 +248,9 @@ def test_the_routes_answer_as_agent_lightning_1_0s_server(served: Served) -> Non
             http.post(f"/api/rollouts/{rid}/attempt/9/events", json={"event_type": "x"}, headers=auth).status_code
             == 404
         )
+        huge = {"event_type": "note", "data": {"blob": "x" * (5 << 20)}}  # over a record's size, under a body's
+        too_large = http.post(url, json=huge, headers=auth)
+        assert too_large.status_code == 413 and "too large" in too_large.json()["detail"]
 
         finished = http.patch(
             f"/api/rollouts/{rid}", json={"status": {"state": "failed", "error_message": "boom"}}, headers=auth
