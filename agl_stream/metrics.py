@@ -127,6 +127,12 @@ SINK_FLUSH_SECONDS = Histogram(
     buckets=_SECONDS,
 )
 SINK_RECORDS = Counter("agl_sink_records", "Kafka records a sink inserted into ClickHouse.", ["role", "sink"])
+KAFKA_REQUESTS = Counter(
+    "agl_kafka_requests", "Requests this process sent to Kafka brokers, per API (Produce, Fetch, ...).", ["role", "api"]
+)
+CLICKHOUSE_READS = Counter(
+    "agl_clickhouse_reads", "Gateway: read queries run on the engine, per first table read.", ["role", "table"]
+)
 FENCE_WAIT_SECONDS = Histogram(
     "agl_fence_wait_seconds",
     "Gateway: how long a fenced read waited for the sinks (0 when already applied).",
@@ -178,6 +184,8 @@ ALL: tuple[MetricWrapperBase, ...] = (
     FOLD_SECONDS,
     SINK_FLUSH_SECONDS,
     SINK_RECORDS,
+    KAFKA_REQUESTS,
+    CLICKHOUSE_READS,
     FENCE_WAIT_SECONDS,
     FENCE_TIMEOUTS,
     TRAINER_STEP_SECONDS,

@@ -51,6 +51,8 @@ class Side:
     enqueue_requests: Callable[[list[dict[str, Any]]], Sequence[Any]]
     make_spans: Callable[[str, str, list[str]], Sequence[Any]]
     close_store: Callable[[Any], Awaitable[None]]
+    counts: Callable[[], dict[str, float]] | None = None
+    """This process's request counters so far (agl-stream: Kafka requests per API), or None."""
 
 
 class Channel:
@@ -170,7 +172,12 @@ async def run_runner(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         channel.send(
-            "result", **stats, last_completion=last_completion, probe_latency=probe_latency, error_samples=errors
+            "result",
+            **stats,
+            last_completion=last_completion,
+            probe_latency=probe_latency,
+            error_samples=errors,
+            counts=side.counts() if side.counts is not None else {},
         )
     finally:
         await side.close_store(store)
@@ -223,6 +230,7 @@ async def run_algorithm(
             enqueue_seconds=enqueue_seconds,
             wait_calls=calls,
             unique_ids=len(set(ids)),
+            counts=side.counts() if side.counts is not None else {},
         )
         if await channel.command() != "probe":
             return

@@ -127,6 +127,8 @@ class Store:
     processes: dict[str, int]  # store-side processes (name -> pid)
     port: int | None  # the port its clients connect to
     logs: Path
+    metrics_dir: Path | None = None  # where the roles advertise their /metrics (agl-stream)
+    log_dirs: tuple[Path, ...] = ()  # the broker's data folders (agl-stream's own broker)
 
 
 class ChildError(RuntimeError):
@@ -289,6 +291,7 @@ async def run_workload(store: Store, work: Workload, title: str) -> dict[str, An
         client_pids = {c.name: c.pid for c in children}
         processes = {**store.processes, **client_pids, "benchmark": os.getpid()}
 
+        counts_before, topics_before = scrape_counts(store.metrics_dir), topic_bytes(list(store.log_dirs))
         cpu_before, machine_before = _cpu(processes), machine_cpu_seconds()
         bytes_before = _bytes(store.port, set(client_pids.values()))
         await algorithm.send("go")
@@ -318,6 +321,7 @@ async def run_workload(store: Store, work: Workload, title: str) -> dict[str, An
                     break
         cpu_after, machine_after = _cpu(processes), machine_cpu_seconds()
         bytes_after = _bytes(store.port, set(client_pids.values()))
+        counts_after, topics_after = scrape_counts(store.metrics_dir), topic_bytes(list(store.log_dirs))
 
         idle_cpu: dict[str, float] = {}
         if work.probes:
@@ -384,6 +388,20 @@ async def run_workload(store: Store, work: Workload, title: str) -> dict[str, An
         },
         "idle_polling_cpu_percent": idle_cpu,
         "bytes_per_rollout": {k: round(v / work.rollouts) for k, v in wire.items()},
+        # Per rollout, main run: each stack role's Kafka requests by API, records produced per
+        # topic, ClickHouse INSERTs (sink batches) and reads per table; the clients' own Kafka
+        # requests (whole life, probes included); broker disk bytes per topic.
+        "counts_per_rollout": {
+            **per_rollout(counts_before, counts_after, work.rollouts),
+            "client_kafka_requests": {
+                key: round(value / work.rollouts, 3) for key, value in sorted(_sum_counts([*results, main]).items())
+            },
+            "broker_log_bytes": {
+                topic: round((size - topics_before.get(topic, 0)) / work.rollouts)
+                for topic, size in sorted(topics_after.items())
+                if size > topics_before.get(topic, 0)
+            },
+        },
         "runner_stats": [
             {k: r[k] for k in ("claimed", "completed", "empty_dequeues", "errors", "error_samples")} for r in results
         ],
@@ -459,7 +477,7 @@ def seed_store(logs: Path) -> Iterator[Store]:
 
 @contextlib.contextmanager
 def agl_store(logs: Path) -> Iterator[Store]:
-    from agl_stream import stack
+    from agl_stream import metrics, stack
     from agl_stream.config import Settings
     from agl_stream.kafka import broker
 
@@ -489,6 +507,8 @@ def agl_store(logs: Path) -> Iterator[Store]:
                 processes=processes,
                 port=int(kafka_port) if host in ("127.0.0.1", "localhost") else None,
                 logs=logs,
+                metrics_dir=settings.run_dir / metrics.ENDPOINTS_DIR,
+                log_dirs=tuple(p.parent for p in Path(tmp).rglob("meta.properties")),
             )
         finally:
             stack.down(settings)
@@ -510,12 +530,88 @@ def agl_side(options: dict[str, Any]) -> Any:
     async def close_store(store: AglStore) -> None:
         await store.close()
 
-    return workload.Side(open_store, enqueue_requests, make_spans, close_store)
+    def counts() -> dict[str, float]:
+        from agl_stream import metrics
+
+        return {f"kafka_requests.{api}": value for (_, api), value in _samples(metrics.KAFKA_REQUESTS).items()}
+
+    return workload.Side(open_store, enqueue_requests, make_spans, close_store, counts)
+
+
+def _samples(metric: Any) -> dict[tuple[str, ...], float]:
+    """A labelled counter's values in this process: label values -> count."""
+    return {
+        tuple(sample.labels.values()): sample.value
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+COUNTED = {
+    "agl_kafka_requests_total": ("kafka_requests", ("role", "api")),
+    "agl_records_out_total": ("records_out", ("role", "topic")),
+    "agl_sink_flush_seconds_count": ("clickhouse_inserts", ("sink",)),
+    "agl_sink_records_total": ("clickhouse_inserted_records", ("sink",)),
+    "agl_clickhouse_reads_total": ("clickhouse_reads", ("table",)),
+}
+"""What --count reads from the stack's roles (their /metrics), and the labels it groups by."""
+
+
+def scrape_counts(metrics_dir: Path | None) -> dict[str, dict[str, float]]:
+    """Every stack role's counters of :data:`COUNTED`, summed by the listed labels: {kind: {labels: value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, dict[str, float]] = {kind: {} for kind, _ in COUNTED.values()}
+    if metrics_dir is None or not metrics_dir.is_dir():
+        return counts
+    for endpoint in metrics_dir.glob("*.json"):
+        try:
+            url = json.loads(endpoint.read_text())["url"]
+            text = httpx.get(url, timeout=10).text
+        except (OSError, ValueError, KeyError, httpx.HTTPError):
+            continue  # a role that left meanwhile
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in COUNTED:
+                    kind, labels = COUNTED[sample.name]
+                    key = " ".join(str(sample.labels.get(label, "")) for label in labels)
+                    counts[kind][key] = counts[kind].get(key, 0.0) + sample.value
+    return counts
+
+
+def topic_bytes(log_dirs: list[Path]) -> dict[str, int]:
+    """Bytes on the broker's disk per topic (its partitions' folders): records, batch headers, indexes."""
+    sizes: dict[str, int] = {}
+    for log_dir in log_dirs:
+        for partition in log_dir.glob("*-[0-9]*"):
+            topic = partition.name.rsplit("-", 1)[0]
+            size = sum(f.stat().st_size for f in partition.glob("*.log") if f.is_file())
+            sizes[topic] = sizes.get(topic, 0) + size
+    return sizes
+
+
+def per_rollout(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], rollouts: int
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind, values in after.items():
+        delta = {k: (v - before.get(kind, {}).get(k, 0.0)) / rollouts for k, v in values.items()}
+        out[kind] = {k: round(v, 3) for k, v in sorted(delta.items()) if v > 0}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Orchestration and the report
 # ---------------------------------------------------------------------------------------------
+
+
+def _sum_counts(messages: list[dict[str, Any]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for message in messages:
+        for key, value in (message.get("counts") or {}).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 def _run_side(name: str, make_store: Any, logs: Path, work: Workload) -> dict[str, Any]:

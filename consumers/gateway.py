@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -91,6 +92,13 @@ from consumers.gateway_sql import (
 from consumers.gateway_tasks import TaskSubmitter, tasks_router
 
 log = get_logger("agl.gateway")
+
+
+_IDENTIFIER_PARAMETER = re.compile(r"\{(\w+)\s*:\s*Identifier\s*\}")
+_FIRST_TABLE = re.compile(r"\bFROM\s+(?:[A-Za-z_][A-Za-z0-9_]*\.)?([A-Za-z_][A-Za-z0-9_]*)", re.IGNORECASE)
+_UNCHECKED: Any = object()
+_VERDICTS = 4096
+"""Policy verdicts remembered (distinct query texts; the store's own are a few dozen)."""
 
 
 class GatewayClosingError(Exception):
@@ -182,6 +190,9 @@ class QueryRunner:
         self._clients: list[Client] = []
         self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="agl-query")
         self._policy: FunctionPolicy | None = None
+        # (sql, Identifier parameters) -> the analytics policy's refusal or None; plain dict ops
+        # are atomic under the GIL, and two threads computing one verdict agree.
+        self._verdicts: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, str] | None] = {}
 
     def open(self) -> None:
         for _ in range(self.size):
@@ -231,13 +242,25 @@ class QueryRunner:
         # analytics policy applies: allowed functions, tables of the agl database only (query
         # parameters are substituted by the parser, so an Identifier parameter is checked too).
         if checked:
-            ast = client.query(f"EXPLAIN AST SELECT * FROM (\n{sql}\n)", parameters=parameters or None).result_rows
-            if self._policy is None:
-                self._policy = load_function_policy(client)
-            refused = ast_refusal([str(row[0]) for row in ast], self._policy, self.settings.clickhouse_database)
+            # The verdict depends on the functions and tables the SQL names, which only its text
+            # and its Identifier parameters decide (other parameters are literals): the store's
+            # own queries are a few templates, so after the first of each the check costs a
+            # lookup instead of a second engine call per read.
+            key = (sql, tuple(sorted((n, str(parameters.get(n))) for n in _IDENTIFIER_PARAMETER.findall(sql))))
+            refused = self._verdicts.get(key, _UNCHECKED)
+            if refused is _UNCHECKED:
+                ast = client.query(f"EXPLAIN AST SELECT * FROM (\n{sql}\n)", parameters=parameters or None).result_rows
+                if self._policy is None:
+                    self._policy = load_function_policy(client)
+                refused = ast_refusal([str(row[0]) for row in ast], self._policy, self.settings.clickhouse_database)
+                self._verdicts[key] = refused
+                while len(self._verdicts) > _VERDICTS:
+                    self._verdicts.pop(next(iter(self._verdicts)))
             if refused is not None:
                 raise SqlRefusedError(refused[1], kind=refused[0])
         result = client.query(sql, parameters=parameters or None)
+        table = _FIRST_TABLE.search(sql)
+        metrics.CLICKHOUSE_READS.labels(metrics.role(), table.group(1) if table else "none").inc()
         body = {
             "columns": list(result.column_names),
             "rows": [[jsonable(v) for v in row] for row in result.result_rows],

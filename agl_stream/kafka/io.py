@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import wrapt
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.structs import RecordMetadata
 
@@ -24,6 +25,19 @@ from agl_stream.logs import get_logger
 from agl_stream.models import AglModel, DlqRecord
 
 log = get_logger(__name__)
+
+
+def _count_request(wrapped: Callable[..., Any], _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    request = args[1] if len(args) > 1 else kwargs.get("request")
+    api = type(request).__name__.split("Request", 1)[0] or "unknown"
+    metrics.KAFKA_REQUESTS.labels(metrics.role(), api).inc()
+    return wrapped(*args, **kwargs)
+
+
+# Every request an aiokafka client sends (produce, fetch, commits, heartbeats, metadata) goes
+# through AIOKafkaClient.send: counted per API, so a benchmark can say what a rollout costs the
+# broker, role by role (agl_kafka_requests; benchmarks/compare_seed.py --count).
+wrapt.wrap_function_wrapper("aiokafka.client", "AIOKafkaClient.send", _count_request)
 
 
 def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
