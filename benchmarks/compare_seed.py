@@ -324,13 +324,15 @@ async def run_workload(store: Store, work: Workload, title: str) -> dict[str, An
         counts_after, topics_after = scrape_counts(store.metrics_dir), topic_bytes(list(store.log_dirs))
 
         idle_cpu: dict[str, float] = {}
+        probe_counts: dict[str, Any] = {}
         if work.probes:
             with console.status(f"{title}: {work.probes} claim-latency probes into the idle queue"):
                 probe_began = time.perf_counter()
-                cpu_probe = _cpu(processes)
+                cpu_probe, counts_probe = _cpu(processes), scrape_counts(store.metrics_dir)
                 await algorithm.send("probe")
                 await algorithm.expect("probes_done", work.timeout)
                 probe_seconds = time.perf_counter() - probe_began
+                probe_counts = per_rollout(counts_probe, scrape_counts(store.metrics_dir), work.probes)
                 idle_cpu = {
                     name: round((used - cpu_probe[name]) / probe_seconds * 100, 1)
                     for name, used in _cpu(processes).items()
@@ -387,6 +389,7 @@ async def run_workload(store: Store, work: Workload, title: str) -> dict[str, An
             "p99": round(percentile(probe_latency, 0.99) * 1e3, 2),
         },
         "idle_polling_cpu_percent": idle_cpu,
+        "counts_per_probe": probe_counts,  # the same counts over the probe phase, per probe rollout
         "bytes_per_rollout": {k: round(v / work.rollouts) for k, v in wire.items()},
         # Per rollout, main run: each stack role's Kafka requests by API, records produced per
         # topic, ClickHouse INSERTs (sink batches) and reads per table; the clients' own Kafka

@@ -124,6 +124,8 @@ class AglStore(StoreReads):
         self._reported_unknown: set[str] = set()  # ids wait_for_rollouts warned about once
         # Workers whose empty claim this client recorded, with that record (see _mark_idle).
         self._idle_marked: dict[str, Worker] = {}
+        # worker -> (heartbeat_stats, last_heartbeat_time) this client last wrote for it
+        self._heartbeats: dict[str, tuple[Any, float | None]] = {}
         self._idle_marking: dict[str, asyncio.Task[None]] = {}  # records being written, by worker
         self._claims: Counter[str] = Counter()  # attempts claimed or started per worker (ends a spell)
         self._resources_started = asyncio.Lock()
@@ -551,6 +553,12 @@ class AglStore(StoreReads):
                     reply.cancel()
         raise AssertionError("unreachable")  # the last copy returned or raised
 
+    def _note_heartbeat(self, worker_id: str, stats: Any, at: float | None) -> None:
+        self._heartbeats.pop(worker_id, None)
+        self._heartbeats[worker_id] = (stats, at)
+        while len(self._heartbeats) > _WORKERS_MEMORY:
+            self._heartbeats.pop(next(iter(self._heartbeats)))
+
     def _busy(self, worker_id: str | None) -> None:
         """``worker_id`` claimed or started an attempt: its idle spell (if any) ends here."""
         if worker_id is not None:
@@ -566,8 +574,19 @@ class AglStore(StoreReads):
         claim count when the empty claim answered: a claim since then ended the spell already,
         and the record (older than that attempt) is written but not kept as the spell's."""
         try:
-            current = await self.get_worker_by_id(worker_id) or Worker(worker_id=worker_id)
-            record = self._idle_record(current, now)
+            # No read: reads derive the worker's assignment and idle time from its attempts
+            # (StoreQueries.workers), and its heartbeat is what this client last wrote for it. (A
+            # fenced read per empty claim made the sinks flush for it: at 20 rollouts/s the
+            # gateway spent a core on those reads and INSERTs.)
+            stats, beat_time = self._heartbeats.get(worker_id, (None, None))
+            record = Worker(
+                worker_id=worker_id,
+                status="idle",
+                heartbeat_stats=stats,
+                last_heartbeat_time=beat_time,
+                last_dequeue_time=now,
+                last_idle_time=now,
+            )
             await self._write("workers", [(worker_id, record)])
             if self._claims[worker_id] == claims:
                 self._idle_marked[worker_id] = record
@@ -575,20 +594,6 @@ class AglStore(StoreReads):
             log.warning("could not record an idle worker", worker_id=worker_id, error=describe(error))
         finally:
             self._idle_marking.pop(worker_id, None)
-
-    @staticmethod
-    def _idle_record(current: Worker, now: float) -> Worker:
-        # The rest as it stands (the seed changes status and times only: a worker idle after an
-        # empty claim still names the attempt it last ran, if it never finished).
-        idle_since = current.last_idle_time if current.status == "idle" else None
-        record = current.model_copy(
-            update={
-                "status": "idle",
-                "last_dequeue_time": now,
-                "last_idle_time": idle_since if idle_since is not None else now,
-            }
-        )
-        return record
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         """Start a new attempt of ``rollout_id`` outside the queue (a manual retry, on a rollout
@@ -793,6 +798,7 @@ class AglStore(StoreReads):
         acks = await self._send_events(beats)
         if worker_id is not None:
             update = {"heartbeat_stats": heartbeat_stats, "last_heartbeat_time": time.time()}
+            self._note_heartbeat(worker_id, heartbeat_stats, update["last_heartbeat_time"])
             marked = self._idle_marked.get(worker_id)  # keeps the record of an empty claim
             record = Worker(worker_id=worker_id, **update) if marked is None else marked.model_copy(update=update)
             await self._write("workers", [(worker_id, record)])
@@ -944,6 +950,7 @@ class AglStore(StoreReads):
         stats = (current.heartbeat_stats if current else None) if heartbeat_stats is UNSET else heartbeat_stats
         base = current if current is not None else Worker(worker_id=worker_id)
         record = base.model_copy(update={"heartbeat_stats": stats, "last_heartbeat_time": time.time()})
+        self._note_heartbeat(worker_id, stats, record.last_heartbeat_time)
         if worker_id in self._idle_marked:
             self._idle_marked[worker_id] = record
         await self._write("workers", [(worker_id, record)])
@@ -951,6 +958,9 @@ class AglStore(StoreReads):
         assert worker is not None
         return worker
 
+
+_WORKERS_MEMORY = 10_000
+"""Workers whose last heartbeat a client remembers (a runner process has a few)."""
 
 _FINISHED_MEMORY = 20_000
 """Finished rollouts a client remembers for wait_for_rollouts (older ones are asked again; a

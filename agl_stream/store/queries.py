@@ -465,8 +465,11 @@ class StoreQueries:
         claim that found nothing (the client writes an "idle" record with the claim's time as
         last_dequeue_time) makes it idle, unassigned, with that record's dequeue and idle
         times, while that claim is newer than its latest attempt's start, as the seed's stores
-        do. A worker without attempts is what its last heartbeat says (status "unknown" if
-        none). heartbeat_stats and last_heartbeat_time always come from the heartbeat.
+        do; it still names the attempt it last ran if that never finished, and its idle time
+        is that attempt's end if it succeeded or failed (the record's own time otherwise): the
+        record is written without a read, so these come from the attempts here. A worker
+        without attempts is what its last heartbeat says (status "unknown" if none).
+        heartbeat_stats and last_heartbeat_time always come from the heartbeat.
         """
         hb_where = att_where = ""
         if worker_id is not None:
@@ -486,9 +489,13 @@ SELECT
     last_heartbeat_time,
     if(as_recorded, hb_dequeue_time, at_dequeue_time) AS last_dequeue_time,
     if(attempts = 0, hb_busy_time, at_busy_time) AS last_busy_time,
-    if(as_recorded, hb_idle_time, at_idle_time) AS last_idle_time,
-    if(as_recorded, hb_rollout_id, if(status = 'busy', latest.1, NULL)) AS current_rollout_id,
-    if(as_recorded, hb_attempt_id, if(status = 'busy', latest.2, NULL)) AS current_attempt_id
+    if(as_recorded, if(attempts > 0 AND latest.3 IN ('succeeded', 'failed'), at_idle_time, hb_idle_time),
+       at_idle_time) AS last_idle_time,
+    attempts > 0 AND latest.3 NOT IN ('succeeded', 'failed', 'unresponsive', 'timeout') AS unfinished,
+    if(as_recorded, if(attempts > 0, if(unfinished, latest.1, NULL), hb_rollout_id),
+       if(status = 'busy', latest.1, NULL)) AS current_rollout_id,
+    if(as_recorded, if(attempts > 0, if(unfinished, latest.2, NULL), hb_attempt_id),
+       if(status = 'busy', latest.2, NULL)) AS current_attempt_id
 FROM (
     SELECT
         worker_id,
