@@ -223,6 +223,7 @@ class RolloutProcessor:
         # attempt id -> rollout id. A claimer asking again meanwhile must not get a second rollout.
         self.claims_in_flight: dict[str, str] = {}
         self.queue: ClaimQueue[_Claim] = ClaimQueue()
+        self.empty_listeners: set[str] = set()  # reply topics answered empty since the queue last had work
         self.owned: set[int] = set()
         self.catching_up: dict[int, int] = {}  # partition -> end of agl.rollouts at assignment
         self._next_watchdog = 0.0
@@ -364,6 +365,7 @@ class RolloutProcessor:
                 for record in records:
                     self._request(record, out)
         outgoing = self._serve_claims(out.claims, now, out.answers)
+        self._notify_work(out.answers)
         self.fold_seconds.observe(time.monotonic() - started)
         await self._send(out, tombstones, outgoing)
 
@@ -517,11 +519,21 @@ class RolloutProcessor:
         return False
 
     def _empty(self, request: StoreRequest, now: float, answers: list[_Answer]) -> None:
-        """Answer the claim empty (nothing queued here), unless it was decided meanwhile."""
+        """Answer the claim empty (nothing queued here), unless it was decided meanwhile; its
+        client hears when work arrives (:meth:`_notify_work`), so it need not ask before."""
         if self._decided(request, answers):
             return
         self.queue.answered_empty(request.request_id, now)
+        self.empty_listeners.add(request.reply_to)
         answers.append(_Answer(request.reply_to, request.request_id, "empty", covered=sorted(self.owned)))
+
+    def _notify_work(self, answers: list[_Answer]) -> None:
+        """Work is queued that no claim took: every client answered empty since the queue last had
+        work gets one notice without a state naming the partitions (its polls stop skipping them)."""
+        if self.empty_listeners and len(self.queue) > 0:
+            covered = sorted(self.owned)
+            answers.extend(_Answer(topic, "", "notice", covered=covered) for topic in sorted(self.empty_listeners))
+            self.empty_listeners.clear()
 
     def _serve_claims(self, claims: list[_Claim], now: float, answers: list[_Answer]) -> list[Record]:
         """Claim events for agl.rollouts; waiting or empty claims otherwise."""

@@ -15,6 +15,7 @@ answered with, so a client always reads its writes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -66,6 +67,12 @@ CLAIM_SENDS = 3
 REWATCH_S = 30.0
 """A rollout watched this long ago, not finished since, is watched again by the next wait."""
 ANSWER_RECHECK_S = 10.0
+EMPTY_HOLD_S = 0.02
+"""How long a poll of a known-empty queue waits for work before it answers None: about what
+asking the processor took, so callers' polling loops keep their pace."""
+EMPTY_TTL_S = 1.0
+"""How long a poll trusts that a partition's queue is empty without asking (a lost notice that
+work arrived costs a poller at most this long)."""
 """An event unanswered this long is looked for in its rollout's state (the answer may be lost)."""
 
 
@@ -98,6 +105,12 @@ class AglStore(StoreReads):
         self._records = TypedProducer(self._producer, self.codec)
         self._replies = ReplyChannel(settings, self.writer, self.codec)
         self._replies.on_state = self._on_state
+        self._replies.on_queue = self._on_queue
+        # store-request partition -> when a claim found its processor's queue empty (monotonic);
+        # cleared by the processor's notice that work was queued there
+        self._empty_at: dict[int, float] = {}
+        self._work_queued = asyncio.Event()
+        self._woken: set[int] = set()  # partitions noticed to have work, not yet asked by a poll
         self._replies.send_keepalive = self._producer.send_and_wait
         self._reply_header = [(REPLY_HEADER, self._replies.topic.encode())]
         self._state_header = [*self._reply_header, (REPLY_STATE_HEADER, b"1")]
@@ -222,6 +235,9 @@ class AglStore(StoreReads):
         await self._submit(events, with_state=False)
 
     async def _submit(self, events: Sequence[tuple[str, AglModel]], *, with_state: bool) -> list[Reply]:
+        # An event of ours may queue work (an enqueue, a retry): our next poll asks, whatever
+        # the processor's notice and the answer to this event race to.
+        self._empty_at.clear()
         encoded = [self._encode_event(rollout_id, payload) for rollout_id, payload in events]
         replies = [self._replies.expect(event.event_id) for event, _ in encoded]
         topic = self.settings.topic("rollouts")
@@ -360,6 +376,29 @@ class AglStore(StoreReads):
         if answer.state is not None:
             keys = ((a.rollout_id, a.attempt_id) for a in answer.state.attempts)
             _remember(self._known_attempts, keys, _KNOWN_ATTEMPTS_MEMORY)
+
+    def _on_queue(self, reply: Reply) -> None:
+        """An empty claim answer marks its processor's partitions empty; its notice that work was
+        queued clears them. Both arrive on the reply topic in the order the processor sent them."""
+        if reply.outcome == "empty":
+            now = time.monotonic()
+            for partition in reply.covered_partitions:
+                self._empty_at[partition] = now
+            self._woken.difference_update(reply.covered_partitions)
+        else:
+            # One poll of this client asks (not every idle runner at once): if it gets a
+            # rollout, the marks go and every poll asks again (more may be queued).
+            self._woken.update(reply.covered_partitions)
+            self._work_queued.set()  # wakes the polls holding on a known-empty queue
+            self._work_queued = asyncio.Event()
+
+    def _known_empty(self, partitions: Sequence[int]) -> set[int]:
+        now = time.monotonic()
+        return {
+            p
+            for p in partitions
+            if p not in self._woken and now - self._empty_at.get(p, -EMPTY_TTL_S) < EMPTY_TTL_S
+        }
 
     def _on_state(self, reply: Reply) -> None:
         """Every state the processor sent us: remember finished rollouts for wait_for_rollouts."""
@@ -501,6 +540,18 @@ class AglStore(StoreReads):
         topic = self.settings.topic("store-requests")
         partitions = sorted(await self._producer.partitions_for(topic))
         covered: set[int] = set()
+        if wait <= 0:
+            # A poll skips the partitions whose queue was found empty and has had no work since
+            # (the processor says when it has): an idle runner's polls cost no round trip. When
+            # all are, the poll waits for that notice as long as asking would take (so a loop of
+            # polls neither spins nor starves the loop), then answers None. The mark expires, in
+            # case the notice was lost (a processor that restarted).
+            covered = self._known_empty(partitions)
+            if len(covered) == len(partitions):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._work_queued.wait(), EMPTY_HOLD_S)
+                covered = self._known_empty(partitions)
+            self._woken.difference_update(set(partitions) - covered)  # this poll asks for them
         while len(covered) < len(partitions):
             partition = next(p for p in _rotation(partitions, self._claim_partition) if p not in covered)
             request = StoreRequest(
@@ -516,6 +567,7 @@ class AglStore(StoreReads):
             except RejectedError:
                 continue  # the rollout moved on between the claim and its fold: ask again
             if answer.outcome == "applied" and answer.state is not None:
+                self._empty_at.clear()  # there was work: more may be queued, every poll asks
                 self._claim_partition = partition  # a processor with work: ask it first next time
                 self._busy(worker_id)
                 return _attempted(answer.state, claim_attempt_id(request.request_id))

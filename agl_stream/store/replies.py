@@ -139,6 +139,9 @@ class ReplyChannel:
         self._pending: dict[str, asyncio.Future[Reply]] = {}
         self.on_state: Callable[[Reply], None] | None = None
         """Called with every reply that carries a state (answers and notices alike)."""
+        self.on_queue: Callable[[Reply], None] | None = None
+        """Called, in arrival order, with every empty claim answer and every notice that work
+        was queued (a notice without a state that names partitions)."""
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self._keepalive: asyncio.Task[None] | None = None
@@ -244,6 +247,9 @@ class ReplyChannel:
         self.received += 1
         if reply.state is not None and self.on_state is not None:
             self.on_state(reply)
+        if self.on_queue is not None and reply.state is None and reply.covered_partitions:
+            if reply.outcome in ("empty", "notice"):
+                self.on_queue(reply)
         if reply.outcome == "notice":
             return
         future = self._pending.get(reply.request_id)

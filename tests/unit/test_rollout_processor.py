@@ -360,3 +360,33 @@ async def test_a_claim_served_twice_to_the_same_rollout_is_folded_once_and_never
     state = h.processor.states[(enqueue.key or b"").decode()]
     assert [a.attempt_id for a in state.attempts] == [claim_attempt_id(request_id)]
     assert h.processor.counts["claims_served_twice"] == 1
+
+
+def _work_notices(h: Harness) -> list[Reply]:
+    return [a for a in h.answers() if a.outcome == "notice" and a.state is None and a.covered_partitions]
+
+
+async def test_a_client_answered_empty_hears_once_that_work_was_queued() -> None:
+    """Polls of a known-empty queue cost no round trip: the client skips the partitions an
+    empty answer named until the processor says work was queued there (one notice per empty
+    spell, none while nobody was told empty, none for work a waiting claim took at once)."""
+    h = Harness()
+    await h.handle(h.enqueue())
+    assert _work_notices(h) == []  # nobody was answered empty
+    h.processor.queue.clear()
+    request_id, claim = h.claim(wait=0.0)
+    await h.handle(claim)
+    [empty] = _answers_to(h, request_id)
+    assert empty.outcome == "empty" and empty.covered_partitions == [0]
+    await h.handle(h.enqueue())
+    [notice] = _work_notices(h)
+    assert notice.request_id == "" and notice.covered_partitions == [0]
+    await h.handle(h.enqueue())
+    assert len(_work_notices(h)) == 1  # one per empty spell
+    h.processor.queue.clear()
+    _, empty_again = h.claim(wait=0.0)
+    await h.handle(empty_again)
+    _, waiting = h.claim(wait=5.0)
+    await h.handle(waiting)
+    await h.handle(h.enqueue())  # taken by the waiting claim: nothing left queued to tell of
+    assert len(_work_notices(h)) == 1
