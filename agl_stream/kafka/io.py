@@ -55,6 +55,10 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**options)
 
 
+IDLE_FETCH_WAIT_MS = 2000
+"""How long the broker holds a consumer's fetch that finds no data (a new record ends it)."""
+
+
 def make_consumer(settings: Settings, *topics: str, group_id: str | None, **overrides: Any) -> AIOKafkaConsumer:
     """A consumer with explicit commits that reads only committed (transactional) data."""
     options: dict[str, Any] = {
@@ -65,6 +69,9 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None, **over
         "isolation_level": "read_committed",
         "max_partition_fetch_bytes": 8 << 20,
         "fetch_max_bytes": 64 << 20,
+        # A fetch the broker holds until data arrives: it answers at once when there is some,
+        # so a longer hold only makes an idle consumer ask less often (500 ms by default).
+        "fetch_max_wait_ms": IDLE_FETCH_WAIT_MS,
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)
