@@ -9,6 +9,7 @@ import json
 import math
 import re
 import socket
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from agl_stream import metrics
 from agl_stream.auth import LOOPBACK
 from agl_stream.errors import AglError
 
@@ -168,6 +170,39 @@ def guard(
         app.add_middleware(BearerToken, token=token, public_pages=public_pages)
     app.add_middleware(SameOriginOnly, hosts=hosts)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=[_host_pattern(h) for h in hosts])
+    app.add_middleware(RequestMetrics)  # outermost: refused requests are counted too
+
+
+class RequestMetrics:
+    """Times every HTTP request into ``agl_http_request_seconds`` by method, route template
+    (the matched route's path, so ids never become label values; ``unmatched`` when no route
+    served it, a refusal before routing included) and status (0: no answer was started)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 0
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            route = getattr(scope.get("route"), "path", None)
+            if route is not None and scope.get("root_path"):
+                route = f"{scope['root_path']}{route}"
+            metrics.HTTP_REQUEST_SECONDS.labels(
+                metrics.role(), scope.get("method", ""), route or "unmatched", str(status)
+            ).observe(time.perf_counter() - started)
 
 
 def _host_pattern(host: str) -> str:

@@ -58,6 +58,7 @@ __all__ = [
     "FENCE_WAIT_SECONDS",
     "FOLD_SECONDS",
     "HANDLE_SECONDS",
+    "HTTP_REQUEST_SECONDS",
     "INFERENCE_REQUEST_SECONDS",
     "INGRESS_REQUESTS",
     "PROXY_CALL_SECONDS",
@@ -166,6 +167,13 @@ TRAINING_SAMPLES = Counter(
     "aggregation had to start a new sample (branch, rewritten, drift).",
     ["role", "outcome", "reason"],
 )
+HTTP_REQUEST_SECONDS = Histogram(
+    "agl_http_request_seconds",
+    "HTTP roles (gateway, LLM proxy, inference): time to answer one request, by method, route "
+    "template (``/v1/agl/rollouts/{rollout_id}``; ``unmatched`` for paths no route serves) and status.",
+    ["role", "method", "route", "status"],
+    buckets=_SECONDS,
+)
 INGRESS_REQUESTS = Counter(
     "agl_ingress_requests",
     "Ingress: task requests it handled, by outcome (enqueued; already_enqueued: a copy, answered, "
@@ -194,6 +202,7 @@ ALL: tuple[MetricWrapperBase, ...] = (
     RUNNER_ATTEMPTS,
     TRAINING_SAMPLES,
     INGRESS_REQUESTS,
+    HTTP_REQUEST_SECONDS,
 )
 """Every metric agl-stream defines (the Grafana dashboard may use these and no others)."""
 

@@ -34,6 +34,7 @@ from agl_stream.errors import AglError
 from agl_stream.logs import get_logger
 from agl_stream.models import Span
 from agl_stream.store.client import AglStore
+from agl_stream.store.readside import ReadSide
 
 log = get_logger("agl.trace_ingest")
 
@@ -135,8 +136,9 @@ class TraceIngest:
     next caller of :meth:`store` (the first exports may come before the broker is reachable).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, read_side: ReadSide | None = None) -> None:
         self.settings = settings
+        self.read_side = read_side  # where the client reads (the gateway's engine, in process)
         self._client = BackgroundClient[AglStore](
             "trace store client", self._open, _close_store, TracesUnavailableError
         )
@@ -149,7 +151,7 @@ class TraceIngest:
         self._client.start()
 
     async def _open(self) -> AglStore:
-        store = AglStore(self.settings)
+        store = AglStore(self.settings, read_side=self.read_side)
         try:
             return await store.start()
         except Exception as error:

@@ -129,6 +129,7 @@ class Store:
     logs: Path
     metrics_dir: Path | None = None  # where the roles advertise their /metrics (agl-stream)
     log_dirs: tuple[Path, ...] = ()  # the broker's data folders (agl-stream's own broker)
+    url: str | None = None  # its HTTP base URL: the seed's server, agl-stream's gateway
 
 
 class ChildError(RuntimeError):
@@ -468,6 +469,7 @@ def seed_store(logs: Path) -> Iterator[Store]:
             processes={"seed-server": server.pid},
             port=port,
             logs=logs,
+            url=url,
         )
     finally:
         _stop_group(server)
@@ -512,6 +514,7 @@ def agl_store(logs: Path) -> Iterator[Store]:
                 logs=logs,
                 metrics_dir=settings.run_dir / metrics.ENDPOINTS_DIR,
                 log_dirs=tuple(p.parent for p in Path(tmp).rglob("meta.properties")),
+                url=info.gateway_url,
             )
         finally:
             stack.down(settings)
@@ -557,6 +560,7 @@ COUNTED = {
     "agl_sink_flush_seconds_count": ("clickhouse_inserts", ("sink",)),
     "agl_sink_records_total": ("clickhouse_inserted_records", ("sink",)),
     "agl_clickhouse_reads_total": ("clickhouse_reads", ("table",)),
+    "agl_http_request_seconds_count": ("http_requests", ("role", "method", "route")),
 }
 """What --count reads from the stack's roles (their /metrics), and the labels it groups by."""
 

@@ -45,10 +45,10 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
@@ -62,7 +62,7 @@ from agl_stream.clickhouse.access import QUERY_RESULT_BYTES_FACTOR
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
 from agl_stream.config import Settings
-from agl_stream.errors import ConfigError, FenceTimeoutError
+from agl_stream.errors import ConfigError, FenceTimeoutError, GatewayUnavailableError, QueryError, ReadSideError
 from agl_stream.http_serving import (
     MAX_BODY_BYTES,
     BodyTooLargeError,
@@ -74,7 +74,7 @@ from agl_stream.http_serving import (
     server_config,
 )
 from agl_stream.logs import get_logger
-from agl_stream.store.readside import GATEWAY_FILE, fence_behind
+from agl_stream.store.readside import DEFAULT_TIMEOUT, GATEWAY_FILE, Fence, QueryResult, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
 from consumers.dashboard import DASHBOARD_PAGES, Backlog, dashboard_router
@@ -97,6 +97,8 @@ log = get_logger("agl.gateway")
 _IDENTIFIER_PARAMETER = re.compile(r"\{(\w+)\s*:\s*Identifier\s*\}")
 _FIRST_TABLE = re.compile(r"\bFROM\s+(?:[A-Za-z_][A-Za-z0-9_]*\.)?([A-Za-z_][A-Za-z0-9_]*)", re.IGNORECASE)
 _UNCHECKED: Any = object()
+T = TypeVar("T")
+
 _VERDICTS = 4096
 """Policy verdicts remembered (distinct query texts; the store's own are a few dozen)."""
 
@@ -226,17 +228,35 @@ class QueryRunner:
         ``checked=False`` skips the analytics policy (still read-only, under the same limits):
         only for SQL written in this code base that reads a system table on purpose (the
         dashboard's schema of the agl database), never for SQL a caller sent."""
+        return await self._in_thread(self._json_body, sql, parameters, checked)
+
+    async def result(self, sql: str, parameters: Mapping[str, Any]) -> QueryResult:
+        """The columns and rows, each value as the JSON body would carry it (see :meth:`run`)."""
+        return await self._in_thread(self._result, sql, parameters, True)
+
+    async def _in_thread(
+        self,
+        work: Callable[[Client, str, dict[str, Any], bool], T],
+        sql: str,
+        parameters: Mapping[str, Any],
+        checked: bool,
+    ) -> T:
         client = await self._idle.get()
         try:
             loop = asyncio.get_running_loop()
-            work = loop.run_in_executor(self._executor, self._query, client, sql, dict(parameters), checked)
+            running = loop.run_in_executor(self._executor, work, client, sql, dict(parameters), checked)
         except BaseException:
             self._idle.put_nowait(client)
             raise
-        work.add_done_callback(lambda _: self._idle.put_nowait(client))  # an abandoned query holds it
-        return await within(work, self.time_limit_s)
+        running.add_done_callback(lambda _: self._idle.put_nowait(client))  # an abandoned query holds it
+        return await within(running, self.time_limit_s)
 
-    def _query(self, client: Client, sql: str, parameters: dict[str, Any], checked: bool = True) -> bytes:
+    def _json_body(self, client: Client, sql: str, parameters: dict[str, Any], checked: bool) -> bytes:
+        result = self._result(client, sql, parameters, checked)
+        body = {"columns": result.columns, "rows": result.rows}
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(errors="replace")
+
+    def _result(self, client: Client, sql: str, parameters: dict[str, Any], checked: bool) -> QueryResult:
         # The engine's parser first: only one SELECT parses as a subquery (chDB writes INTO
         # OUTFILE even under readonly=1), and this endpoint takes SQL from its caller, so the
         # analytics policy applies: allowed functions, tables of the agl database only (query
@@ -261,16 +281,50 @@ class QueryRunner:
         result = client.query(sql, parameters=parameters or None)
         table = _FIRST_TABLE.search(sql)
         metrics.CLICKHOUSE_READS.labels(metrics.role(), table.group(1) if table else "none").inc()
-        body = {
-            "columns": list(result.column_names),
-            "rows": [[jsonable(v) for v in row] for row in result.result_rows],
-        }
-        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(errors="replace")
+        return QueryResult(list(result.column_names), [[jsonable(v) for v in row] for row in result.result_rows])
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         for client in self._clients:
             client.close()
+
+
+class LocalReadSide:
+    """The gateway's own store client reads here: what ``POST /v1/query`` does (wait for the
+    fence, then the query, under the analytics policy and limits), as a call in this process
+    instead of an HTTP request to itself. Errors are those GatewayReadSide raises for the same
+    answers."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def query(
+        self,
+        sql: str,
+        parameters: Mapping[str, Any] | None = None,
+        *,
+        fence: Fence | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> QueryResult:
+        wanted = {t: {int(p): int(o) for p, o in ps.items()} for t, ps in (fence or {}).items()}
+        unknown = sorted(set(wanted) - self.gateway.topics)
+        if unknown:
+            raise ReadSideError(f"no sink of this gateway reads {unknown}")
+        try:
+            await self.gateway.applied.wait(wanted, timeout)
+        except GatewayClosingError as exc:
+            raise GatewayUnavailableError(str(exc)) from exc
+        try:
+            return await self.gateway.queries.result(sql, parameters or {})
+        except SqlRefusedError as exc:
+            raise QueryError(str(exc), name=exc.kind) from exc
+        except DatabaseError as exc:
+            raise QueryError(str(exc), code=getattr(exc, "code", None), name=getattr(exc, "name", None)) from exc
+        except (ValueError, TypeError, KeyError) as exc:  # parameters clickhouse-connect cannot bind
+            raise QueryError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        """Nothing to close: the gateway owns the engine clients."""
 
 
 MAX_QUERY_BODY_BYTES = 8 << 20
@@ -433,7 +487,7 @@ class Gateway:
             settings, self.specs, on_applied=self.applied.update, wanted=self.applied.wanted, options=sink_options
         )
         self.queries = QueryRunner(settings, size=query_clients, time_limit_s=query_time_limit_s)
-        self.traces = TraceIngest(settings)
+        self.traces = TraceIngest(settings, read_side=LocalReadSide(self))
         self.tasks = TaskSubmitter(settings, query=self.queries.run)  # copies and conflicts answered before sending
         self.started = time.monotonic()
         self.stopping = False

@@ -54,6 +54,7 @@ from agl_stream.models.base import TERMINAL_STATUSES, AttemptStatus, RolloutMode
 from agl_stream.models.replies import Reply
 from agl_stream.span_records import span_records
 from agl_stream.store.reads import StoreReads
+from agl_stream.store.readside import KeyFences, ReadSide
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import UNSET, AttemptedRollout, EnqueueRolloutRequest, StoreCapabilities, Unset
@@ -93,10 +94,17 @@ def _attempted(state: RolloutState, attempt_id: str | None = None) -> AttemptedR
 class AglStore(StoreReads):
     """An async LightningStore. Use ``async with agl_stream.connect() as store: ...``."""
 
-    def __init__(self, settings: Settings, *, request_timeout: float | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, request_timeout: float | None = None, read_side: ReadSide | None = None
+    ) -> None:
+        """``read_side``: where reads go instead of the one the settings name (the gateway gives its
+        store client the engine in its own process: no HTTP round trip to itself)."""
         # topic -> partition -> newest offset written or answered: the fence of our reads.
         self._fence: dict[str, dict[int, int]] = defaultdict(dict)
-        super().__init__(settings, self._fence)
+        # The same per rollout, for reads of one rollout (its spans, its attempts): they wait for
+        # this client's writes about that rollout only, not for every write it made since.
+        self._key_fences = KeyFences(_KEY_FENCES_MEMORY)
+        super().__init__(settings, self._fence, read_side)
         self.request_timeout = request_timeout if request_timeout is not None else settings.request_timeout_s
         self.codec = Codec.default()
         self.writer = f"client-{uuid.uuid4().hex[:12]}"
@@ -181,10 +189,18 @@ class AglStore(StoreReads):
 
     # -- the write path --------------------------------------------------------------------
 
-    def _note(self, topic: str, partition: int, offset: int) -> None:
+    def _note(self, topic: str, partition: int, offset: int, key: str | None = None) -> None:
+        """Raise the read fence to a record written or answered; ``key`` (the rollout id of a
+        span batch or a state record) also raises that rollout's own fence."""
         fence = self._fence[topic]
         if offset > fence.get(partition, -1):
             fence[partition] = offset
+        self._key_fences.note(topic, key, partition, offset)
+
+    def _fence_for(self, sources: Sequence[str], key: str | None) -> dict[str, dict[int, int]]:
+        if key is None:
+            return super()._fence_for(sources, key)
+        return {t: f for t in (self.topics[s] for s in sources) if (f := self._key_fences.of(t, key))}
 
     def _encode_event(self, rollout_id: str, payload: AglModel) -> tuple[RolloutEvent, bytes]:
         event = RolloutEvent(
@@ -207,11 +223,10 @@ class AglStore(StoreReads):
     async def _write_spans(self, spans: Sequence[Span]) -> None:
         """Spans as agl.SpanBatch records (one per attempt, split under 1 MB, keyed by rollout id)."""
         topic = self.settings.topic("spans")
-        sends = [
-            await self._producer.send(topic, value, key=key.encode()) for key, value in span_records(spans, self.codec)
-        ]
-        for metadata in await asyncio.gather(*sends):
-            self._note(metadata.topic, metadata.partition, metadata.offset)
+        records = span_records(spans, self.codec)
+        sends = [await self._producer.send(topic, value, key=key.encode()) for key, value in records]
+        for (key, _), metadata in zip(records, await asyncio.gather(*sends), strict=True):
+            self._note(metadata.topic, metadata.partition, metadata.offset, key)
         metrics.count_out(topic, len(sends))
 
     async def _request(self, rollout_id: str, payload: AglModel) -> RolloutState:
@@ -235,6 +250,8 @@ class AglStore(StoreReads):
         await self._submit(events, with_state=False)
 
     async def _submit(self, events: Sequence[tuple[str, AglModel]], *, with_state: bool) -> list[Reply]:
+        if not events:
+            return []
         # An event of ours may queue work (an enqueue, a retry): our next poll asks, whatever
         # the processor's notice and the answer to this event race to.
         self._empty_at.clear()
@@ -285,8 +302,8 @@ class AglStore(StoreReads):
             _, pending = await asyncio.wait(replies, timeout=min(left, ANSWER_RECHECK_S))
             if not pending:
                 answers = [reply.result() for reply in replies]
-                for answer in answers:
-                    self._note_answer(answer)
+                for (event, _), answer in zip(encoded, answers, strict=True):
+                    self._note_answer(answer, event.rollout_id)
                 return answers
             missing = [
                 (index, event, metadata)
@@ -342,7 +359,7 @@ class AglStore(StoreReads):
                 found[rid] = reply.result()
         return found
 
-    async def _settle(self, sources: Sequence[str]) -> None:
+    async def _settle(self, sources: Sequence[str], key: str | None = None) -> None:
         """Reads of rollout state see the effect of heartbeats sent without waiting (spans'
         arrival turns a preparing attempt running): one heartbeat per such rollout, this time
         answered, raises the fence past them. The runner's usual path (spans, then finishing
@@ -352,8 +369,13 @@ class AglStore(StoreReads):
         marking = self._idle_marking.values()
         if "workers" in sources and marking and asyncio.current_task() not in marking:
             await asyncio.gather(*marking, return_exceptions=True)
-        if "rollout-state" in sources and self._unfolded:
-            pending = list(self._unfolded.items())
+        pending: list[tuple[str, str]] = []
+        if "rollout-state" in sources:
+            if key is None:
+                pending = list(self._unfolded.items())
+            elif key in self._unfolded:  # a read of one rollout: only its own heartbeats matter
+                pending = [(key, self._unfolded[key])]
+        if pending:
             try:
                 await self._acknowledged([(rid, AttemptHeartbeat(attempt_id=aid)) for rid, aid in pending])
             except RejectedError:
@@ -370,9 +392,11 @@ class AglStore(StoreReads):
             self._note_answer(answer)
         return answers
 
-    def _note_answer(self, answer: Reply) -> None:
+    def _note_answer(self, answer: Reply, rollout_id: str | None = None) -> None:
+        """``rollout_id``: the rollout the answer is about, when it carries no state."""
         if answer.state_partition >= 0:
-            self._note(self.settings.topic("rollout-state"), answer.state_partition, answer.state_offset)
+            key = answer.state.rollout.rollout_id if answer.state is not None else rollout_id
+            self._note(self.settings.topic("rollout-state"), answer.state_partition, answer.state_offset, key)
         if answer.state is not None:
             keys = ((a.rollout_id, a.attempt_id) for a in answer.state.attempts)
             _remember(self._known_attempts, keys, _KNOWN_ATTEMPTS_MEMORY)
@@ -395,9 +419,7 @@ class AglStore(StoreReads):
     def _known_empty(self, partitions: Sequence[int]) -> set[int]:
         now = time.monotonic()
         return {
-            p
-            for p in partitions
-            if p not in self._woken and now - self._empty_at.get(p, -EMPTY_TTL_S) < EMPTY_TTL_S
+            p for p in partitions if p not in self._woken and now - self._empty_at.get(p, -EMPTY_TTL_S) < EMPTY_TTL_S
         }
 
     def _on_state(self, reply: Reply) -> None:
@@ -863,7 +885,7 @@ class AglStore(StoreReads):
     async def _await_acks(self, acks: Sequence[asyncio.Future[Any]]) -> None:
         per_topic: Counter[str] = Counter()
         for metadata in await asyncio.gather(*acks):
-            self._note(metadata.topic, metadata.partition, metadata.offset)
+            self._note(metadata.topic, metadata.partition, metadata.offset)  # rollouts, workers: no keyed reads
             per_topic[metadata.topic] += 1
         for topic, n in per_topic.items():
             metrics.count_out(topic, n)
@@ -1006,9 +1028,9 @@ class AglStore(StoreReads):
         if worker_id in self._idle_marked:
             self._idle_marked[worker_id] = record
         await self._write("workers", [(worker_id, record)])
-        worker = await self.get_worker_by_id(worker_id)
-        assert worker is not None
-        return worker
+        # The worker as a read would now give it: the read above with the new heartbeat (a second
+        # fenced read would wait for the sink to apply this very record, for nothing new).
+        return record
 
 
 _WORKERS_MEMORY = 10_000
@@ -1021,6 +1043,9 @@ rollout for its first 200,000 (benchmarks/soak.py), more with large inputs."""
 
 _KNOWN_ATTEMPTS_MEMORY = 20_000
 """Attempts a client remembers as existing (older ones are verified by the processor again)."""
+
+_KEY_FENCES_MEMORY = 20_000
+"""Rollouts whose own read fence a client remembers (older ones are read behind its oldest)."""
 
 _STORED_SPANS_MEMORY = 20_000
 """Span keys a client remembers to answer a span sent again as a duplicate (~5 MB)."""

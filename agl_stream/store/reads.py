@@ -34,28 +34,36 @@ T = TypeVar("T")
 class StoreReads:
     """Queries with this client's fence; ``fence`` is shared with (and grown by) the write half."""
 
-    def __init__(self, settings: Settings, fence: Mapping[str, Mapping[int, int]]) -> None:
+    def __init__(
+        self, settings: Settings, fence: Mapping[str, Mapping[int, int]], read_side: ReadSide | None = None
+    ) -> None:
         self.settings = settings
         self.fence = fence
         self.sql = StoreQueries(settings.clickhouse_database)
         self.side: ReadSide | None = None
+        self._given_side = read_side  # the process's own read side (the gateway's), used as is
         self.topics = {name: settings.topic(name) for name in ("rollout-state", "spans", "resources", "workers")}
         self.started = time.monotonic()
 
     async def _start_reads(self) -> None:
-        self.side = read_side_for(self.settings)
+        self.side = self._given_side or read_side_for(self.settings)
 
     async def _close_reads(self) -> None:
-        if self.side is not None:
+        if self.side is not None and self.side is not self._given_side:
             await self.side.aclose()
 
-    async def _settle(self, sources: Sequence[str]) -> None:
-        """Before a read from ``sources``: make sure the fence covers every write so far."""
+    async def _settle(self, sources: Sequence[str], key: str | None = None) -> None:
+        """Before a read from ``sources`` (of rollout ``key`` only, when given): make sure the
+        fence covers every write so far."""
 
-    async def _rows(self, query: Query, *sources: str) -> list[dict[str, Any]]:
+    def _fence_for(self, sources: Sequence[str], key: str | None) -> dict[str, dict[int, int]]:
+        """The fence of a read from ``sources``; ``key``: the read is of that rollout only."""
+        return {self.topics[s]: dict(self.fence[self.topics[s]]) for s in sources if self.fence.get(self.topics[s])}
+
+    async def _rows(self, query: Query, *sources: str, key: str | None = None) -> list[dict[str, Any]]:
         assert self.side is not None, "the store is not started"
-        await self._settle(sources)
-        fence = {self.topics[s]: dict(self.fence[self.topics[s]]) for s in sources if self.fence.get(self.topics[s])}
+        await self._settle(sources, key)
+        fence = self._fence_for(sources, key)
         result = await self.side.query(query.sql, query.parameters, fence=fence or None)
         return result.dicts()
 
@@ -64,16 +72,20 @@ class StoreReads:
         on this client's writes to ``sources`` (``rollout-state``, ``spans``, ...)."""
         return await self._rows(query, *sources)
 
-    async def _all(self, query: Query, convert: Callable[[Mapping[str, Any]], T], *sources: str) -> list[T]:
-        return [convert(row) for row in await self._rows(query, *sources)]
+    async def _all(
+        self, query: Query, convert: Callable[[Mapping[str, Any]], T], *sources: str, key: str | None = None
+    ) -> list[T]:
+        return [convert(row) for row in await self._rows(query, *sources, key=key)]
 
-    async def _one(self, query: Query, convert: Callable[[Mapping[str, Any]], T], *sources: str) -> T | None:
-        rows = await self._rows(query, *sources)
+    async def _one(
+        self, query: Query, convert: Callable[[Mapping[str, Any]], T], *sources: str, key: str | None = None
+    ) -> T | None:
+        rows = await self._rows(query, *sources, key=key)
         return convert(rows[0]) if rows else None
 
-    async def _count(self, query: Query, *sources: str) -> int:
+    async def _count(self, query: Query, *sources: str, key: str | None = None) -> int:
         """How many rows ``query`` gives, counted by the engine (one COUNT query)."""
-        return await self._one(count_of(query), total_from_row, *sources) or 0
+        return await self._one(count_of(query), total_from_row, *sources, key=key) or 0
 
     # -- rollouts and attempts -------------------------------------------------------------
 
@@ -128,18 +140,18 @@ class StoreReads:
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
         """The rollout (an :class:`AttemptedRollout` with its latest attempt once it has one), or
         None when no rollout has this id (after this client's own writes)."""
-        found = await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state")
-        return None if found is None else (await self._with_attempts([found]))[0]
+        found = await self._one(self.sql.rollout_by_id(rollout_id), rollout_from_row, "rollout-state", key=rollout_id)
+        return None if found is None else (await self._with_attempts([found], rollout_id))[0]
 
-    async def _with_attempts(self, rollouts: list[Rollout]) -> list[Rollout]:
+    async def _with_attempts(self, rollouts: list[Rollout], key: str | None = None) -> list[Rollout]:
         """Each rollout that has attempts as an AttemptedRollout with its latest, as the seed's
-        stores return them; one more query, only when some rollout left the queue."""
+        stores return them; one more query, only when some rollout left the queue. ``key``: the
+        one rollout read (its own fence)."""
         tried = [r.rollout_id for r in rollouts if r.status != "queuing"]
         if not tried:
             return rollouts
-        latest = {
-            a.rollout_id: a for a in await self._all(self.sql.latest_attempts(tried), attempt_from_row, "rollout-state")
-        }
+        query = self.sql.latest_attempts(tried)
+        latest = {a.rollout_id: a for a in await self._all(query, attempt_from_row, "rollout-state", key=key)}
         return [
             AttemptedRollout(**dict(r), attempt=latest[r.rollout_id]) if r.rollout_id in latest else r for r in rollouts
         ]
@@ -156,15 +168,15 @@ class StoreReads:
         """The attempts of a rollout, by ``sequence_id`` unless sorted otherwise; paged like
         :meth:`query_rollouts`. Empty for an unknown rollout, as in the seed's stores."""
         query = self.sql.attempts(rollout_id, sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset)
-        return await self._all(query, attempt_from_row, "rollout-state")
+        return await self._all(query, attempt_from_row, "rollout-state", key=rollout_id)
 
     async def count_attempts(self, rollout_id: str) -> int:
         """How many attempts the rollout has (0 for an unknown rollout)."""
-        return await self._count(self.sql.attempts(rollout_id), "rollout-state")
+        return await self._count(self.sql.attempts(rollout_id), "rollout-state", key=rollout_id)
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
         """The rollout's newest attempt; None while it has none or the rollout is unknown."""
-        return await self._one(self.sql.latest_attempt(rollout_id), attempt_from_row, "rollout-state")
+        return await self._one(self.sql.latest_attempt(rollout_id), attempt_from_row, "rollout-state", key=rollout_id)
 
     # -- spans -------------------------------------------------------------------------------
 
@@ -173,13 +185,14 @@ class StoreReads:
         as the seed's (e.g. ``name``). Sees every span this client added. Empty for an unknown
         rollout or attempt, as in the seed's stores (reads never raise for an id)."""
         query = self.sql.spans(rollout_id, attempt_id, **filters)
-        return await self._all(query, span_from_row, *_span_sources(attempt_id))
+        return await self._all(query, span_from_row, *_span_sources(attempt_id), key=rollout_id)
 
     async def count_spans(self, rollout_id: str, attempt_id: str | None = None, **filters: Any) -> int:
         """How many spans :meth:`query_spans` with these filters gives, unpaged (``limit``,
         ``offset`` and sorting are ignored)."""
         unpaged = {k: v for k, v in filters.items() if k not in ("limit", "offset", "sort_by", "sort_order")}
-        return await self._count(self.sql.spans(rollout_id, attempt_id, **unpaged), *_span_sources(attempt_id))
+        query = self.sql.spans(rollout_id, attempt_id, **unpaged)
+        return await self._count(query, *_span_sources(attempt_id), key=rollout_id)
 
     # -- resources -----------------------------------------------------------------------------
 

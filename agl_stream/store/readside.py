@@ -93,6 +93,48 @@ def fence_of(records: Iterable[RecordPosition]) -> dict[str, dict[int, int]]:
     return fence
 
 
+def _raise(partitions: dict[int, int], partition: int, offset: int) -> None:
+    if offset > partitions.get(partition, -1):
+        partitions[partition] = offset
+
+
+class KeyFences:
+    """Read fences per key (a rollout id): for each topic, the newest record of that key a client
+    wrote or was answered about, so a read of one rollout waits for that rollout's records only.
+
+    Bounded: the least recently noted keys are forgotten into a per-topic floor (the fence of
+    every forgotten key), and a record noted without a key raises the floor too; a key's fence
+    is its own records' joined with the floor, so it is never below what a read of it needs.
+    Pure bookkeeping, used from one event loop.
+    """
+
+    def __init__(self, memory: int) -> None:
+        self.memory = memory
+        self._keys: dict[tuple[str, str], dict[int, int]] = {}  # insertion order: least recent first
+        self._floor: dict[str, dict[int, int]] = {}
+
+    def note(self, topic: str, key: str | None, partition: int, offset: int) -> None:
+        if key is None:
+            _raise(self._floor.setdefault(topic, {}), partition, offset)
+            return
+        partitions = self._keys.pop((topic, key), None) or {}
+        _raise(partitions, partition, offset)
+        self._keys[(topic, key)] = partitions
+        while len(self._keys) > self.memory:
+            oldest = next(iter(self._keys))
+            forgotten = self._keys.pop(oldest)
+            floor = self._floor.setdefault(oldest[0], {})
+            for p, o in forgotten.items():
+                _raise(floor, p, o)
+
+    def of(self, topic: str, key: str) -> dict[int, int]:
+        """The fence of a read of ``key`` in ``topic`` (empty: nothing to wait for)."""
+        fence = dict(self._floor.get(topic, {}))
+        for partition, offset in self._keys.get((topic, key), {}).items():
+            _raise(fence, partition, offset)
+        return fence
+
+
 def fence_behind(applied: Mapping[str, Mapping[int, int]], fence: Fence) -> dict[str, dict[int, int]]:
     """The fenced partitions not applied yet: ``{topic: {partition: applied next offset}}``.
 

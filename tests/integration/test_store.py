@@ -90,6 +90,23 @@ async def test_spans_for_an_attempt_another_client_claimed_are_accepted_and_seen
         assert [s.sequence_id for s in await claimer.query_spans(rollout.rollout_id, aid)] == [1, 2, 3]
 
 
+async def test_a_read_of_one_rollout_waits_for_that_rollouts_writes_only(store: AglStore) -> None:
+    # Two running attempts; spans of both only waited for the broker (their heartbeats unfolded).
+    one, two = await store.enqueue_rollout({"q": 1}), await store.enqueue_rollout({"q": 2})
+    first, second = await _claim(store, one.rollout_id), await _claim(store, two.rollout_id)
+    await store.add_span(_span(one.rollout_id, first.attempt.attempt_id, 1))  # type: ignore[attr-defined]
+    await store.add_span(_span(two.rollout_id, second.attempt.attempt_id, 1))  # type: ignore[attr-defined]
+    # A read of the first sees its own span's effect (running), whatever the second's stand.
+    running = await store.get_rollout_by_id(one.rollout_id)
+    assert running is not None and running.status == "running"
+    assert [s.sequence_id for s in await store.query_spans(one.rollout_id, "latest")] == [1]
+    # A rollout this client never wrote about reads at once (nothing of it to wait for).
+    assert await store.get_rollout_by_id("ro-000000000000") is None
+    assert await store.query_spans("ro-000000000000", "latest") == []
+    latest = await store.get_latest_attempt(two.rollout_id)
+    assert latest is not None and latest.status == "running"
+
+
 async def test_start_rollout_creates_the_first_attempt(store: AglStore) -> None:
     started = await store.start_rollout({"q": 1})
     assert started.status == "preparing" and started.attempt.sequence_id == 1
@@ -628,9 +645,9 @@ async def test_repeated_waits_ask_the_read_side_only_for_ids_never_seen(
     queries: list[str] = []
     rows = store._rows
 
-    async def counting_rows(query: Any, *sources: str) -> Any:
+    async def counting_rows(query: Any, *sources: str, key: str | None = None) -> Any:
         queries.append(str(query))
-        return await rows(query, *sources)
+        return await rows(query, *sources, key=key)
 
     store._rows = counting_rows  # type: ignore[method-assign]
     ids = [r.rollout_id for r in mine] + [theirs.rollout_id]

@@ -8,8 +8,8 @@ import re
 import urllib.request
 from pathlib import Path
 
-from fastapi import FastAPI
-from prometheus_client import CollectorRegistry, Counter
+from fastapi import APIRouter, FastAPI
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from starlette.testclient import TestClient
 
 from agl_stream import metrics, monitor
@@ -18,7 +18,7 @@ from agl_stream.http_serving import allowed_hosts, guard
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "infra" / "grafana" / "agl-stream.json"
-LABELS = {"role", "group", "topic", "partition", "reason", "sink", "model", "outcome", "status", "api", "table"}
+LABELS = {"role", "group", "topic", "partition", "reason", "sink", "model", "outcome", "status", "api", "table", "method", "route"}
 
 
 def test_names_follow_the_conventions() -> None:
@@ -106,6 +106,34 @@ def test_http_roles_serve_metrics_behind_their_token() -> None:
     answer = client.get("/metrics", headers={"authorization": "Bearer s3cret"})
     assert answer.status_code == 200 and "text/plain" in answer.headers["content-type"]
     assert "# TYPE agl_records_in_total counter" in answer.text
+
+
+def test_http_requests_are_timed_by_route_template_and_status() -> None:
+    app = FastAPI()
+    guard(app, allowed_hosts("127.0.0.1"), "s3cret")
+    router = APIRouter(prefix="/v9")
+
+    @router.get("/things/{thing_id}")
+    async def thing(thing_id: str) -> dict[str, str]:
+        return {"id": thing_id}
+
+    app.include_router(router)
+    client = TestClient(app, base_url="http://127.0.0.1")
+
+    def count(route: str, status: str) -> float:
+        sample = REGISTRY.get_sample_value(
+            "agl_http_request_seconds_count",
+            {"role": metrics.role(), "method": "GET", "route": route, "status": status},
+        )
+        return sample or 0.0
+
+    before_ok, before_refused = count("/v9/things/{thing_id}", "200"), count("unmatched", "401")
+    auth = {"authorization": "Bearer s3cret"}
+    assert client.get("/v9/things/a1", headers=auth).json() == {"id": "a1"}
+    assert client.get("/v9/things/b2", headers=auth).status_code == 200
+    assert client.get("/v9/things/c3").status_code == 401  # refused before routing: no route, no id
+    assert count("/v9/things/{thing_id}", "200") == before_ok + 2  # ids never become label values
+    assert count("unmatched", "401") == before_refused + 1
 
 
 # -- the status arithmetic ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from agl_stream.store.readside import (
     GATEWAY_FILE,
     ClickHouseReadSide,
     GatewayReadSide,
+    KeyFences,
     QueryResult,
     fence_behind,
     fence_of,
@@ -263,6 +264,31 @@ def test_a_fence_holds_once_next_offsets_pass_the_records() -> None:
     assert fence_behind({"a": {0: 6}}, fence) == {"a": {1: 0}}  # partition never seen: next offset 0
     assert fence_behind({"a": {0: 6, 1: 1}, "b": {0: 0}}, fence) == {}
     assert fence_behind({}, {}) == {}
+
+
+def test_a_key_fence_waits_for_that_keys_records_only() -> None:
+    fences = KeyFences(memory=10)
+    fences.note("spans", "ro-a", 0, 5)
+    fences.note("spans", "ro-b", 0, 9)
+    fences.note("spans", "ro-a", 0, 3)  # an older record of ro-a: its fence stays at 5
+    assert fences.of("spans", "ro-a") == {0: 5}
+    assert fences.of("spans", "ro-b") == {0: 9}
+    assert fences.of("spans", "ro-c") == {}  # nothing written about it: nothing to wait for
+    assert fences.of("rollout-state", "ro-a") == {}
+
+
+def test_forgotten_keys_and_keyless_records_raise_every_keys_fence() -> None:
+    fences = KeyFences(memory=2)
+    fences.note("spans", "ro-a", 0, 5)
+    fences.note("spans", "ro-b", 1, 2)
+    fences.note("spans", "ro-a", 0, 6)  # ro-a noted again: ro-b is now the least recent
+    fences.note("spans", "ro-c", 0, 7)  # over the memory: ro-b is forgotten into the floor
+    assert fences.of("spans", "ro-b") == {1: 2}  # still covered, through the floor
+    assert fences.of("spans", "ro-x") == {1: 2}  # any key read waits for what was forgotten
+    assert fences.of("spans", "ro-a") == {0: 6, 1: 2}
+    fences.note("spans", None, 2, 4)  # a record whose key is not known
+    assert fences.of("spans", "ro-a") == {0: 6, 1: 2, 2: 4}
+    assert fences.of("workers", "ro-a") == {}
 
 
 # -- choosing a read side ----------------------------------------------------------------------
