@@ -17,7 +17,8 @@ Applying a batch twice must never show twice. Two resume policies (SinkSpec.resu
 - "committed" (state topics): the sink resumes from the committed offsets. With several target
   tables one INSERT is not atomic across them, so a crash between INSERT and commit re-applies
   the batch; the tables are ReplacingMergeTrees read with FINAL, so the copies never show.
-Either way Kafka offsets are committed only after the INSERT and the sink_offsets record.
+Either way Kafka offsets are committed only after the INSERT and its sink_offsets record (with
+the embedded engine that record is written every few seconds: see OFFSETS_ROW_INTERVAL_S).
 
 Each sink is a handler on the processor skeleton (``agl_stream.kafka.processor``) that holds
 records: a fetch joins the batch being filled, the batch is inserted when it is full, its
@@ -41,7 +42,7 @@ type mapping merges them and the reader then refuses the union). Resources are f
 so that sink decodes in Python and inserts rows (SinkSpec.python_rows).
 
 ``on_applied(topic, {partition: next_offset})`` is called once a batch is visible in
-ClickHouse (and recorded in sink_offsets): the gateway releases its offset fences on it.
+ClickHouse: the gateway releases its offset fences on it.
 """
 
 from __future__ import annotations
@@ -377,6 +378,15 @@ class EnvelopeBody:
             raise RecordTypeError(f"expected a {self.expected} record, got {name}")
 
 
+OFFSETS_ROW_INTERVAL_S = 5.0
+"""With the embedded engine, how often a sink writes its ``sink_offsets`` row (each is an INSERT of
+its own, 5-8 ms of engine CPU, next to the ~16 ms of a small batch's). Nothing outside the gateway's
+process reads that engine and the gateway's fences follow the sinks' notices in memory, so the row
+only tells a restarted gateway where its fences start (the sinks' resume positions follow at once);
+it is written at a clean stop too. With a ClickHouse server the row goes with every batch: readers
+there wait on it (ClickHouseReadSide)."""
+
+
 class TableSink:
     def __init__(
         self,
@@ -422,6 +432,10 @@ class TableSink:
         # them (a rebalance resets positions to the committed offsets, which can lag).
         self.applied_next: dict[int, int] = {}
         self._probe_ready = False  # the probe pipeline is (re)made the first time it is needed
+        # Offsets applied but not yet in a sink_offsets row, and when the next row is due.
+        self._offsets_pending: dict[TopicPartition, int] = {}
+        self._offsets_every = OFFSETS_ROW_INTERVAL_S if settings.uses_embedded_clickhouse else 0.0
+        self._offsets_due = 0.0
 
     def stop(self) -> None:
         self._stopping.set()
@@ -491,6 +505,7 @@ class TableSink:
                 )
             finally:
                 self.stats.dead_lettered = self.dead_letters.count
+            await asyncio.to_thread(self._record_offsets, {})  # a clean stop leaves the row current
         finally:
             await producer.stop()
         log.info(
@@ -695,14 +710,22 @@ class TableSink:
         return {**row, "kafka_partition": record.partition, "kafka_offset": record.offset}
 
     def _record_offsets(self, next_offsets: dict[TopicPartition, int]) -> None:
-        if not next_offsets:
+        """The sink_offsets row of what is applied: now, or with the embedded engine once
+        :data:`OFFSETS_ROW_INTERVAL_S` has passed since the last one (and at a stop)."""
+        pending = self._offsets_pending
+        for tp, offset in next_offsets.items():
+            pending[tp] = max(pending.get(tp, 0), offset)
+        now = time.monotonic()
+        if not pending or (now < self._offsets_due and not self._stopping.is_set()):
             return
         now_ms = int(time.time() * 1000)
         self.client.insert(
             f"{self.db}.sink_offsets",
-            [[self.spec.name, tp.topic, tp.partition, offset, now_ms] for tp, offset in next_offsets.items()],
+            [[self.spec.name, tp.topic, tp.partition, offset, now_ms] for tp, offset in pending.items()],
             column_names=["Sink", "Topic", "Partition", "NextOffset", "AppliedAt"],
         )
+        pending.clear()
+        self._offsets_due = now + self._offsets_every
 
 
 class SinkGroup:
