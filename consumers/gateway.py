@@ -107,6 +107,10 @@ class GatewayClosingError(Exception):
     """The gateway is shutting down; fences will not be waited for any more."""
 
 
+class UnknownTopicError(ReadSideError):
+    """A fence names a topic none of this gateway's sinks reads."""
+
+
 class AppliedOffsets:
     """What the sinks have applied (next offset per topic and partition), and waiting on it.
 
@@ -306,12 +310,8 @@ class LocalReadSide:
         fence: Fence | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> QueryResult:
-        wanted = {t: {int(p): int(o) for p, o in ps.items()} for t, ps in (fence or {}).items()}
-        unknown = sorted(set(wanted) - self.gateway.topics)
-        if unknown:
-            raise ReadSideError(f"no sink of this gateway reads {unknown}")
         try:
-            await self.gateway.applied.wait(wanted, timeout)
+            await self.gateway.fenced(fence or {}, timeout)
         except GatewayClosingError as exc:
             raise GatewayUnavailableError(str(exc)) from exc
         try:
@@ -382,16 +382,10 @@ def create_app(gateway: Gateway) -> FastAPI:
             return _error(413, "too_large", str(exc))
         except ValidationError as exc:
             return _error(400, "bad_request", "; ".join(f"{e['loc']}: {e['msg']}" for e in exc.errors()))
-        unknown = sorted(set(request.fence) - gateway.topics)
-        if unknown:
-            return _error(
-                400,
-                "unknown_topic",
-                f"no sink of this gateway reads {unknown}; "
-                f"fences name full topic names, one of {sorted(gateway.topics)}",
-            )
         try:
-            await gateway.applied.wait(request.fence, request.timeout)
+            await gateway.fenced(request.fence, request.timeout)
+        except UnknownTopicError as exc:
+            return _error(400, "unknown_topic", str(exc))
         except FenceTimeoutError as exc:
             return _error(504, "fence_timeout", str(exc))
         except GatewayClosingError as exc:
@@ -493,6 +487,17 @@ class Gateway:
         self.stopping = False
         self.url: str | None = None
         self._server: QuietServer | None = None
+
+    async def fenced(self, fence: Fence, timeout: float) -> None:
+        """Return once the sinks applied ``fence``: FenceTimeoutError after ``timeout`` s,
+        UnknownTopicError for a topic no sink here reads, GatewayClosingError when stopping."""
+        wanted = {t: {int(p): int(o) for p, o in ps.items()} for t, ps in fence.items()}
+        unknown = sorted(set(wanted) - self.topics)
+        if unknown:
+            raise UnknownTopicError(
+                f"no sink of this gateway reads {unknown}; fences name full topic names, one of {sorted(self.topics)}"
+            )
+        await self.applied.wait(wanted, timeout)
 
     def stop(self) -> None:
         if self.stopping:
