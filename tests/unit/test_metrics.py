@@ -18,7 +18,21 @@ from agl_stream.http_serving import allowed_hosts, guard
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "infra" / "grafana" / "agl-stream.json"
-LABELS = {"role", "group", "topic", "partition", "reason", "sink", "model", "outcome", "status", "api", "table", "method", "route"}
+LABELS = {
+    "role",
+    "group",
+    "topic",
+    "partition",
+    "reason",
+    "sink",
+    "model",
+    "outcome",
+    "status",
+    "api",
+    "table",
+    "method",
+    "route",
+}
 
 
 def test_names_follow_the_conventions() -> None:
