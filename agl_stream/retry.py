@@ -1,12 +1,17 @@
-"""Trying a call again while the cluster recovers (a broker failing over): one policy, one loop.
+"""Waiting before trying again: one backoff policy for every retry in agl-stream, one loop.
 
 The runner sends an attempt's outcome, gives an attempt back and the tracer exports spans
-through :func:`retrying`, so they all outlast the same failover and log the same lines.
+through :func:`retrying`, so they all outlast the same failover and log the same lines. Loops
+that never give up (a runner's claims, a processor starting over, a sink's INSERT, the
+supervisor restarting a role, a read waiting for its gateway) wait :meth:`Backoff.after` their
+failures in a row. Every wait is jittered (1 to 1 + ``jitter`` times its base, at random), so
+clients that failed together (runners after a broker came back) do not all come back at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,31 +25,49 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Backoff:
-    """``tries`` calls at most; between them a wait that starts at ``first_s`` and doubles up to ``max_s``."""
+    """``tries`` calls at most; between them a wait that starts at ``first_s`` and doubles up to
+    ``max_s``, each stretched by up to ``jitter`` of itself at random (never shortened, so a
+    policy sized to outlast an outage still does)."""
 
     tries: int = 6
     first_s: float = 1.0
     max_s: float = 15.0
+    jitter: float = 0.5
 
     def __post_init__(self) -> None:
         if self.tries < 1:
             raise ValueError("tries must be at least 1")
         if self.first_s < 0 or self.max_s < self.first_s:
             raise ValueError("need 0 <= first_s <= max_s")
+        if self.jitter < 0:
+            raise ValueError("jitter must be 0 or more")
 
     def delays(self) -> list[float]:
         """The waits between the tries (one fewer than ``tries``)."""
         return [self.after(n + 1) for n in range(self.tries - 1)]
 
-    def after(self, failures: int) -> float:
-        """The wait after ``failures`` failures in a row (1, 2, ...), for a loop that never gives
-        up (a runner's claims): the same doubling, capped at ``max_s``."""
+    def base(self, failures: int) -> float:
+        """The wait after ``failures`` failures in a row (1, 2, ...) before its jitter: doubling,
+        capped at ``max_s``."""
         return float(min(self.first_s * 2 ** min(max(failures - 1, 0), 32), self.max_s))
+
+    def after(self, failures: int) -> float:
+        """The wait after ``failures`` failures in a row, for a loop that never gives up (a
+        runner's claims): :meth:`base` stretched by its jitter."""
+        return self.base(failures) * (1.0 + self.jitter * random.random())
 
 
 FAILOVER = Backoff()
-"""Outlasts a broker's failover: 6 tries, 1+2+4+8+15 = 30 s of waits between them (plus what
-each try takes itself)."""
+"""Outlasts a broker's failover: 6 tries, at least 1+2+4+8+15 = 30 s of waits between them
+(plus what each try takes itself)."""
+
+RESTART = Backoff(first_s=0.5, max_s=30.0)
+"""Starting again after a failure of a whole part: the supervisor restarting a role, a processor
+rebuilding its partitions, a sink's INSERT or the batcher's send into an engine or broker that is
+down (0.5 s doubling to 30 s)."""
+
+REREAD = Backoff(first_s=0.1, max_s=2.0)
+"""A read asking again for a gateway that does not answer (restarting): 0.1 s doubling to 2 s."""
 
 ONCE = Backoff(tries=1)
 """One try: for a caller that may not wait (a runner shutting down)."""

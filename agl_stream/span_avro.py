@@ -28,11 +28,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from agl_stream.avro_primitives import zigzag
+
 WRITTEN_FOR = 0x482855A0550023DA
 """Fingerprint (CRC-64-AVRO of the Parsing Canonical Form) of the ``agl.Span`` this writes."""
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_SMALL = tuple(bytes([n << 1]) for n in range(64))  # zig-zag of 0..63: one byte
 _STATUS_CODES = {"UNSET": b"\x00", "OK": b"\x02", "ERROR": b"\x04"}  # enum symbol index
 _pack_double = struct.Struct("<d").pack
 
@@ -51,17 +52,9 @@ class Unsupported(Exception):
 
 
 def _long(value: int) -> bytes:
-    if 0 <= value < 64:
-        return _SMALL[value]
     if not _INT64_MIN <= value <= _INT64_MAX:
         raise Unsupported("long out of range")
-    n = (value << 1) ^ (value >> 63)
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return zigzag(value)
 
 
 def _text(text: Any) -> bytes:
@@ -69,8 +62,7 @@ def _text(text: Any) -> bytes:
     if type(text) is not str:
         raise Unsupported("not a str")
     data = text.encode()  # a lone surrogate raises UnicodeEncodeError: fastavro's to report
-    size = len(data)
-    return (_SMALL[size] if size < 64 else _long(size)) + data
+    return zigzag(len(data)) + data
 
 
 _CACHE_ENTRIES = 4096

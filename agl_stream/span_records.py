@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from agl_stream.clickhouse.avro_ingest import zigzag
+from agl_stream.avro_primitives import MAX_RECORD_BYTES, avro_string, zigzag
 from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.errors import MalformedRecordError, RecordTypeError
 from agl_stream.models import Span
@@ -31,10 +31,6 @@ SPAN_BATCH = "agl.SpanBatch"
 SPAN_RECORD_TYPES = (SPAN, SPAN_BATCH)
 """What agl.spans carries."""
 
-MAX_RECORD_BYTES = 1_000_000
-"""Default limit of one batch record (header included): under Kafka's default
-``max.message.bytes`` (1 MiB) and the producer's ``max_request_size``, so no broker or client
-limit is hit whatever the topic's own setting. One span larger than this goes alone."""
 
 SpanRecord = tuple[str, bytes]
 """(key: the rollout id, value: the encoded record)."""
@@ -80,7 +76,7 @@ def _records(spans: Iterable[Span | Mapping[str, Any]], codec: Codec | None, max
         groups.setdefault(ids, []).append(body)
     records: list[SpanRecord] = []
     for (rollout_id, attempt_id), bodies in groups.items():
-        prefix = _avro_string(rollout_id) + _avro_string(attempt_id)
+        prefix = avro_string(rollout_id) + avro_string(attempt_id)
         fixed = len(header) + len(prefix) + len(_END_OF_ARRAY)
         for chunk in _chunks(bodies, max_bytes - fixed):
             records.append((rollout_id, b"".join((header, prefix, zigzag(len(chunk)), *chunk, _END_OF_ARRAY))))
@@ -101,11 +97,6 @@ def _chunks(bodies: Sequence[bytes | memoryview], room: int) -> list[list[bytes 
     if current:
         chunks.append(current)
     return chunks
-
-
-def _avro_string(text: str) -> bytes:
-    data = text.encode()
-    return zigzag(len(data)) + data
 
 
 # --------------------------------------------------------------------------------------------

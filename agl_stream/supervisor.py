@@ -23,19 +23,18 @@ from pathlib import Path
 from agl_stream.config import Settings
 from agl_stream.logs import get_logger
 from agl_stream.processes import start_role, stop_role
+from agl_stream.retry import RESTART
 
 log = get_logger("agl.supervisor")
 
 STATUS_FILE = "supervisor.json"
-FIRST_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
 RECOVERED_AFTER_S = 60.0
 _POLL_S = 0.2
 
 
 def backoff(failures_in_a_row: int) -> float:
     """Seconds before starting a role again after its ``failures_in_a_row``-th exit in a row."""
-    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** max(0, failures_in_a_row - 1))
+    return RESTART.after(failures_in_a_row)
 
 
 @dataclass

@@ -70,6 +70,7 @@ from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import MODELS, ResourcesUpdate
 from agl_stream.resources import resource_path
+from agl_stream.retry import RESTART
 
 log = get_logger("agl.sink")
 
@@ -614,7 +615,7 @@ class TableSink:
     async def _insert_with_retry(
         self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int], dead_letters: DeadLetters
     ) -> int:
-        delay = 0.5
+        failures = 0
         checked = False  # looked for bad records and found none: a failure now is the engine's
         rows_in = False  # once the rows are in, a retry only records the offsets (no duplicate rows)
         while True:
@@ -646,9 +647,10 @@ class TableSink:
                         continue
                     checked = probed
                 # The engine is down or refusing: keep the batch (offsets stay uncommitted) and retry.
-                log.warning("insert failed, retrying", error=describe(exc)[:300], retry_in_s=delay)
+                failures += 1
+                delay = RESTART.after(failures)
+                log.warning("insert failed, retrying", error=describe(exc)[:300], retry_in_s=round(delay, 2))
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
-                delay = min(delay * 2, 30.0)
 
     def _split_bad(self, records: list[Fetched[memoryview]]) -> tuple[list[Fetched[memoryview]], list[Rejected]]:
         good, bad = [], []

@@ -53,6 +53,7 @@ from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
 from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import TripletBatch, TripletRecord
+from agl_stream.retry import RESTART
 from agl_stream.topics import load_topic_specs
 
 log = get_logger("agl.batcher")
@@ -251,7 +252,7 @@ class BatcherProcessor:
         if not batches:
             return
         assert self._producer is not None
-        delay = 0.5
+        failures = 0
         while True:
             futures = []
             try:
@@ -274,9 +275,10 @@ class BatcherProcessor:
                 if self._stopping.is_set():
                     raise
                 # Resending is harmless: same ids, same content, and the journal reads either copy.
-                log.warning("sending batches failed, retrying", error=describe(exc)[:300], retry_in_s=delay)
+                failures += 1
+                delay = RESTART.after(failures)
+                log.warning("sending batches failed, retrying", error=describe(exc)[:300], retry_in_s=round(delay, 2))
                 await asyncio.sleep(delay)  # backoff between retries, not synchronisation
-                delay = min(delay * 2, 30.0)
         self.batches_sent += len(batches)
         for batch in batches:
             log.info(

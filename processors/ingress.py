@@ -30,6 +30,7 @@ import time
 from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from agl_stream import metrics
+from agl_stream.avro_primitives import MAX_RECORD_BYTES
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
@@ -62,7 +63,6 @@ log = get_logger("agl.ingress")
 
 PROCESSOR = WRITER
 READY_FILE = "ingress.ready"
-MAX_EVENT_BYTES = 1_000_000  # as the store client's limit: under the broker's default message size
 _POLL_S = 0.5
 _MAX_POLL_RECORDS = 1000
 _KNOWN_TIMEOUT_S = 5.0
@@ -179,9 +179,9 @@ class IngressProcessor:
                 "publish the resources first, or send null for the latest"
             )
         data = self.codec.encode(enqueue_event(request, now))
-        if len(data) > MAX_EVENT_BYTES:
+        if len(data) > MAX_RECORD_BYTES:
             raise TaskRequestTooLargeError(
-                f"the rollout event would be {len(data):,} bytes, over the {MAX_EVENT_BYTES:,}-byte limit "
+                f"the rollout event would be {len(data):,} bytes, over the {MAX_RECORD_BYTES:,}-byte limit "
                 "of agl.rollouts: send less input or metadata"
             )
         return data

@@ -57,6 +57,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.errors import KafkaError
 
 from agl_stream import metrics
+from agl_stream.avro_primitives import MAX_RECORD_BYTES
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.fold import fold
@@ -87,7 +88,6 @@ PROCESSOR = "processor.rollouts"
 READY_FILE = "processor.ready"
 MAX_CLAIM_WAIT_S = 30.0
 REPLY_WAIT_S = 2.0
-MAX_EVENT_BYTES = 1_000_000  # what the store client and the ingress refuse to send
 PRUNE_EVERY_S = 3600.0
 
 
@@ -96,12 +96,12 @@ class RejectedEvent(Exception):
 
 
 class OversizeRecordError(Exception):
-    """A record over MAX_EVENT_BYTES: nothing it would produce fits the topics it feeds."""
+    """A record over MAX_RECORD_BYTES: nothing it would produce fits the topics it feeds."""
 
 
 def _oversize(record: ConsumerRecord[bytes, bytes], what: str) -> str:
     return (
-        f"{what} of {len(record.value or b''):,} bytes, over the {MAX_EVENT_BYTES:,}-byte limit: keep task input "
+        f"{what} of {len(record.value or b''):,} bytes, over the {MAX_RECORD_BYTES:,}-byte limit: keep task input "
         "and metadata small (store large payloads elsewhere and pass a reference)"
     )
 
@@ -370,7 +370,7 @@ class RolloutProcessor:
         await self._send(out, tombstones, outgoing)
 
     def _fold(self, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
-        if len(record.value or b"") > MAX_EVENT_BYTES:
+        if len(record.value or b"") > MAX_RECORD_BYTES:
             # Its state would be too large to write: refused here, where the DLQ can say why,
             # rather than failing every produce of the batch it lands in.
             out.rejected.append(Rejected.of(record, OversizeRecordError(_oversize(record, "a rollout event"))))
@@ -457,7 +457,7 @@ class RolloutProcessor:
             )
 
     def _request(self, record: ConsumerRecord[bytes, bytes], out: _Batch) -> None:
-        if len(record.value or b"") > MAX_EVENT_BYTES:
+        if len(record.value or b"") > MAX_RECORD_BYTES:
             out.rejected.append(Rejected.of(record, OversizeRecordError(_oversize(record, "a store request"))))
             return
         try:

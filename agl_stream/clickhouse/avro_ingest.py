@@ -15,6 +15,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from agl_stream.avro_primitives import avro_bytes, zigzag
+
 _PRIMITIVES = {
     "null": "Nothing",
     "boolean": "Bool",
@@ -28,21 +30,6 @@ _PRIMITIVES = {
 # Types ClickHouse cannot wrap in Nullable: a null branch just means "empty".
 _NOT_NULLABLE = ("Array(", "Map(", "Variant(")
 _SYNC = b"agl-stream-sink!"  # 16 bytes; any constant works, the block is never appended to
-
-
-def zigzag(value: int) -> bytes:
-    """Avro's variable-length zig-zag encoding of an int or long."""
-    n = (value << 1) ^ (value >> 63)
-    out = bytearray()
-    while n & ~0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _avro_bytes(data: bytes) -> bytes:
-    return zigzag(len(data)) + data
 
 
 def envelope_schema(record_schema: dict[str, Any]) -> dict[str, Any]:
@@ -64,10 +51,10 @@ def container_header(record_schema: dict[str, Any]) -> bytes:
     schema_json = json.dumps(envelope_schema(record_schema), separators=(",", ":")).encode()
     metadata = (
         zigzag(2)
-        + _avro_bytes(b"avro.schema")
-        + _avro_bytes(schema_json)
-        + _avro_bytes(b"avro.codec")
-        + _avro_bytes(b"null")
+        + avro_bytes(b"avro.schema")
+        + avro_bytes(schema_json)
+        + avro_bytes(b"avro.codec")
+        + avro_bytes(b"null")
         + zigzag(0)
     )
     return b"Obj\x01" + metadata + _SYNC

@@ -2,8 +2,8 @@
 
 The rollout processor folds every event of ``agl.rollouts`` into the rollout's
 :class:`RolloutState`, in partition order. The fold does no I/O and reads no clock: "now" is the
-event's ``time``, so replaying the topic rebuilds the same states and the same tasks. An event
-is *applied* (new state, perhaps tasks for ``agl.tasks``), *rejected* (state unchanged, ``error``
+event's ``time``, so replaying the topic rebuilds the same states. An event
+is *applied* (new state), *rejected* (state unchanged, ``error``
 says why: the writer's API raises it, the processor records it) or *ignored* (state unchanged,
 no error: a watchdog verdict that something newer voided).
 
@@ -21,16 +21,16 @@ Rules applied to every status change of the rollout, whatever the event:
 * into a terminal status (succeeded, failed, cancelled) from another status: ``end_time`` and
   ``finished_time`` = event time; out of a terminal status: both cleared. ``finished_time`` is
   ``None`` whenever the rollout is not terminal.
-* into ``queuing``/``requeuing`` from a status that is neither (a new rollout included): exactly
-  one :class:`TaskItem` (``task_id`` = event id, ``attempt_sequence_id`` = attempts + 1). A
-  rollout already waiting in the queue never gets a second task, and a task whose rollout left
-  the queue is stale: its claim is rejected.
+* into ``queuing``/``requeuing`` from a status that is neither (a new rollout included): the
+  rollout enters its partition's queue (the processor's ClaimQueue follows the states, and
+  ``admission`` bounds it); a rollout already waiting does not enter twice, and a claim of a
+  rollout that left the queue is rejected.
 
 Rollout status transitions (rows: event; columns: rollout status before; ``-`` = rejected,
-``=`` = applied, status unchanged, ``ign`` = ignored, ``+t`` = one task emitted):
+``=`` = applied, status unchanged, ``ign`` = ignored):
 
     event / rollout before    none          queuing  requeuing  preparing  running  succeeded  failed  cancelled
-    RolloutEnqueued           queuing+t[1]  -        -          -          -        -          -       -
+    RolloutEnqueued           queuing[1]    -        -          -          -        -          -       -
     AttemptStarted (claim)    -             prep     prep       -          -        -          -       -
     AttemptStarted (manual)   -             prep     prep       prep       prep     prep       prep    prep
     AttemptHeartbeat          -             =        running[2] running[2] =        =          =       =
@@ -40,11 +40,10 @@ Rollout status transitions (rows: event; columns: rollout status before; ``-`` =
     RolloutCancelled          -             cancel   cancel     cancel     cancel   -          -       -
     SpanSequenceRequested     -             =        =          =          =        =          =       =
 
-    [1] preparing, and no task, when it carries an attempt (start_rollout).
+    [1] preparing when it carries an attempt (start_rollout).
     [2] when the heartbeat's attempt is the latest one and is running after it.
     [3] a status change of the latest attempt propagates (last table); else ``=``.
-    [4] +t when S is queuing/requeuing and the rollout was neither; S = preparing/running is
-        rejected while the rollout has no attempt.
+    [4] S = preparing/running is rejected while the rollout has no attempt.
 
 Attempt status transitions (rows: event; columns: attempt status before; "finished" =
 succeeded, failed, timeout, unresponsive; "live" = preparing, running):
@@ -125,7 +124,6 @@ from agl_stream.models.events import (
     WatchdogFired,
 )
 from agl_stream.models.rollouts import Attempt, Rollout
-from agl_stream.models.tasks import TaskItem
 
 __all__ = [
     "ATTEMPT_FINISHED_STATUSES",
@@ -153,8 +151,6 @@ class FoldResult:
     """The new state when applied; ``None`` otherwise."""
     error: str | None = None
     """Why the event was rejected (user-facing); ``None`` otherwise."""
-    tasks: tuple[TaskItem, ...] = ()
-    """Work items to publish to ``agl.tasks`` (only when applied)."""
 
 
 def latest_attempt(state: RolloutState) -> Attempt | None:
@@ -237,7 +233,7 @@ def _commit(
     reserved_sequence_id: int | None = None,
     span_counts: dict[str, int] | None = None,
 ) -> FoldResult:
-    """Build the applied state: version, cause, end/finished times and tasks of the new status."""
+    """Build the applied state: version, cause, end/finished times of the new status."""
     old_status = old.rollout.status if old is not None else None
     status = rollout.status
     finished_time: float | None = None
@@ -248,16 +244,6 @@ def _commit(
             rollout = rollout.model_copy(update={"end_time": None})
     if status in TERMINAL_STATUSES:
         finished_time = old.finished_time if old is not None and status == old_status else event.time
-    tasks: tuple[TaskItem, ...] = ()
-    if status in QUEUING_STATUSES and old_status not in QUEUING_STATUSES:
-        tasks = (
-            TaskItem(
-                task_id=event.event_id,
-                rollout=rollout,
-                attempt_sequence_id=len(attempts) + 1,
-                enqueue_time=event.time,
-            ),
-        )
     state = RolloutState(
         rollout=rollout,
         attempts=attempts,
@@ -270,7 +256,7 @@ def _commit(
         span_counts=span_counts if span_counts is not None else (old.span_counts if old is not None else {}),
         watchers=old.watchers if old is not None else [],
     )
-    return FoldResult(outcome="applied", state=state, tasks=tasks)
+    return FoldResult(outcome="applied", state=state)
 
 
 def _propagate(rollout: Rollout, attempt_status: AttemptStatus, attempt_count: int) -> Rollout:

@@ -43,6 +43,7 @@ from agl_stream import metrics
 from agl_stream.config import Settings
 from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer
 from agl_stream.logs import describe, get_logger
+from agl_stream.retry import RESTART
 
 __all__ = ["Batch", "Handler", "HoldsRecords", "Outbox", "Record", "run_processor"]
 
@@ -173,7 +174,7 @@ class _Loop:
         self.committed: dict[TopicPartition, int] = {}
         self._holds = getattr(handler, "committable", None)
         self._last_commit = time.monotonic()
-        self.backoff = 0.5  # seconds before the next start-over after a failed batch
+        self.failures = 0  # failed start-overs in a row: the next waits RESTART.after(this + 1)
         # Metric children, looked up once: the loop touches them once per batch.
         self.group = group
         self.role = metrics.role()
@@ -289,14 +290,14 @@ class _Loop:
         """
         try:
             await self.handler.handle(batch)
-            self.backoff = 0.5
+            self.failures = 0
             return True
         except self.retry_on as error:
             log.warning("batch failed; rebuilding the partitions from what is durable", error=_brief(error))
         while not stop.is_set():
+            self.failures += 1
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.backoff)  # backoff, cut short by a stop
-            self.backoff = min(self.backoff * 2, 30.0)
+                await asyncio.wait_for(stop.wait(), RESTART.after(self.failures))  # backoff, cut short by a stop
             if stop.is_set():
                 break
             try:

@@ -59,7 +59,7 @@ from agl_stream.models.spans import (
     SpanLink,
     SpanStatus,
 )
-from agl_stream.models.tasks import TaskItem, TaskRequest
+from agl_stream.models.tasks import TaskRequest
 from agl_stream.models.training import TrainerStep, Triplet, TripletBatch, TripletRecord
 
 RECORD_MODELS: tuple[type[AglModel], ...] = (
@@ -82,7 +82,6 @@ RECORD_MODELS: tuple[type[AglModel], ...] = (
     *PAYLOAD_TYPES,
     RolloutEvent,
     RolloutState,
-    TaskItem,
     TaskRequest,
     Triplet,
     TripletRecord,
@@ -147,7 +146,6 @@ __all__ = [
     "StatusCode",
     "StoreRequest",
     "StoreRequestKind",
-    "TaskItem",
     "TaskRequest",
     "TrainerStep",
     "Triplet",

@@ -1,22 +1,11 @@
-"""Work items for runners and task requests from external systems."""
+"""Task requests from external systems."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
 from agl_stream.models.base import AglModel, EpochSeconds, JsonObject, JsonValue, RolloutMode
-from agl_stream.models.rollouts import Rollout, RolloutConfig
-
-
-class TaskItem(AglModel):
-    """One attempt to run (topic agl.tasks, key rollout_id)."""
-
-    avro_name: ClassVar[str] = "agl.TaskItem"
-
-    task_id: str
-    rollout: Rollout
-    attempt_sequence_id: int
-    enqueue_time: EpochSeconds
+from agl_stream.models.rollouts import RolloutConfig
 
 
 class TaskRequest(AglModel):

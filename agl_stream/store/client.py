@@ -25,6 +25,7 @@ from typing import Any, Literal, TypeVar
 from aiokafka import AIOKafkaProducer
 
 from agl_stream import metrics
+from agl_stream.avro_primitives import MAX_RECORD_BYTES
 from agl_stream.codec import Codec
 from agl_stream.config import Settings, load_settings
 from agl_stream.domain.queue import claim_attempt_id
@@ -62,7 +63,6 @@ from agl_stream.store.types import UNSET, AttemptedRollout, EnqueueRolloutReques
 log = get_logger("agl.store")
 
 # A rollout event must fit in one Kafka message of agl.rollouts (broker default ~1 MB).
-MAX_EVENT_BYTES = 1_000_000
 CLAIM_SENDS = 3
 """Copies of one claim a client sends, each after the last went unanswered for its timeout."""
 REWATCH_S = 30.0
@@ -207,9 +207,9 @@ class AglStore(StoreReads):
             event_id=new_event_id(), rollout_id=rollout_id, time=time.time(), writer=self.writer, payload=payload
         )
         data = self.codec.encode(event)
-        if len(data) > MAX_EVENT_BYTES:
+        if len(data) > MAX_RECORD_BYTES:
             raise ValueError(
-                f"the event for rollout {rollout_id} is {len(data):,} bytes, over the {MAX_EVENT_BYTES:,}-byte "
+                f"the event for rollout {rollout_id} is {len(data):,} bytes, over the {MAX_RECORD_BYTES:,}-byte "
                 "limit of agl.rollouts: keep task input and metadata small (store large payloads elsewhere "
                 "and pass a reference)"
             )

@@ -282,17 +282,6 @@ class StoreQueries:
             {"rollout_ids": list(rollout_ids)},
         )
 
-    def latest_attempt(self, rollout_id: str) -> Query:
-        """The attempt with the highest sequence_id."""
-        return Query(
-            _sql(
-                f"SELECT {', '.join(ATTEMPT_COLUMNS)} FROM {self.db}.attempts FINAL",
-                "WHERE rollout_id = {rollout_id:String}",
-                "ORDER BY sequence_id DESC LIMIT 1",
-            ),
-            {"rollout_id": rollout_id},
-        )
-
     # -- Agent Lightning 1.0's rollouts (agl_stream/domain/agl_v1.py) -------------------------
 
     def _v1(self, select: str, *where: str) -> str:

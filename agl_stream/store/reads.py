@@ -176,7 +176,8 @@ class StoreReads:
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
         """The rollout's newest attempt; None while it has none or the rollout is unknown."""
-        return await self._one(self.sql.latest_attempt(rollout_id), attempt_from_row, "rollout-state", key=rollout_id)
+        query = self.sql.latest_attempts([rollout_id])
+        return await self._one(query, attempt_from_row, "rollout-state", key=rollout_id)
 
     # -- spans -------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from agl_stream.auth import auth_headers
 from agl_stream.config import Settings
 from agl_stream.errors import FenceTimeoutError, GatewayUnavailableError, QueryError, ReadSideError
 from agl_stream.logs import get_logger
+from agl_stream.retry import REREAD
 
 log = get_logger(__name__)
 
@@ -154,8 +155,6 @@ def _normalize(fence: Fence | None) -> dict[str, dict[int, int]]:
 
 
 _REFUSALS = frozenset({"forbidden_function", "forbidden_table", "read_only"})
-_RETRY_FIRST_S = 0.1
-_RETRY_MAX_S = 2.0
 
 
 class GatewayReadSide:
@@ -223,7 +222,7 @@ class GatewayReadSide:
         backoff (reads are idempotent) until ``timeout`` has passed, so a gateway's restart
         costs a caller a pause, not an exception."""
         deadline = time.monotonic() + timeout
-        delay = _RETRY_FIRST_S
+        failures = 0
         while True:
             try:
                 response = await self._client.post(f"{self.url}{path}", json=body, timeout=timeout)
@@ -233,13 +232,14 @@ class GatewayReadSide:
                 if response.status_code != 503:
                     return response
                 failure = "is shutting down (503)"
+            failures += 1
+            delay = REREAD.after(failures)
             if time.monotonic() + delay > deadline:
                 raise GatewayUnavailableError(
                     f"gateway {self.url} {failure}, still after {timeout:.0f}s; is `agl-stream up` running?"
                 )
             log.info("gateway unavailable, asking again", url=self.url, failure=failure, retry_in_s=delay)
             await asyncio.sleep(delay)  # backoff between tries, not synchronisation
-            delay = min(delay * 2, _RETRY_MAX_S)
             if self._locate is not None:
                 self.url = (self._locate() or self.url).rstrip("/")
 

@@ -11,18 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agl_stream.clickhouse.avro_ingest import zigzag
+from agl_stream.avro_primitives import avro_string, zigzag
 from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.models.replies import ReplyOutcome
 
 __all__ = ["ReplyEncoder"]
 
 _OUTCOMES: tuple[ReplyOutcome, ...] = ("applied", "rejected", "empty", "unknown", "notice")
-
-
-def _string(value: str) -> bytes:
-    data = value.encode()
-    return zigzag(len(data)) + data
 
 
 class ReplyEncoder:
@@ -63,9 +58,9 @@ class ReplyEncoder:
         state_offset: int = -1,
         covered_partitions: Sequence[int] = (),
     ) -> bytes:
-        parts = [self.header, _string(request_id), zigzag(_OUTCOMES.index(outcome))]
+        parts = [self.header, avro_string(request_id), zigzag(_OUTCOMES.index(outcome))]
         parts.append(b"\x00" if state_body is None else b"\x02" + state_body)
-        parts.append(b"\x00" if error is None else b"\x02" + _string(error))
+        parts.append(b"\x00" if error is None else b"\x02" + avro_string(error))
         parts += [zigzag(state_partition), zigzag(state_offset)]
         if covered_partitions:
             parts.append(zigzag(len(covered_partitions)))

@@ -172,9 +172,9 @@ def test_attempts_and_the_latest_attempt(engine: Engine) -> None:
     assert [attempt_from_row(x) for x in engine.rows(Q.attempts("ro-a1", sort_order="desc"))] == [a2, a1]
     assert [attempt_from_row(x) for x in engine.rows(Q.attempts("ro-a1", sort_by="worker_id", limit=1))] == [a1]
     assert [attempt_from_row(x) for x in engine.rows(Q.attempts("ro-a1", offset=1))] == [a2]
-    [latest] = engine.rows(Q.latest_attempt("ro-a1"))
+    [latest] = engine.rows(Q.latest_attempts(["ro-a1"]))
     assert attempt_from_row(latest) == a2
-    assert engine.rows(Q.latest_attempt("ro-zz")) == []
+    assert engine.rows(Q.latest_attempts(["ro-zz"])) == []
     assert engine.rows(Q.attempts("ro-zz")) == []
 
 

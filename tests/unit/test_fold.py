@@ -122,17 +122,10 @@ def run(state: RolloutState | None, payload: RolloutEventPayload, time: float = 
         assert (new.finished_time is not None) == terminal
         assert (new.rollout.end_time is not None) == terminal
         assert [a.sequence_id for a in new.attempts] == list(range(1, len(new.attempts) + 1))
-        for task in result.tasks:
-            assert task.rollout == new.rollout and task.task_id == event.event_id
-            assert task.attempt_sequence_id == len(new.attempts) + 1 and task.enqueue_time == time
-        entered_queue = new.rollout.status in QUEUING_STATUSES and (
-            state is None or state.rollout.status not in QUEUING_STATUSES
-        )
-        assert len(result.tasks) == (1 if entered_queue else 0)
     elif result.outcome == "rejected":
-        assert result.state is None and result.tasks == () and result.error
+        assert result.state is None and result.error
     else:
-        assert result.state is None and result.tasks == () and result.error is None
+        assert result.state is None and result.error is None
     return result
 
 
@@ -265,7 +258,7 @@ def test_watchdog_on_unknown_rollout_is_rejected() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_enqueue_emits_one_task() -> None:
+def test_enqueue_queues_the_rollout() -> None:
     event = make_event(RolloutEnqueued(rollout=make_rollout(metadata={"a": 1})), time=T0 + 3)
     result = fold(None, event)
     assert result.outcome == "applied" and result.state is not None
@@ -273,18 +266,15 @@ def test_enqueue_emits_one_task() -> None:
     assert state.rollout.status == "queuing" and state.attempts == [] and state.version == 1
     assert state.rollout.start_time == T0 and state.rollout.end_time is None
     assert state.finished_time is None and state.next_sequence_ids == {}
-    (task,) = result.tasks
-    assert task.task_id == event.event_id
-    assert task.rollout == state.rollout
-    assert task.attempt_sequence_id == 1 and task.enqueue_time == T0 + 3
+    assert state.cause_event_id == event.event_id and state.rollout.metadata == {"a": 1}
 
 
-def test_start_rollout_creates_the_first_attempt_and_no_task() -> None:
+def test_start_rollout_creates_the_first_attempt_and_skips_the_queue() -> None:
     given_attempt = Attempt(
         rollout_id=RID, attempt_id=aid(9), sequence_id=5, start_time=1.0, status="running", worker_id="w-9"
     )
     result = run(None, RolloutEnqueued(rollout=make_rollout(), attempt=given_attempt), time=T0 + 3)
-    assert result.outcome == "applied" and result.state is not None and result.tasks == ()
+    assert result.outcome == "applied" and result.state is not None
     state = result.state
     assert state.rollout.status == "preparing"
     (attempt,) = state.attempts
@@ -367,7 +357,7 @@ def test_manual_start_attempt_on_a_succeeded_rollout_reopens_it() -> None:
     state = make_state("succeeded", ("succeeded",))
     assert state.rollout.end_time is not None and state.finished_time is not None
     result = run(state, claim(2, manual=True), time=T0 + 200)
-    assert result.outcome == "applied" and result.state is not None and result.tasks == ()
+    assert result.outcome == "applied" and result.state is not None
     new = result.state
     assert new.rollout.status == "preparing" and new.rollout.end_time is None and new.finished_time is None
     assert [a.status for a in new.attempts] == ["succeeded", "preparing"]
@@ -457,7 +447,7 @@ def test_revived_rollout_makes_its_retry_task_stale() -> None:
     state = applied(state, claim(1), time=T0 + 1)
     result = run(state, WatchdogFired(attempt_id=aid(1), status="unresponsive"), time=T0 + 20)
     assert result.outcome == "applied" and result.state is not None
-    assert result.state.rollout.status == "requeuing" and len(result.tasks) == 1
+    assert result.state.rollout.status == "requeuing"
     state = applied(result.state, AttemptHeartbeat(attempt_id=aid(1)), time=T0 + 21)
     assert state.rollout.status == "running" and state.attempts[0].status == "running"
     assert state.attempts[0].end_time is None
@@ -612,8 +602,7 @@ def test_propagation_table(before: tuple[RolloutStatus, AttemptStatus], expected
     assert result.state.rollout.status == expected
     assert result.state.attempts[0].status == attempt_becomes
     if expected == "requeuing" and rollout_status != "requeuing":
-        (task,) = result.tasks
-        assert task.attempt_sequence_id == 2
+        assert len(result.state.attempts) == 1  # back in the queue for its second attempt
     if expected in TERMINAL_STATUSES and rollout_status not in TERMINAL_STATUSES:
         assert result.state.rollout.end_time == T0 + 500 and result.state.finished_time == T0 + 500
     if rollout_status in TERMINAL_STATUSES:
@@ -624,10 +613,10 @@ def test_repeating_a_status_does_not_propagate_twice() -> None:
     config = RolloutConfig(max_attempts=3, retry_condition=["failed"])
     state = make_state("running", ("running",), config)
     result = run(state, AttemptUpdated.of("latest", status="failed"))
-    assert result.state is not None and len(result.tasks) == 1
+    assert result.state is not None and result.state.rollout.status == "requeuing"
     again = run(result.state, AttemptUpdated.of("latest", status="failed"))
-    assert again.outcome == "applied" and again.tasks == ()
-    assert again.state is not None and again.state.rollout.status == "requeuing"
+    assert again.outcome == "applied" and again.state is not None
+    assert again.state.rollout.status == "requeuing" and again.state.attempts == result.state.attempts
 
 
 def test_latest_is_the_highest_sequence_id() -> None:
@@ -688,8 +677,6 @@ def test_rollout_status_table(before: RolloutStatus, after: RolloutStatus, with_
     new = result.state
     assert new.rollout.status == after
     assert new.attempts == state.attempts  # attempts are never touched
-    enters_queue = after in QUEUING_STATUSES and before not in QUEUING_STATUSES
-    assert len(result.tasks) == (1 if enters_queue else 0)
     if after in TERMINAL_STATUSES:
         expected_end = state.rollout.end_time if after == before else T0 + 600
         assert new.rollout.end_time == expected_end and new.finished_time == expected_end
@@ -701,11 +688,11 @@ def test_requeue_by_update_is_enqueued_exactly_once() -> None:
     state = make_state("failed", ("failed",))
     result = run(state, RolloutUpdated.of(status="requeuing"))
     assert result.state is not None
-    (task,) = result.tasks
-    assert task.attempt_sequence_id == 2 and task.rollout.status == "requeuing"
+    assert result.state.rollout.status == "requeuing" and len(result.state.attempts) == 1
     for status in ("requeuing", "queuing", "requeuing"):
         again = run(result.state, RolloutUpdated.of(status=status))
-        assert again.outcome == "applied" and again.tasks == ()
+        assert again.outcome == "applied" and again.state is not None
+        assert again.state.attempts == result.state.attempts and again.state.rollout.status == status
         result = again
 
 
@@ -771,7 +758,7 @@ def test_retry_path_until_max_attempts() -> None:
     t = T0
     result = run(None, RolloutEnqueued(rollout=make_rollout(config=config)), time=t)
     assert result.state is not None
-    assert [task.attempt_sequence_id for task in result.tasks] == [1]
+    assert result.state.rollout.status == "queuing" and result.state.attempts == []
     state = result.state
     for n in (1, 2, 3):
         t += 10
@@ -784,10 +771,7 @@ def test_retry_path_until_max_attempts() -> None:
         state = result.state
         if n < 3:
             assert state.rollout.status == "requeuing" and state.finished_time is None
-            (task,) = result.tasks
-            assert task.attempt_sequence_id == n + 1 and task.rollout.status == "requeuing"
-        else:
-            assert result.tasks == ()
+            assert len(state.attempts) == n  # its next claim starts attempt n + 1
     assert state.rollout.status == "failed" and state.rollout.end_time == t + 2 and state.finished_time == t + 2
     assert [(a.sequence_id, a.status, a.worker_id) for a in state.attempts] == [
         (1, "failed", "w-1"),
@@ -803,7 +787,7 @@ def test_status_not_in_retry_condition_fails_at_once() -> None:
     state = applied(None, RolloutEnqueued(rollout=make_rollout(config=config)))
     state = applied(state, claim(1))
     result = run(state, AttemptUpdated.of(aid(1), status="timeout"))
-    assert result.state is not None and result.state.rollout.status == "failed" and result.tasks == ()
+    assert result.state is not None and result.state.rollout.status == "failed"
 
 
 def test_watchdog_timeout_retries_when_configured() -> None:
@@ -814,7 +798,7 @@ def test_watchdog_timeout_retries_when_configured() -> None:
     assert result.state is not None
     assert result.state.rollout.status == "requeuing" and result.state.attempts[0].status == "timeout"
     assert result.state.attempts[0].end_time == T0 + 31
-    assert [t.attempt_sequence_id for t in result.tasks] == [2]
+    assert result.state is not None and len(result.state.attempts) == 1  # queued again for attempt 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -988,7 +972,7 @@ def test_random_streams_keep_the_invariants(config: RolloutConfig, start: bool, 
     for _ in range(data.draw(st.integers(0, 30))):
         t += data.draw(st.floats(0.0, 8.0))
         payload = draw_payload(data, state, t)
-        result = run(state, payload, time=t)  # checks version, no mutation, determinism, tasks
+        result = run(state, payload, time=t)  # checks version, no mutation, determinism
         if result.outcome != "applied":
             if isinstance(payload, WatchdogFired) and result.outcome == "ignored":
                 # an ignored verdict names no live attempt with that heartbeat and due verdict
@@ -996,8 +980,6 @@ def test_random_streams_keep_the_invariants(config: RolloutConfig, start: bool, 
             continue
         new = result.state
         assert new is not None
-        if result.tasks:
-            assert new.rollout.status not in TERMINAL_STATUSES
         if isinstance(payload, AttemptStarted) and not payload.manual:
             assert state.rollout.status in QUEUING_STATUSES
         if isinstance(payload, SpanSequenceRequested):

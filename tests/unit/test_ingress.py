@@ -239,7 +239,7 @@ def test_enqueue_event_folds_into_a_queued_rollout() -> None:
         100.0,
     )
     assert rollout.config.timeout_seconds == 30.0 and rollout.metadata == {"source": "crm"}
-    assert len(result.tasks) == 1
+    assert result.state is not None and result.state.attempts == []
     # The same request again: a copy, answered by the fold without a change (no dead letter).
     again = fold(result.state, enqueue_event(request, now=200.0))
     assert again.outcome == "ignored" and again.state is None and again.error is None

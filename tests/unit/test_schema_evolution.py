@@ -190,7 +190,7 @@ def test_the_bundled_codec_resolves_history_to_the_current_models() -> None:
     assert [type(v) for v in span.attributes.values()] == [int, float, bool]
 
 
-# The releases before triplet records carried their rollout's mode (issue 15).
+# The releases before triplet records carried their rollout's mode.
 TRIPLET_RECORD_V0 = "schemas/history/TripletRecord.ab487a7e4d054dbd.avsc"
 TRIPLET_BATCH_V0 = "schemas/history/TripletBatch.21dfbe7e152ae434.avsc"
 
@@ -380,7 +380,7 @@ def test_references_resolve_regardless_of_file_order() -> None:
     rollout = expand_schema("agl.Rollout", index)
     config = next(f for f in rollout["fields"] if f["name"] == "config")
     assert config["type"]["name"] == "RolloutConfig"  # inlined, not a dangling name
-    enqueued = expand_schema("agl.TaskItem", index)
+    enqueued = expand_schema("agl.RolloutEnqueued", index)
     assert json.dumps(enqueued).count('"name": "RolloutConfig"') == 1  # defined once
 
 

@@ -31,6 +31,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from agl_stream.avro_primitives import zigzag
 from agl_stream.codec import HEADER_SIZE, MAGIC, Codec
 from agl_stream.domain.adapter.lean import ADAPTER_KEYS, REWARD_PREFIX, REWARDISH_KEYS, LeanSpan, lean_attributes
 from agl_stream.errors import MalformedRecordError, RecordTypeError
@@ -595,13 +596,7 @@ def _varint(value: int) -> bytes:
     """Zig-zag varint of a long, as fastavro writes it."""
     if not _INT64_MIN <= value <= _INT64_MAX:
         raise _NotFast  # fastavro's own error, from the codec path
-    n = (value << 1) ^ (value >> 63)
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return zigzag(value)
 
 
 _VARINTS: list[bytes] = []
