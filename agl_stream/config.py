@@ -257,6 +257,10 @@ class Settings(BaseSettings):
         """Pid files and endpoints of the local stack's processes."""
         return self.data_dir / "run"
 
+    def ready_file(self, role: str) -> Path:
+        """Written by a consumer-group role once its first assignment is handled (``agl-stream up`` waits)."""
+        return self.run_dir / f"{role}.ready"
+
     @property
     def chdb_dir(self) -> Path:
         return self.data_dir / "clickhouse"

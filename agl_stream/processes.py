@@ -1,7 +1,9 @@
-"""Start and stop agl-stream roles as child processes (the local stack, the demo, the Trainer, tests).
+"""Start and stop agl-stream roles as child processes (the local stack, the demo, the Trainer, tests),
+and the role's half of a stop: SIGTERM or SIGINT ends its run (:func:`run_until_stopped`).
 
 Concurrency model: plain functions, and :class:`RoleGroup`, which one thread uses to start and
-stop the processes of one run.
+stop the processes of one run. :func:`stop_on_signals` installs handlers on the running event
+loop, so the stop runs on that loop's thread.
 
 Waiting for a process to start (:func:`wait_started`) has no short fixed deadline: it waits as
 long as the process lives, up to its start budget (``AGL_START_TIMEOUT_S``, or
@@ -13,6 +15,7 @@ happened and what to do, then the end of its log.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -20,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
@@ -117,6 +120,34 @@ def stop_role(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
             process.kill()
             process.wait()
     return process.returncode
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What :func:`stop_role` (SIGTERM) and a terminal (SIGINT) send a role to stop it."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: Callable[[], object]) -> Iterator[None]:
+    """Call ``stop`` on the running loop when the process is told to stop, while in the block."""
+    loop = asyncio.get_running_loop()
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, stop)
+    try:
+        yield
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+
+
+def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """A role's entry point: ``asyncio.run(main(stop))``, where SIGTERM/SIGINT set ``stop``."""
+
+    async def run() -> T:
+        stop = asyncio.Event()
+        with stop_on_signals(stop.set):
+            return await main(stop)
+
+    return asyncio.run(run())
 
 
 def role_alive(pid: int) -> bool:

@@ -39,12 +39,8 @@ ROLES = ("processor", "gateway", "ingress")
 """The store and task ingress from external systems: always started."""
 TRAINING_ROLES = ("triplets", "batcher")
 """Training data: the triplet builder and the batcher (``up(training=True)``)."""
-READY_FILES = {
-    "processor": "processor.ready",
-    "ingress": "ingress.ready",
-    "triplets": "triplets.ready",
-    "batcher": "batcher.ready",
-}
+READY_ROLES = frozenset({"processor", "ingress", "triplets", "batcher"})
+"""Roles that write their ready file (:meth:`Settings.ready_file`) once they own partitions."""
 
 
 class StackError(AglError):
@@ -173,8 +169,9 @@ def up(
         bootstrap = settings.bootstrap_servers
     running = settings.model_copy(update={"kafka_bootstrap": bootstrap})
     asyncio.run(admin.apply(running))
-    for stale in ("gateway.json", *READY_FILES.values()):
-        (settings.run_dir / stale).unlink(missing_ok=True)
+    (settings.run_dir / "gateway.json").unlink(missing_ok=True)
+    for role in READY_ROLES:
+        settings.ready_file(role).unlink(missing_ok=True)
     (settings.run_dir / STATUS_FILE).unlink(missing_ok=True)
     supervisor = start_role(running, "supervise", *roles, log_path=settings.run_dir / "supervisor.log", detached=True)
     stack = StackInfo(
@@ -205,8 +202,8 @@ def up(
             "the gateway", lambda: _ready_or_failed(settings, "gateway", _gateway_ready(settings)), "gateway.log"
         )
         for role in roles:
-            if role in READY_FILES:
-                ready_file = settings.run_dir / READY_FILES[role]
+            if role in READY_ROLES:
+                ready_file = settings.ready_file(role)
                 wait(
                     f"the {role} role",
                     lambda role=role, ready_file=ready_file: _ready_or_failed(settings, role, ready_file.exists()),

@@ -39,6 +39,8 @@ class TopicSpec(BaseModel):
     retention_ms: int = Field(ge=-1)
     max_message_bytes: int | None = Field(None, ge=1024)
     co_partitioned_with: tuple[str, ...] = ()
+    written_by: tuple[str, ...] = ()  # role names (the declarations' [roles] table)
+    read_by: tuple[str, ...] = ()
     doc: str = ""
 
     def full_name(self, prefix: str) -> str:
@@ -108,18 +110,45 @@ class TopicPlan(BaseModel):
 
 def load_topic_specs(path: Path | None = None) -> list[TopicSpec]:
     """Read and check the declarations (defaults applied, co-partitioning verified)."""
+    return load_topology(path)[0]
+
+
+def load_topology(path: Path | None = None) -> tuple[list[TopicSpec], dict[str, str]]:
+    """The declared topics and the roles that write and read them (name -> what the role is);
+    every role a topic names must be declared, and every topic has a writer and a reader."""
     path = path or resource_path("topics/topics.toml")
     try:
         raw: dict[str, Any] = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise TopicError(f"cannot read topic declarations {path}: {exc}") from exc
+    roles = {str(name): str(what) for name, what in raw.get("roles", {}).items()}
     defaults = raw.get("defaults", {})
     try:
         specs = [TopicSpec(**{**defaults, **entry}) for entry in raw.get("topic", [])]
     except ValidationError as exc:
         raise TopicError(f"invalid topic declaration in {path}: {exc}") from exc
     check_specs(specs)
-    return specs
+    for spec in specs:
+        if not spec.written_by or not spec.read_by:
+            raise TopicError(f"{path}: topic {spec.name!r} needs written_by and read_by (role names)")
+        unknown = sorted(set(spec.written_by + spec.read_by) - set(roles))
+        if unknown:
+            raise TopicError(f"{path}: topic {spec.name!r} names roles not in [roles]: {unknown}")
+    return specs, roles
+
+
+def topology_table(specs: list[TopicSpec], roles: dict[str, str], prefix: str = "agl") -> str:
+    """The topology as Markdown: one row per topic (who writes it, who reads it), then the roles."""
+    lines = ["| topic | key | written by | read by | what |", "|---|---|---|---|---|"]
+    for spec in specs:
+        compacted = " (compacted)" if "compact" in spec.cleanup_policy else ""
+        lines.append(
+            f"| `{spec.full_name(prefix)}`{compacted} | {spec.key} | {', '.join(spec.written_by)} "
+            f"| {', '.join(spec.read_by)} | {spec.doc} |"
+        )
+    lines += ["", "Roles in the table:", ""]
+    lines += [f"- **{name}**: {what}" for name, what in roles.items()]
+    return "\n".join(lines) + "\n"
 
 
 def check_specs(specs: list[TopicSpec]) -> None:

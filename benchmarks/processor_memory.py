@@ -24,8 +24,7 @@ from aiokafka.structs import RecordMetadata
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.ids import new_event_id, new_rollout_id
-from agl_stream.kafka.io import DeadLetters
-from agl_stream.kafka.processor import Outbox
+from agl_stream.kafka.io import Outbox
 from agl_stream.models import Rollout, RolloutEnqueued, RolloutEvent
 from agl_stream.store.replies import REPLY_HEADER
 from processors.rollouts import RolloutProcessor
@@ -92,7 +91,7 @@ def main() -> None:
     record_bytes = sum(len(r.value or b"") for r in records) / len(records)
 
     producer = _Producer()
-    outbox = Outbox(producer, DeadLetters(settings, producer, "memory", codec))  # type: ignore[arg-type]
+    outbox = Outbox(settings, producer, "memory", codec)  # type: ignore[arg-type]
     processor: Any = RolloutProcessor(settings, outbox, producer, codec)  # type: ignore[arg-type]
     processor.reply_topics = _ReplyTopics(processor.reply_topics)
 

@@ -48,7 +48,6 @@ ClickHouse: the gateway releases its offset fences on it.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,10 +64,11 @@ from agl_stream.clickhouse.migrations import migrate
 from agl_stream.codec import HEADER_SIZE, MAGIC, Codec, dump_json
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError, MalformedRecordError, RecordTypeError
-from agl_stream.kafka.io import DeadLetters, Fetched, Rejected, make_producer, prepare_records
+from agl_stream.kafka.io import Fetched, Outbox, Rejected, prepare_records
 from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import MODELS, ResourcesUpdate
+from agl_stream.processes import stop_on_signals
 from agl_stream.resources import resource_path
 from agl_stream.retry import RESTART
 
@@ -420,7 +420,7 @@ class TableSink:
         self.stats = SinkStats()
         self._stopping = asyncio.Event()
         self.consumer: AIOKafkaConsumer | None = None
-        self.dead_letters: DeadLetters | None = None
+        self.outbox: Outbox | None = None
         # The batch being filled: records fetched since the last INSERT, and per partition its
         # first offset (how far the skeleton may commit) and the offset after its last record.
         self.buffer: list[Fetched[memoryview | None]] = []
@@ -483,10 +483,7 @@ class TableSink:
 
     async def run(self) -> SinkStats:
         await asyncio.to_thread(self.prepare_tables)
-        producer = make_producer(self.settings)
-        await producer.start()
-        try:
-            self.dead_letters = DeadLetters(self.settings, producer, processor=f"sink.{self.spec.name}")
+        async with Outbox.started(self.settings, f"sink.{self.spec.name}") as self.outbox:
             log.info(
                 "sink started",
                 topic=self.topic,
@@ -505,10 +502,8 @@ class TableSink:
                     on_start=self._started,
                 )
             finally:
-                self.stats.dead_lettered = self.dead_letters.count
+                self.stats.dead_lettered = self.outbox.dead_lettered
             await asyncio.to_thread(self._record_offsets, {})  # a clean stop leaves the row current
-        finally:
-            await producer.stop()
         log.info(
             "sink stopped",
             sink=self.spec.name,
@@ -550,10 +545,10 @@ class TableSink:
         return max(0.001, left)
 
     async def handle(self, batch: Batch) -> None:
-        assert self.dead_letters is not None
+        assert self.outbox is not None
         prepared, rejected = prepare_records(batch, self.bodies)
         if rejected:  # durable in the DLQ before their offsets can be committed
-            await self.dead_letters.send_many(rejected)
+            await self.outbox.reject(rejected)
         for tp, records in batch.items():
             self.buffer_from.setdefault(tp, records[0].offset)
             self.buffer_next[tp] = records[-1].offset + 1
@@ -584,7 +579,7 @@ class TableSink:
 
     async def _flush(self) -> None:
         """One INSERT of the batch (and its sink_offsets row), then the batch is applied."""
-        assert self.dead_letters is not None
+        assert self.outbox is not None
         started = time.monotonic()
         fetched, next_offsets = self.buffer, self.buffer_next
         self.buffer, self.buffer_bytes, self.buffer_from, self.buffer_next = [], 0, {}, {}
@@ -599,7 +594,7 @@ class TableSink:
             records = kept
         if records:
             written = cast(list[Fetched[memoryview]], records)
-            inserted = await self._insert_with_retry(written, next_offsets, self.dead_letters)
+            inserted = await self._insert_with_retry(written, next_offsets, self.outbox)
             self.stats.records += inserted
             metrics.SINK_RECORDS.labels(metrics.role(), self.spec.name).inc(inserted)
         else:
@@ -613,7 +608,7 @@ class TableSink:
         metrics.SINK_FLUSH_SECONDS.labels(metrics.role(), self.spec.name).observe(self._last_batch_end - started)
 
     async def _insert_with_retry(
-        self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int], dead_letters: DeadLetters
+        self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int], outbox: Outbox
     ) -> int:
         failures = 0
         checked = False  # looked for bad records and found none: a failure now is the engine's
@@ -643,7 +638,7 @@ class TableSink:
                             log.warning("probing the rejected block failed", error=str(probe_error)[:300])
                     if bad:
                         log.warning("ClickHouse rejected a block; dead-lettering bad records", bad=len(bad))
-                        await dead_letters.send_many(bad)
+                        await outbox.reject(bad)
                         continue
                     checked = probed
                 # The engine is down or refusing: keep the batch (offsets stay uncommitted) and retry.
@@ -802,10 +797,8 @@ async def run_sink(settings: Settings, **options: Any) -> dict[str, SinkStats]:
     their specs' low-latency settings.
     """
     group = SinkGroup(settings, on_applied=None, options={SPANS.name: options})
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, group.stop)
-    return await group.run()
+    with stop_on_signals(group.stop):
+        return await group.run()
 
 
 def main(settings: Settings, **options: Any) -> dict[str, SinkStats]:

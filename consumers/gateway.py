@@ -42,7 +42,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -74,6 +73,7 @@ from agl_stream.http_serving import (
     server_config,
 )
 from agl_stream.logs import get_logger
+from agl_stream.processes import stop_on_signals
 from agl_stream.store.readside import DEFAULT_TIMEOUT, GATEWAY_FILE, Fence, QueryResult, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
@@ -579,10 +579,8 @@ def _remove_record(path: Path) -> None:
 
 async def run_gateway(settings: Settings, **options: Any) -> None:
     gateway = Gateway(settings, **options)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, gateway.stop)
-    await gateway.run()
+    with stop_on_signals(gateway.stop):
+        await gateway.run()
 
 
 def main(settings: Settings, **options: Any) -> None:

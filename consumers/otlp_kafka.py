@@ -36,7 +36,6 @@ which the triplet builder tolerates after its settle time).
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,10 +47,11 @@ from aiokafka.errors import KafkaError
 from agl_stream import otlp
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
-from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
+from agl_stream.kafka.io import Outbox, Rejected
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import get_logger
+from agl_stream.processes import stop_on_signals
 from agl_stream.store.client import AglStore
 from agl_stream.trace_ingest import SpansRejectedError, TraceIngest, number_spans, write_spans
 
@@ -139,7 +139,7 @@ class OtlpKafkaConsumer:
         self._dedup_fence: dict[str, dict[int, int]] | None = None
         self.counts: Counter[str] = Counter()
         self._consumer: AIOKafkaConsumer | None = None
-        self._dead_letters: DeadLetters | None = None
+        self._outbox: Outbox | None = None
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -147,26 +147,23 @@ class OtlpKafkaConsumer:
 
     async def run(self) -> None:
         settings = self.settings
-        producer = make_producer(settings, linger_ms=0)
         self.ingest.start()
-        await producer.start()
         try:
-            self._dead_letters = DeadLetters(settings, producer, processor=PROCESSOR)
-            log.info("otlp-kafka started", topic=self.topic, group=self.group, encoding=self.encoding)
-            await run_processor(
-                settings,
-                self,
-                name=PROCESSOR,
-                group_id=self.group,
-                topics=[self.topic],
-                stop=self._stopping,
-                max_records=self.max_records,
-                on_start=self._started,
-                retry_on=_TRANSIENT,
-            )
+            async with Outbox.started(settings, PROCESSOR, linger_ms=0) as self._outbox:
+                log.info("otlp-kafka started", topic=self.topic, group=self.group, encoding=self.encoding)
+                await run_processor(
+                    settings,
+                    self,
+                    name=PROCESSOR,
+                    group_id=self.group,
+                    topics=[self.topic],
+                    stop=self._stopping,
+                    max_records=self.max_records,
+                    on_start=self._started,
+                    retry_on=_TRANSIENT,
+                )
         finally:
             await self.ingest.close()
-            await producer.stop()
         log.info("otlp-kafka stopped", **dict(self.counts))
 
     def _started(self, consumer: AIOKafkaConsumer) -> None:
@@ -181,10 +178,10 @@ class OtlpKafkaConsumer:
         """No timers."""
 
     async def handle(self, batch: Batch) -> None:
-        assert self._dead_letters is not None
+        assert self._outbox is not None
         messages = [message for records in batch.values() for message in records]
         try:
-            await self._process(messages, self._dead_letters)
+            await self._process(messages, self._outbox)
         except _TRANSIENT as error:
             # Some spans or DLQ records may be out already: check the batch again when re-read.
             for message in messages:
@@ -212,7 +209,7 @@ class OtlpKafkaConsumer:
             self.recheck_end[tp.partition] = ends[tp]
         log.info("partitions assigned", recheck_below={tp.partition: ends[tp] for tp in assigned})
 
-    async def _process(self, messages: Sequence[Message], dead_letters: DeadLetters) -> None:
+    async def _process(self, messages: Sequence[Message], outbox: Outbox) -> None:
         # Off the event loop: a batch of large requests would hold up heartbeats and fetches.
         decoded = await asyncio.to_thread(decode_all, [m.value or b"" for m in messages], self.encoding)
         spans: list[otlp.DecodedSpan] = []
@@ -256,7 +253,7 @@ class OtlpKafkaConsumer:
                 error = SpansRejectedError(rejection_reason(reasons, traces.total, stored[index]))
                 rejected.append(Rejected.of(message, error))
         if rejected:
-            await dead_letters.send_many(rejected)
+            await outbox.reject(rejected)
         self.counts["messages"] += len(messages)
         self.counts["dead_lettered"] += len(rejected)
         log.info(
@@ -291,10 +288,8 @@ class OtlpKafkaConsumer:
 
 async def run_otlp_kafka(settings: Settings, **options: Any) -> None:
     consumer = OtlpKafkaConsumer(settings, **options)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, consumer.stop)
-    await consumer.run()
+    with stop_on_signals(consumer.stop):
+        await consumer.run()
 
 
 def main(settings: Settings, **options: Any) -> None:

@@ -50,7 +50,6 @@ import functools
 import importlib
 import os
 import pickle
-import signal
 import socket
 import time
 from collections.abc import Awaitable, Sequence
@@ -70,6 +69,7 @@ from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
 from agl_stream.logs import describe, get_logger, log_llm_requests
 from agl_stream.models import ResourcesUpdate, Span
 from agl_stream.models.base import RUNNING_STATUSES
+from agl_stream.processes import stop_on_signals
 from agl_stream.retry import FAILOVER, ONCE, Backoff, retrying
 from agl_stream.semconv import AGL_ATTEMPT
 from agl_stream.spans import span_from_otel
@@ -585,14 +585,8 @@ async def run_runner(
 ) -> RunnerStats:
     """Run until SIGTERM/SIGINT (or ``max_rollouts``), then drain and stop."""
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
+    with stop_on_signals(stop.set):
         return await Runner(agent, settings, options, hooks).run(stop)
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
 
 
 def main(settings: Settings, agent: str | LitAgent[Any], options: RunnerOptions, hooks: Sequence[Hook] = ()) -> None:

@@ -24,11 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
@@ -38,12 +37,11 @@ from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError
 from agl_stream.ids import new_resources_id
-from agl_stream.kafka.io import DeadLetters, Rejected, TypedProducer, make_producer
+from agl_stream.kafka.io import Outbox, Rejected
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TrainerStep, TripletBatch
-
-if TYPE_CHECKING:  # torch and verl load only when a backend is opened
-    from agl_stream.training.factory import BackendKind
+from agl_stream.processes import run_until_stopped
+from agl_stream.rl_options import TrainerOptions
 
 log = get_logger("agl.trainer")
 
@@ -99,59 +97,6 @@ class Progress:
 
 
 @dataclass
-class TrainerOptions:
-    checkpoints: Path
-    backend: BackendKind = "torch"  # agl_stream.training: open_backend
-    initial_model: Path | None = None  # HF folder to start from; None: the tiny random policy
-    model_name: str = "agl-tiny"
-    proxy_endpoint: str | None = None  # published as the ProxyLLM runners call; None: none published
-    lr: float = 1e-2  # the tiny policy learns at about 1e-2 (VERL's 1e-6 is for large models)
-    algorithm: str = "grpo"
-    seed: int = 0
-    max_prompt_length: int | None = None
-    max_response_length: int | None = None
-    max_batches: int | None = None  # stop after training this many (tests, scripted runs)
-    batches_topic: str | None = None  # full topic name; None: <prefix>.triplet-batches (live data)
-    # The policy backend's RL options (TorchBackendOptions / VerlBackendOptions fields) for a new
-    # policy; None leaves the backend's default. A resumed checkpoint keeps the options it saved.
-    adv_estimator: str | None = None
-    norm_adv_by_std_in_grpo: bool | None = None
-    clip_ratio: float | None = None
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float | None = None
-    entropy_coeff: float | None = None
-    ppo_epochs: int | None = None
-    mini_batch_size: int | None = None
-    loss_agg_mode: str | None = None  # VERL's modes, or rollout-mean
-    max_grad_norm: float | None = None
-    advantage_level: str | None = None  # rollout (default) | sample
-    off_policy_correction: str | None = None  # truncate (default) | mask | none, with the engine's logprobs
-    rollout_is: str | None = None  # token (default) | sequence
-    rollout_is_threshold: float | None = None  # the importance weights' cap (default 2.0)
-
-
-BACKEND_OPTIONS = (
-    "adv_estimator",
-    "norm_adv_by_std_in_grpo",
-    "clip_ratio",
-    "clip_ratio_low",
-    "clip_ratio_high",
-    "clip_ratio_c",
-    "entropy_coeff",
-    "ppo_epochs",
-    "mini_batch_size",
-    "loss_agg_mode",
-    "max_grad_norm",
-    "advantage_level",
-    "off_policy_correction",
-    "rollout_is",
-    "rollout_is_threshold",
-)
-"""TrainerOptions handed to a new policy backend as they are, when set."""
-
-
-@dataclass
 class TrainerStats:
     trained: int = 0
     skipped: int = 0
@@ -161,7 +106,10 @@ class TrainerStats:
     staleness: list[float] = field(default_factory=list)  # policy versions behind, per trained batch
 
 
-class Trainer:
+class PolicyTrainer:
+    """The trainer role: trains the policy on each triplet batch and publishes every new version
+    (not the seed's :class:`agl_stream.trainer.Trainer`, which runs a whole training job)."""
+
     def __init__(self, settings: Settings, options: TrainerOptions) -> None:
         self.settings = settings
         self.options = options
@@ -184,9 +132,7 @@ class Trainer:
             self.backend = open_backend(self.options.backend, self.root / checkpoint)
             log.info("resumed", checkpoint=checkpoint, trained=len(self.progress.trained))
             return
-        self.backend = open_backend(
-            self.options.backend, self.options.initial_model, **_new_backend_options(self.options)
-        )
+        self.backend = open_backend(self.options.backend, self.options.initial_model, **self.options.backend_options())
         self._save_checkpoint()  # version 0: what the inference backend starts from
 
     def _save_checkpoint(self) -> None:
@@ -216,10 +162,16 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> TrainerStats:
         await asyncio.to_thread(self._open_backend)
-        producer = make_producer(self.settings)
-        await producer.start()
-        records = TypedProducer(producer, self.codec)
-        dead_letters = DeadLetters(self.settings, producer, PROCESSOR, self.codec)
+        try:
+            async with Outbox.started(self.settings, PROCESSOR, self.codec) as outbox:
+                await self._consume(stop, outbox)
+        finally:
+            if self.backend is not None and hasattr(self.backend, "close"):
+                self.backend.close()  # releases the other ranks of a verl backend
+        log.info("trainer stopped", **{k: v for k, v in vars(self.stats).items() if k != "staleness"})
+        return self.stats
+
+    async def _consume(self, stop: asyncio.Event, outbox: Outbox) -> None:
         topic = self.options.batches_topic or self.settings.topic("triplet-batches")
         group = f"{self.settings.topic_prefix}.{PROCESSOR}"
         consumer = AIOKafkaConsumer(
@@ -232,7 +184,7 @@ class Trainer:
         )
         await consumer.start()
         try:
-            await self._publish(records)
+            await self._publish(outbox)
             found = consumer.partitions_for_topic(topic)
             if not found:  # metadata of a topic nobody subscribed to yet
                 await consumer._client.force_metadata_update()
@@ -258,7 +210,7 @@ class Trainer:
                 for tp, messages in fetched.items():
                     agl_metrics.RECORDS_IN.labels(agl_metrics.role(), group, tp.topic).inc(len(messages))
                     for message in messages:
-                        await self._one(message, records, dead_letters, idle)
+                        await self._one(message, outbox, idle)
                         self.progress.offsets[tp.partition] = message.offset + 1
                         self.progress.save(self.root)
                 await consumer.commit(
@@ -267,23 +219,18 @@ class Trainer:
                 idle_since = time.monotonic()
         finally:
             await consumer.stop()
-            await producer.stop()
-            if self.backend is not None and hasattr(self.backend, "close"):
-                self.backend.close()  # releases the other ranks of a verl backend
-        log.info("trainer stopped", **{k: v for k, v in vars(self.stats).items() if k != "staleness"})
-        return self.stats
 
-    async def _publish(self, records: TypedProducer) -> None:
+    async def _publish(self, outbox: Outbox) -> None:
         update = self.resources()
-        await records.send(self.settings.topic("resources"), update, key=update.resources_id)
+        await outbox.send(self.settings.topic("resources"), update, key=update.resources_id)
 
-    async def _one(self, message: Any, records: TypedProducer, dead_letters: DeadLetters, idle_s: float) -> None:
+    async def _one(self, message: Any, outbox: Outbox, idle_s: float) -> None:
         from agl_stream.training.data import batch_to_dataproto
 
         try:
             batch = self.codec.decode(message.value or b"", TripletBatch)
         except CodecError as error:
-            await dead_letters.send_many([Rejected.of(message, error)])
+            await outbox.reject([Rejected.of(message, error)])
             self.stats.skipped += 1
             return
         if batch.batch_id in self.progress.trained:
@@ -303,7 +250,7 @@ class Trainer:
                 max_response_length=self.options.max_response_length,
             )
         except ValueError as error:
-            await dead_letters.send_many([Rejected.of(message, error)])
+            await outbox.reject([Rejected.of(message, error)])
             self.progress.skipped.append(batch.batch_id)
             self.stats.skipped += 1
             log.warning("batch rejected", batch=batch.batch_id, reason=str(error))
@@ -323,7 +270,7 @@ class Trainer:
         if batch.min_policy_version is not None:
             staleness = float(self.progress.policy_version - 1 - batch.min_policy_version)
             self.stats.staleness.append(staleness)
-        await self._publish(records)
+        await self._publish(outbox)
         # Before progress.json records the batch: a crash in between trains it again and sends
         # its step again under the same batch_id, which the trainer_steps table keeps once.
         step = TrainerStep(
@@ -339,7 +286,7 @@ class Trainer:
             staleness=staleness,
             metrics={k: float(v) for k, v in metrics.items()},
         )
-        await records.send(self.settings.topic("trainer-metrics"), step, key=batch.batch_id)
+        await outbox.send(self.settings.topic("trainer-metrics"), step, key=batch.batch_id)
         self._write_metrics(metrics)
         log.info(
             "trained",
@@ -394,11 +341,6 @@ def _shared_with_ranks(options: TrainerOptions, checkpoint: str | None) -> str |
     return shared
 
 
-def _new_backend_options(options: TrainerOptions) -> dict[str, Any]:
-    chosen = {name: getattr(options, name) for name in BACKEND_OPTIONS if getattr(options, name) is not None}
-    return {"lr": options.lr, "algorithm": options.algorithm, "seed": options.seed, **chosen}
-
-
 def follower_main(options: TrainerOptions) -> None:
     """A rank other than 0 of a verl trainer under torchrun: no Kafka, it repeats rank 0's steps."""
     from agl_stream.training import open_backend
@@ -407,7 +349,7 @@ def follower_main(options: TrainerOptions) -> None:
     if checkpoint is not None:
         backend = open_backend("verl", options.checkpoints / checkpoint)
     else:
-        backend = open_backend("verl", options.initial_model, **_new_backend_options(options))
+        backend = open_backend("verl", options.initial_model, **options.backend_options())
     backend.follow()  # type: ignore[attr-defined]
 
 
@@ -420,14 +362,7 @@ def main(settings: Settings, options: TrainerOptions) -> None:
             follower_main(options)
             return
 
-    async def run() -> TrainerStats:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        return await Trainer(settings, options).run(stop)
-
-    stats = asyncio.run(run())
+    stats = run_until_stopped(PolicyTrainer(settings, options).run)
     busy = stats.busy_s / max(stats.busy_s + stats.idle_s, 1e-9)
     print(
         f"trainer: trained {stats.trained} batches ({stats.tokens} tokens), skipped {stats.skipped}, busy {busy:.0%}",

@@ -61,6 +61,7 @@ from agl_stream.domain.checkpoints import choose_checkpoint, local_checkpoint_pa
 from agl_stream.http_serving import QuietServer, bind, listen, server_config
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
+from agl_stream.processes import stop_on_signals
 from agl_stream.store.resources_cache import ResourcesCache
 from consumers.switch_gate import HandoffOptions, SwitchGate
 
@@ -423,10 +424,8 @@ class VllmManager:
 
 async def run_vllm(settings: Settings | None, options: VllmOptions) -> None:
     manager = VllmManager(settings, options)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, manager.stop)
-    await manager.run()
+    with stop_on_signals(manager.stop):
+        await manager.run()
 
 
 def main(settings: Settings | None, options: VllmOptions, token: str | None = None) -> None:

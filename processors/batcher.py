@@ -38,28 +38,24 @@ batch (``dropped_eval``).
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from agl_stream import metrics
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.batching import Batcher, BatchPolicy, JournalEntry, Recovery
 from agl_stream.errors import CodecError, TopicError
-from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
+from agl_stream.kafka.io import Outbox, Record, Rejected
 from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import TripletBatch, TripletRecord
-from agl_stream.retry import RESTART
+from agl_stream.processes import stop_on_signals
 from agl_stream.topics import load_topic_specs
 
 log = get_logger("agl.batcher")
 
 PROCESSOR = "processor.batcher"
-READY_FILE = "batcher.ready"
 _MAX_POLL_S = 0.5  # idle poll, which also bounds how late a linger flush or a stop can be
 _JOURNAL_WINDOW = 16  # batches read per step when scanning the output backwards (doubles)
 _JOURNAL_WINDOW_MAX = 64  # batches can be MBs each: bound what one step holds in memory
@@ -95,8 +91,7 @@ class BatcherProcessor:
         self._stopping = asyncio.Event()
         self._consumer: AIOKafkaConsumer | None = None
         self._journal: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
-        self._dead_letters: DeadLetters | None = None
+        self._outbox: Outbox | None = None
         self._output_partitions = 0
         self._max_batch_bytes = next(
             (s.max_message_bytes for s in load_topic_specs() if s.name == "triplet-batches" and s.max_message_bytes),
@@ -110,10 +105,6 @@ class BatcherProcessor:
 
     async def run(self) -> None:
         settings = self.settings
-        # Batches are large: the request limit is the topic's, not the default 4 MiB.
-        producer = self._producer = make_producer(
-            settings, max_request_size=self._max_batch_bytes + (64 << 10), linger_ms=0
-        )
         journal = self._journal = AIOKafkaConsumer(
             **settings.kafka_client_options(),
             enable_auto_commit=False,
@@ -121,20 +112,23 @@ class BatcherProcessor:
             max_partition_fetch_bytes=self._max_batch_bytes + (1 << 20),
             fetch_max_bytes=64 << 20,
         )
-        await producer.start()
-        try:
+        # Batches are large: the request limit is the topic's, not the default 4 MiB.
+        async with Outbox.started(
+            settings, PROCESSOR, self.codec, max_request_size=self._max_batch_bytes + (64 << 10), linger_ms=0
+        ) as self._outbox:
             await journal.start()
-            partitions = await producer.partitions_for(self.output)
-            if not partitions:
-                raise TopicError(f"topic {self.output} does not exist: run `agl-stream topics apply`")
-            self._output_partitions = len(partitions)
-            # Assigned once and paused: re-assigning per recovery costs a metadata round trip.
-            journal_partitions = [TopicPartition(self.output, p) for p in sorted(partitions)]
-            journal.assign(journal_partitions)
-            journal.pause(*journal_partitions)
-            self._dead_letters = DeadLetters(settings, producer, processor=PROCESSOR, codec=self.codec)
-            log.info("batcher started", source=self.source, output=self.output, group=group_id(settings, self.source))
             try:
+                partitions = await self._outbox.producer.partitions_for(self.output)
+                if not partitions:
+                    raise TopicError(f"topic {self.output} does not exist: run `agl-stream topics apply`")
+                self._output_partitions = len(partitions)
+                # Assigned once and paused: re-assigning per recovery costs a metadata round trip.
+                journal_partitions = [TopicPartition(self.output, p) for p in sorted(partitions)]
+                journal.assign(journal_partitions)
+                journal.pause(*journal_partitions)
+                log.info(
+                    "batcher started", source=self.source, output=self.output, group=group_id(settings, self.source)
+                )
                 await run_processor(
                     settings,
                     self,
@@ -142,14 +136,12 @@ class BatcherProcessor:
                     group_id=group_id(settings, self.source),
                     topics=[self.source],
                     stop=self._stopping,
-                    ready_file=READY_FILE,
+                    ready_as="batcher",
                     max_records=500,
                     on_start=self._started,
                 )
             finally:
                 await journal.stop()
-        finally:
-            await producer.stop()
         log.info("batcher stopped", batches=self.batches_sent)
 
     def _started(self, consumer: AIOKafkaConsumer) -> None:
@@ -166,7 +158,7 @@ class BatcherProcessor:
         return batcher.commit_offset() if batcher is not None else handled
 
     async def handle(self, batch: Batch) -> None:
-        assert self._dead_letters is not None
+        assert self._outbox is not None
         now = time.time()
         rejected: list[Rejected] = []
         out: list[TripletBatch] = []
@@ -197,8 +189,7 @@ class BatcherProcessor:
                 refused=refused,
                 total=sum(b.stats.dropped["eval"] for b in self.batchers.values()),
             )
-        if rejected:
-            await self._dead_letters.send_many(rejected)
+        await self._outbox.reject(rejected)
         await self._send(out)
 
     async def tick(self) -> None:
@@ -248,37 +239,25 @@ class BatcherProcessor:
                 )
 
     async def _send(self, batches: list[TripletBatch]) -> None:
-        """Write batches in order and wait for every acknowledgement."""
+        """Write batches in order and wait for every acknowledgement.
+
+        A failed send makes the skeleton start over (the partitions recovered from the journal,
+        the records read again): resending is harmless (same ids, same content, and the
+        journal reads either copy)."""
         if not batches:
             return
-        assert self._producer is not None
-        failures = 0
-        while True:
-            futures = []
-            try:
-                for batch in batches:
-                    value = self.codec.encode(batch)
-                    if len(value) > self._max_batch_bytes:
-                        raise ValueError(
-                            f"batch {batch.batch_id} is {len(value)} bytes, over the topic's limit of "
-                            f"{self._max_batch_bytes}: lower --max-tokens or --max-rollouts"
-                        )
-                    partition = (batch.source_partition or 0) % self._output_partitions
-                    futures.append(
-                        await self._producer.send(self.output, value, key=batch.batch_id.encode(), partition=partition)
-                    )
-                for future in futures:
-                    await future
-                metrics.count_out(self.output, len(futures))
-                break
-            except KafkaError as exc:
-                if self._stopping.is_set():
-                    raise
-                # Resending is harmless: same ids, same content, and the journal reads either copy.
-                failures += 1
-                delay = RESTART.after(failures)
-                log.warning("sending batches failed, retrying", error=describe(exc)[:300], retry_in_s=round(delay, 2))
-                await asyncio.sleep(delay)  # backoff between retries, not synchronisation
+        assert self._outbox is not None
+        records = []
+        for batch in batches:
+            value = self.codec.encode(batch)
+            if len(value) > self._max_batch_bytes:
+                raise ValueError(
+                    f"batch {batch.batch_id} is {len(value)} bytes, over the topic's limit of "
+                    f"{self._max_batch_bytes}: lower --max-tokens or --max-rollouts"
+                )
+            partition = (batch.source_partition or 0) % self._output_partitions
+            records.append(Record(self.output, batch.batch_id.encode(), value, partition))
+        await self._outbox.send_all(records)
         self.batches_sent += len(batches)
         for batch in batches:
             log.info(
@@ -346,10 +325,8 @@ async def run_batcher(
     settings: Settings, policy: BatchPolicy, *, input_topic: str | None = None, output_topic: str | None = None
 ) -> None:
     processor = BatcherProcessor(settings, policy, input_topic=input_topic, output_topic=output_topic)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, processor.stop)
-    await processor.run()
+    with stop_on_signals(processor.stop):
+        await processor.run()
 
 
 def main(

@@ -24,14 +24,12 @@ batch, under the derived id and under the legacy 12-hex id of rollouts enqueued 
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 
-from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 
 from agl_stream import metrics
 from agl_stream.avro_primitives import MAX_RECORD_BYTES
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
     WRITER,
@@ -52,17 +50,17 @@ from agl_stream.domain.ingress import (
     stored_rollouts_query,
 )
 from agl_stream.errors import AglError, CodecError
-from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
+from agl_stream.kafka.io import Outbox, Record, Rejected
 from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import TaskRequest
+from agl_stream.processes import run_until_stopped
 from agl_stream.store.readside import ReadSide, read_side_for
 from agl_stream.store.resources_cache import ResourcesCache
 
 log = get_logger("agl.ingress")
 
 PROCESSOR = WRITER
-READY_FILE = "ingress.ready"
 _POLL_S = 0.5
 _MAX_POLL_RECORDS = 1000
 _KNOWN_TIMEOUT_S = 5.0
@@ -75,9 +73,9 @@ def group_id(settings: Settings) -> str:
 class IngressProcessor:
     """The handler the processor skeleton (agl_stream.kafka.processor) runs; one task calls it."""
 
-    def __init__(self, settings: Settings, producer: AIOKafkaProducer, *, codec: Codec | None = None) -> None:
+    def __init__(self, settings: Settings, outbox: Outbox) -> None:
         self.settings = settings
-        self.codec = codec or Codec.default()
+        self.codec = outbox.codec
         self.limits = IngressLimits.of(settings)
         self.source = settings.topic("task-requests")
         self.output = settings.topic("rollouts")
@@ -85,8 +83,7 @@ class IngressProcessor:
         self.enqueued = 0
         self.rejected = 0
         self.already_enqueued = 0
-        self._producer = producer
-        self._dead_letters = DeadLetters(settings, producer, processor=PROCESSOR, codec=self.codec)
+        self.outbox = outbox
         self._resources = ResourcesCache(settings, self.codec)
         self._reads: ReadSide | None = None
         self.unchecked = 0  # requests enqueued while ClickHouse could not be asked (see _known)
@@ -211,39 +208,29 @@ class IngressProcessor:
         return held_from_rows(result.rows)
 
     async def _send(self, events: list[tuple[HeldRequest, bytes]], rejected: list[Rejected]) -> None:
-        futures = [await self._producer.send(self.output, data, key=held.rollout_id.encode()) for held, data in events]
-        if rejected:
-            await self._dead_letters.send_many(rejected)
-        for future in futures:
-            await future
-        metrics.count_out(self.output, len(futures))
+        await self.outbox.reject(rejected)
+        await self.outbox.send_all(Record(self.output, held.rollout_id.encode(), data) for held, data in events)
 
 
-async def run_ingress(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    producer = make_producer(settings)
-    await producer.start()
-    processor = IngressProcessor(settings, producer)
-    try:
-        await processor._resources.start()
-        log.info("ingress started", source=processor.source, output=processor.output, group=group_id(settings))
-        await run_processor(
-            settings,
-            processor,
-            name=PROCESSOR,
-            topics=[processor.source],
-            stop=stop,
-            ready_file=READY_FILE,
-            max_records=_MAX_POLL_RECORDS,
-        )
-    finally:
-        await processor._resources.stop()
-        if processor._reads is not None:
-            await processor._reads.aclose()
-        await producer.stop()
+async def run_ingress(settings: Settings, stop: asyncio.Event) -> None:
+    async with Outbox.started(settings, PROCESSOR) as outbox:
+        processor = IngressProcessor(settings, outbox)
+        try:
+            await processor._resources.start()
+            log.info("ingress started", source=processor.source, output=processor.output, group=group_id(settings))
+            await run_processor(
+                settings,
+                processor,
+                name=PROCESSOR,
+                topics=[processor.source],
+                stop=stop,
+                ready_as="ingress",
+                max_records=_MAX_POLL_RECORDS,
+            )
+        finally:
+            await processor._resources.stop()
+            if processor._reads is not None:
+                await processor._reads.aclose()
     log.info(
         "ingress stopped",
         enqueued=processor.enqueued,
@@ -255,4 +242,4 @@ async def run_ingress(settings: Settings, stop: asyncio.Event | None = None) -> 
 
 def main(settings: Settings) -> None:
     """Run the ingress processor in the foreground until SIGTERM/SIGINT (``agl-stream ingress``)."""
-    asyncio.run(run_ingress(settings))
+    run_until_stopped(lambda stop: run_ingress(settings, stop))

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -66,8 +65,8 @@ from agl_stream.domain.trace_collector import finishes_an_attempt
 from agl_stream.domain.watchdog import due_verdicts, next_deadline
 from agl_stream.errors import CodecError
 from agl_stream.ids import new_event_id
-from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
-from agl_stream.kafka.processor import Batch, Outbox, Record, run_processor
+from agl_stream.kafka.io import Outbox, Record, Rejected, make_producer
+from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import get_logger
 from agl_stream.models import (
     Attempt,
@@ -79,13 +78,13 @@ from agl_stream.models import (
 )
 from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES
 from agl_stream.models.replies import ReplyOutcome
+from agl_stream.processes import run_until_stopped
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, ReplyTopics, prune_reply_topics
 from agl_stream.store.reply_wire import ReplyEncoder
 
 log = get_logger("agl.processor")
 
 PROCESSOR = "processor.rollouts"
-READY_FILE = "processor.ready"
 MAX_CLAIM_WAIT_S = 30.0
 REPLY_WAIT_S = 2.0
 PRUNE_EVERY_S = 3600.0
@@ -627,9 +626,8 @@ class RolloutProcessor:
             for rid, value in zip(ids, encoded, strict=True)
         ]
         # Tombstones first: a rollout forgotten and enqueued again in one batch ends up present.
-        sent, _ = await asyncio.gather(
-            self.outbox.send_all(tombstones + states + outgoing), self.outbox.reject(out.rejected)
-        )
+        await self.outbox.reject(out.rejected)  # rare (bad input): its own round trip
+        sent = await self.outbox.send_all(tombstones + states + outgoing)
         for rid, meta in zip(ids, sent[len(tombstones) + len(finishing) :], strict=False):
             self.state_offset[rid] = meta.offset
         for rid, value in zip(ids, encoded, strict=True):
@@ -754,15 +752,12 @@ class RolloutProcessor:
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
     codec = Codec.default()
-    producer = make_producer(settings, linger_ms=1)
     # Replies go to writers' own topics; one that vanished must not hold up the batch for long.
     # Not idempotent: a topic deleted under a pending send must fail that send, not the producer,
     # and a duplicate answer is harmless (the writer takes the first).
     replies = make_producer(settings, linger_ms=1, request_timeout_ms=5000, enable_idempotence=False)
-    await producer.start()
-    await replies.start()
-    try:
-        outbox = Outbox(producer, DeadLetters(settings, producer, PROCESSOR, codec))
+    async with Outbox.started(settings, PROCESSOR, codec, linger_ms=1) as outbox:
+        await replies.start()
         processor = RolloutProcessor(settings, outbox, replies, codec)
         try:
             await run_processor(
@@ -771,26 +766,17 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 name=PROCESSOR,
                 topics=[settings.topic("rollouts"), settings.topic("store-requests")],
                 stop=stop,
-                ready_file=READY_FILE,
+                ready_as="processor",
                 on_start=lambda consumer: setattr(processor, "consumer", consumer),
             )
         finally:
             if processor._pruning is not None:
                 processor._pruning.cancel()
             await processor.reply_topics.close()
-    finally:
-        await replies.stop()
-        await producer.stop()
+            await replies.stop()
 
 
 def main(settings: Settings) -> None:
     """Run the processor in the foreground until SIGTERM/SIGINT."""
 
-    async def _main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        await run(settings, stop)
-
-    asyncio.run(_main())
+    run_until_stopped(lambda stop: run(settings, stop))

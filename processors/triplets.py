@@ -32,12 +32,11 @@ uncommitted range stay bounded.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 
-from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
 from agl_stream import metrics
@@ -55,17 +54,17 @@ from agl_stream.domain.trace_collector import (
     triplet_record,
 )
 from agl_stream.errors import CodecError
-from agl_stream.kafka.io import DeadLetters, Rejected, make_producer
+from agl_stream.kafka.io import Outbox, Record, Rejected
 from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import RolloutState, TripletRecord
+from agl_stream.processes import run_until_stopped
 from agl_stream.span_records import spans_of
 from agl_stream.store.resources_cache import ResourcesCache
 
 log = get_logger("agl.triplets")
 
 PROCESSOR = "processor.triplets"
-READY_FILE = "triplets.ready"
 _POLL_S = 0.2
 _COMMIT_EVERY_S = 0.5
 
@@ -101,8 +100,7 @@ class TripletBuilder:
         self.rejected: list[tuple[Token, Rejected]] = []
         self.emitted = 0
         self._last_tick = 0.0
-        self.producer: AIOKafkaProducer | None = None
-        self.dead_letters: DeadLetters | None = None
+        self.outbox: Outbox | None = None
         self.resources: ResourcesCache | None = None
 
     def _new_collector(self) -> TraceCollector[Token]:
@@ -189,9 +187,9 @@ class TripletBuilder:
     async def _flush(self) -> None:
         """DLQ records, then the records of ready attempts, each acknowledged before the inputs
         they came from stop being pending."""
-        assert self.dead_letters is not None
+        assert self.outbox is not None
         if self.rejected:
-            await self.dead_letters.send_many([r for _, r in self.rejected])
+            await self.outbox.reject([r for _, r in self.rejected])
             self._done(token for token, _ in self.rejected)
             self.rejected = []
         if self.ready:
@@ -213,18 +211,12 @@ class TripletBuilder:
         return tokens
 
     async def _emit(self, ready: list[ReadyAttempt[Token]]) -> None:
-        assert self.producer is not None
-        sends = []
-        for attempt in ready:
-            record = await self._record(attempt)
-            sends.append(
-                await self.producer.send(
-                    self.settings.topic("triplets"), self.encoder.encode(record), key=record.group_id.encode()
-                )
-            )
-        await asyncio.gather(*sends)  # acknowledged before the inputs count as done
+        assert self.outbox is not None
+        topic = self.settings.topic("triplets")
+        records = [await self._record(attempt) for attempt in ready]
+        # Acknowledged before the inputs count as done.
+        await self.outbox.send_all(Record(topic, r.group_id.encode(), self.encoder.encode(r)) for r in records)
         self.emitted += len(ready)
-        metrics.count_out(self.settings.topic("triplets"), len(sends))
 
     async def _record(self, ready: ReadyAttempt[Token]) -> TripletRecord:
         assert self.resources is not None
@@ -256,25 +248,22 @@ class TripletBuilder:
     # -- running ----------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.producer = make_producer(self.settings)
         self.resources = ResourcesCache(self.settings, self.codec)
-        await self.producer.start()
-        try:
-            await self.resources.start()
-            self.dead_letters = DeadLetters(self.settings, self.producer, PROCESSOR, self.codec)
-            await run_processor(
-                self.settings,
-                self,
-                name=PROCESSOR,
-                topics=[self.spans_topic, self.states_topic],
-                stop=stop,
-                ready_file=READY_FILE,
-                max_records=5000,
-                commit_interval_s=_COMMIT_EVERY_S,
-            )
-        finally:
-            await self.resources.stop()
-            await self.producer.stop()
+        async with Outbox.started(self.settings, PROCESSOR, self.codec) as self.outbox:
+            try:
+                await self.resources.start()
+                await run_processor(
+                    self.settings,
+                    self,
+                    name=PROCESSOR,
+                    topics=[self.spans_topic, self.states_topic],
+                    stop=stop,
+                    ready_as="triplets",
+                    max_records=5000,
+                    commit_interval_s=_COMMIT_EVERY_S,
+                )
+            finally:
+                await self.resources.stop()
         log.info("triplet builder stopped", emitted=self.emitted, **vars(self.collector.stats))
 
 
@@ -288,14 +277,5 @@ def main(
 ) -> None:
     """Run the triplet builder in the foreground until SIGTERM/SIGINT."""
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        builder = TripletBuilder(
-            settings, adapter=adapter, settle_s=settle_s, max_wait_s=max_wait_s, max_spans=max_spans
-        )
-        await builder.run(stop)
-
-    asyncio.run(run())
+    builder = TripletBuilder(settings, adapter=adapter, settle_s=settle_s, max_wait_s=max_wait_s, max_spans=max_spans)
+    run_until_stopped(builder.run)

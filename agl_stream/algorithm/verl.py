@@ -40,7 +40,6 @@ from agl_stream.algorithm.report import ModeReport, rewards_by_mode
 from agl_stream.algorithm.verl_config import (
     InferenceEngine,
     RolePlan,
-    TrainerBackend,
     VerlConfig,
     parse_verl_config,
     train_rounds,
@@ -55,6 +54,7 @@ from agl_stream.kafka.broker import free_ports
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.logs import get_logger
 from agl_stream.models import ProxyLLM, ResourcesUpdate
+from agl_stream.rl_options import BackendKind
 
 log = get_logger("agl.algorithm.verl")
 
@@ -126,7 +126,7 @@ class VERL(Algorithm):
         trainer_cls: Any = None,
         daemon_cls: Any = None,
         *,
-        backend: TrainerBackend = "torch",
+        backend: BackendKind = "torch",
         inference_engine: InferenceEngine = "cpu",
         vllm_args: Sequence[str] = (),
         model_name: str | None = None,
@@ -151,7 +151,7 @@ class VERL(Algorithm):
             if value < 0:
                 raise ConfigError(f"{name} must not be negative, got {value}")
         self.config: VerlConfig = parse_verl_config(config)
-        self.backend: TrainerBackend = backend
+        self.backend: BackendKind = backend
         self.inference_engine: InferenceEngine = inference_engine
         self.vllm_args = tuple(vllm_args)
         self.model_name = model_name

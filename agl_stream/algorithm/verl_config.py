@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -58,29 +58,9 @@ from agl_stream.algorithm.base import RoleSpec
 from agl_stream.algorithm.datasets import epoch_orders
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.errors import AlgorithmConfigError, ConfigError
+from agl_stream.rl_options import CRITIC_FREE_ESTIMATORS, LOSS_AGG_MODES, BackendKind
 
-TrainerBackend = Literal["torch", "verl"]
 InferenceEngine = Literal["cpu", "vllm"]
-
-CRITIC_FREE_ESTIMATORS = frozenset(
-    {
-        "grpo",
-        "grpo_vectorized",
-        "grpo_passk",
-        "rloo",
-        "rloo_vectorized",
-        "opo",
-        "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline",
-    }
-)
-"""The advantage estimators the trainer backends run (agl_stream.training.backend's set, kept
-here so parsing a config imports no torch; a unit test holds the two equal)."""
-
-LOSS_AGG_MODES = frozenset(
-    {"token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "rollout-mean"}
-)
-"""VERL's loss aggregations plus rollout-mean (agl_stream.training.levels; a unit test holds the two equal)."""
 
 DEFAULT_AGGREGATION = "trajectory"
 """The trace aggregation of a VERL run when neither agentlightning.trace_aggregator.level nor the
@@ -148,7 +128,7 @@ def _text(value: Any) -> str | None:
     return None if isinstance(value, str) and value else f"must be a non-empty string, got {value!r}"
 
 
-def _one_of(choices: frozenset[str], why: str = "") -> Check:
+def _one_of(choices: Collection[str], why: str = "") -> Check:
     def check(value: Any) -> str | None:
         if value in choices:
             return None
@@ -462,7 +442,7 @@ class RolePlan:
     model_name: str
     inference_port: int
     proxy_port: int
-    backend: TrainerBackend = "torch"
+    backend: BackendKind = "torch"
     linger_s: float = 30.0
     settle_s: float = 2.0
     inference_engine: InferenceEngine = "cpu"  # vllm: vLLM's server, restarted on each published version

@@ -1,4 +1,4 @@
-"""``agl-stream topics``: create the declared topics and report drift."""
+"""``agl-stream topics``: create the declared topics, report drift, show the topology."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.table import Table
 
 from agl_stream.cli.context import settings_of
 from agl_stream.kafka import admin
-from agl_stream.topics import TopicPlan, load_topic_specs
+from agl_stream.topics import TopicPlan, load_topic_specs, load_topology, topology_table
 
 topics_app = typer.Typer(no_args_is_help=True)
 console = Console()
@@ -82,3 +82,10 @@ def list_cmd(ctx: typer.Context) -> None:
             spec.doc,
         )
     console.print(table)
+
+
+@topics_app.command("table")
+def table_cmd(ctx: typer.Context) -> None:
+    """Print the topology (who writes and who reads each topic) as Markdown: docs/architecture.md's table."""
+    specs, roles = load_topology()
+    print(topology_table(specs, roles, settings_of(ctx).topic_prefix), end="")

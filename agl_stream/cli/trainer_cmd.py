@@ -10,42 +10,12 @@ import typer
 
 from agl_stream import metrics
 from agl_stream.cli.context import settings_of
+from agl_stream.rl_options import CHOICES, TRAINER_OPTION_NAMES, TrainerOptions
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-
-# Options a --config file may set: the trainer's flags, with underscores or dashes.
-CONFIG_KEYS = (
-    "checkpoints",
-    "backend",
-    "initial_model",
-    "model_name",
-    "proxy_endpoint",
-    "lr",
-    "algorithm",
-    "seed",
-    "max_batches",
-    "batches_topic",
-    "max_prompt_length",
-    "max_response_length",
-    "adv_estimator",
-    "norm_adv_by_std_in_grpo",
-    "clip_ratio",
-    "clip_ratio_low",
-    "clip_ratio_high",
-    "clip_ratio_c",
-    "entropy_coeff",
-    "ppo_epochs",
-    "mini_batch_size",
-    "loss_agg_mode",
-    "max_grad_norm",
-    "advantage_level",
-    "off_policy_correction",
-    "rollout_is",
-    "rollout_is_threshold",
-)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -58,10 +28,10 @@ def read_config(path: Path) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise typer.BadParameter(f"{path}: [trainer] must be a table", param_hint="--config")
     options = {str(k).replace("-", "_"): v for k, v in table.items()}
-    unknown = sorted(set(options) - set(CONFIG_KEYS))
+    unknown = sorted(set(options) - set(TRAINER_OPTION_NAMES))
     if unknown:
         raise typer.BadParameter(
-            f"{path}: unknown option(s) {unknown}; known: {', '.join(CONFIG_KEYS)}", param_hint="--config"
+            f"{path}: unknown option(s) {unknown}; known: {', '.join(TRAINER_OPTION_NAMES)}", param_hint="--config"
         )
     for key in ("checkpoints", "initial_model"):  # relative to the file, like most tools' config paths
         if key in options:
@@ -190,7 +160,7 @@ def trainer(
         if name != "config" and getattr(ctx.get_parameter_source(name), "name", "DEFAULT") != "DEFAULT"
     }
     options = {**(read_config(config) if config is not None else {}), **given}
-    merged = {name: options.get(name, ctx.params[name]) for name in CONFIG_KEYS}
+    merged = {name: options.get(name, ctx.params[name]) for name in TRAINER_OPTION_NAMES}
     if merged["checkpoints"] is None:
         raise typer.BadParameter("give --checkpoints (or `checkpoints` in --config)", param_hint="--checkpoints")
     initial = merged["initial_model"]
@@ -198,10 +168,11 @@ def trainer(
         raise typer.BadParameter(
             f"{initial} is not a Hugging Face model folder (no config.json)", param_hint="--initial-model"
         )
-    if merged["backend"] not in ("torch", "verl"):
-        raise typer.BadParameter(f"unknown backend {merged['backend']!r}: torch or verl", param_hint="--backend")
-    if merged["algorithm"] not in ("grpo", "ppo"):
-        raise typer.BadParameter(f"unknown algorithm {merged['algorithm']!r}: grpo or ppo", param_hint="--algorithm")
+    for name, choices in CHOICES.items():  # before torch loads: a typo fails at once
+        if merged[name] is not None and merged[name] not in choices:
+            raise typer.BadParameter(
+                f"unknown {name} {merged[name]!r}: {', '.join(choices)}", param_hint="--" + name.replace("_", "-")
+            )
     try:
         import agl_stream.training  # noqa: F401 - fails here, with advice, when the extra is missing
         from consumers import trainer
@@ -209,22 +180,9 @@ def trainer(
         raise typer.BadParameter(
             f"the trainer needs the training extra ({error}): pip install 'agl-stream[train]'", param_hint="--backend"
         ) from error
-    from agl_stream.training.levels import ADVANTAGE_LEVELS, LOSS_AGG_MODES
-    from agl_stream.training.off_policy import IMPORTANCE_LEVELS, OFF_POLICY_CORRECTIONS
-
-    for name, choices in (
-        ("loss_agg_mode", LOSS_AGG_MODES),
-        ("advantage_level", ADVANTAGE_LEVELS),
-        ("off_policy_correction", OFF_POLICY_CORRECTIONS),
-        ("rollout_is", IMPORTANCE_LEVELS),
-    ):
-        if merged[name] is not None and merged[name] not in choices:
-            raise typer.BadParameter(
-                f"unknown {name} {merged[name]!r}: {', '.join(choices)}", param_hint="--" + name.replace("_", "-")
-            )
     cap = merged["rollout_is_threshold"]
     if cap is not None and not cap > 0:
         raise typer.BadParameter(f"{cap} is not > 0", param_hint="--rollout-is-threshold")
     settings = settings_of(ctx)
     with metrics.expose(settings, "trainer"):
-        trainer.main(settings, trainer.TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))
+        trainer.main(settings, TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))

@@ -7,9 +7,11 @@ commit past them) and the consumer keeps going.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -75,32 +77,6 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None, **over
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)
-
-
-class TypedProducer:
-    """Sends pydantic records (encoded with the codec) keyed by a string."""
-
-    def __init__(self, producer: AIOKafkaProducer, codec: Codec | None = None) -> None:
-        self.producer = producer
-        self.codec = codec or Codec.default()
-
-    async def send(
-        self, topic: str, record: AglModel, key: str | None, *, partition: int | None = None
-    ) -> RecordMetadata:
-        """Send one record and wait until the broker acknowledged it."""
-        future = await self.producer.send(topic, self.codec.encode(record), key=_key_bytes(key), partition=partition)
-        acknowledged = await future
-        metrics.count_out(topic)
-        return acknowledged
-
-    async def send_many(self, topic: str, records: Iterable[tuple[str | None, AglModel]]) -> list[RecordMetadata]:
-        """Send records in order, then wait for all acknowledgements (batched by the producer)."""
-        futures = [
-            await self.producer.send(topic, self.codec.encode(record), key=_key_bytes(key)) for key, record in records
-        ]
-        acknowledged = [await f for f in futures]
-        metrics.count_out(topic, len(acknowledged))
-        return acknowledged
 
 
 def _key_bytes(key: str | None) -> bytes | None:
@@ -178,24 +154,85 @@ def dead_letter(item: Rejected, processor: str) -> DlqRecord:
     )
 
 
-class DeadLetters:
-    """Writes rejected input to the DLQ topic with its origin and reason."""
+@dataclass(frozen=True)
+class Record:
+    """One record to produce (``value`` None is a tombstone; ``partition`` None: by key)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    partition: int | None = None
+    headers: list[tuple[str, bytes]] | None = None
+
+
+class Outbox:
+    """What a role writes: records, typed records and dead letters, through one producer.
+
+    Every call returns once each of its records is acknowledged, and settles every send before
+    it raises: a send still in flight when a handler starts over after a failure could land
+    after the rebuilt state was read. Dead letters carry ``processor`` as their origin.
+    One task uses an outbox at a time (the processor loop, or a client's writer).
+    """
 
     def __init__(
         self, settings: Settings, producer: AIOKafkaProducer, processor: str, codec: Codec | None = None
     ) -> None:
-        self.topic = settings.topic("dlq")
         self.producer = producer
         self.processor = processor
         self.codec = codec or Codec.default()
-        self.count = 0
+        self.dlq_topic = settings.topic("dlq")
+        self.dead_lettered = 0
 
-    async def send_many(self, rejected: list[Rejected]) -> None:
-        """Send and wait for every DLQ record, so the caller may then commit past them."""
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def started(
+        cls, settings: Settings, processor: str, codec: Codec | None = None, **producer_options: Any
+    ) -> AsyncIterator[Outbox]:
+        """An outbox over a producer of its own (``make_producer`` options), stopped at the end."""
+        producer = make_producer(settings, **producer_options)
+        await producer.start()
+        try:
+            yield cls(settings, producer, processor, codec)
+        finally:
+            await producer.stop()
+
+    async def send_all(self, records: Iterable[Record]) -> list[RecordMetadata]:
+        """Send the records (one produce batch per partition), then wait for every acknowledgement."""
         futures = []
+        per_topic: dict[str, int] = {}
+        for r in records:
+            futures.append(
+                await self.producer.send(r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers)
+            )
+            per_topic[r.topic] = per_topic.get(r.topic, 0) + 1
+        settled = await asyncio.gather(*futures, return_exceptions=True)
+        for result in settled:
+            if isinstance(result, BaseException):
+                raise result
+        for topic, n in per_topic.items():
+            metrics.count_out(topic, n)
+        return list(settled)
+
+    async def send(
+        self, topic: str, record: AglModel, key: str | None, *, partition: int | None = None
+    ) -> RecordMetadata:
+        """Send one typed record (encoded with the codec) and wait for its acknowledgement."""
+        (acknowledged,) = await self.send_all([Record(topic, _key_bytes(key), self.codec.encode(record), partition)])
+        return acknowledged
+
+    async def send_many(self, topic: str, records: Iterable[tuple[str | None, AglModel]]) -> list[RecordMetadata]:
+        """Send typed records in order, then wait for every acknowledgement."""
+        return await self.send_all(Record(topic, _key_bytes(key), self.codec.encode(r)) for key, r in records)
+
+    async def reject(self, rejected: Sequence[Rejected]) -> None:
+        """Write each rejected input to the DLQ with its origin and reason, durably."""
+        if not rejected:
+            return
+        await self.send_all(
+            Record(self.dlq_topic, item.topic.encode(), self.codec.encode(dead_letter(item, self.processor)))
+            for item in rejected
+        )
         for item in rejected:
-            record = dead_letter(item, self.processor)
-            futures.append(await self.producer.send(self.topic, self.codec.encode(record), key=item.topic.encode()))
             log.warning(
                 "record sent to the DLQ",
                 topic=item.topic,
@@ -204,10 +241,7 @@ class DeadLetters:
                 error=type(item.error).__name__,
                 reason=str(item.error)[:200],
             )
-        for future in futures:
-            await future
-        self.count += len(rejected)
-        metrics.count_out(self.topic, len(rejected))
+        self.dead_lettered += len(rejected)
         metrics.count_dlq((item.topic, item.error) for item in rejected)
 
 

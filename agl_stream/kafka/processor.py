@@ -6,13 +6,14 @@ it handles a batch, so a partition never moves in the middle of a batch. Nothing
 the handler.
 
 The loop, per fetch: records of partitions still assigned go to ``handler.handle`` as one batch;
-the handler sends its effects and waits for their acknowledgements before it returns (the
-:class:`Outbox` helps); then the batch's offsets become committable. A handler that holds
+the handler sends its effects and waits for their acknowledgements before it returns (through
+an :class:`agl_stream.kafka.io.Outbox`, which settles every send); then the batch's offsets
+become committable. A handler that holds
 records across batches (spans until their attempt finishes, triplets until a batch is full)
 also has ``committable(tp, handled)``: the offset up to which a partition may be committed,
-its lowest pending offset (the lowest-pending-offset commit). A broker error makes the handler
-start over as after a rebalance (its partitions rebuilt from what is durable, the records read
-again from the committed offsets), with backoff (0.5 s doubling to 30 s). Commits are coalesced
+its lowest pending offset (the lowest-pending-offset commit). A broker error in ``handle`` or
+``tick`` makes the handler start over as after a rebalance (its partitions rebuilt from what is
+durable, the records read again from the committed offsets), with backoff (retry.RESTART). Commits are coalesced
 (every ``commit_interval_s``, on revocation and at stop): a crash re-delivers at most that much,
 and handlers are idempotent (at-least-once). ``handler.tick`` runs after every fetch, also an
 empty one, for timers; ``handler.poll_timeout`` says how long a fetch may wait for records.
@@ -29,23 +30,22 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-from aiokafka.structs import OffsetAndMetadata, RecordMetadata
+from aiokafka.structs import OffsetAndMetadata
 
 from agl_stream import metrics
 from agl_stream.config import Settings
-from agl_stream.kafka.io import DeadLetters, Rejected, make_consumer
+from agl_stream.kafka.io import make_consumer
 from agl_stream.logs import describe, get_logger
 from agl_stream.retry import RESTART
 
-__all__ = ["Batch", "Handler", "HoldsRecords", "Outbox", "Record", "run_processor"]
+__all__ = ["Batch", "Handler", "HoldsRecords", "run_processor"]
 
 log = get_logger("agl.kafka.processor")
 
@@ -80,49 +80,6 @@ class HoldsRecords(Protocol):
     def committable(self, tp: TopicPartition, handled: int) -> int:
         """How far ``tp`` may be committed, given that records before ``handled`` were handled:
         ``handled``, or the lowest offset still pending."""
-
-
-@dataclass(frozen=True)
-class Record:
-    """One record to produce (``value`` None is a tombstone; ``partition`` None: by key)."""
-
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    partition: int | None = None
-    headers: list[tuple[str, bytes]] | None = None
-
-
-@dataclass
-class Outbox:
-    """Sends records and waits for all of them: one produce batch per phase of a handler."""
-
-    producer: AIOKafkaProducer
-    dead_letters: DeadLetters
-
-    async def send_all(self, records: Iterable[Record]) -> list[RecordMetadata]:
-        """Send the records (one produce batch per partition), then wait for every acknowledgement."""
-        futures = []
-        per_topic: dict[str, int] = {}
-        for r in records:
-            futures.append(
-                await self.producer.send(r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers)
-            )
-            per_topic[r.topic] = per_topic.get(r.topic, 0) + 1
-        # Every send settles before this returns or raises: a send still in flight when the
-        # handler starts over after a failure could land after the rebuilt state was read.
-        settled = await asyncio.gather(*futures, return_exceptions=True)
-        for result in settled:
-            if isinstance(result, BaseException):
-                raise result
-        acknowledged = list(settled)
-        for topic, n in per_topic.items():
-            metrics.count_out(topic, n)
-        return acknowledged
-
-    async def reject(self, rejected: Sequence[Rejected]) -> None:
-        if rejected:
-            await self.dead_letters.send_many(list(rejected))
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -260,11 +217,11 @@ class _Loop:
             owned = self.consumer.assignment()
             batch = {tp: records for tp, records in fetched.items() if records and tp in owned}
             started = time.monotonic()
-            if batch and await self._handle(batch, stop):
+            if batch and await self._attempt(lambda: self.handler.handle(batch), stop):
                 for tp, records in batch.items():
                     self.positions[tp] = records[-1].offset + 1
                 self.count(batch, started)
-            await self.handler.tick()
+            await self._attempt(self.handler.tick, stop)
             if time.monotonic() - self._lag_reported >= LAG_REPORT_INTERVAL_S:
                 await self.report_lag()
             if time.monotonic() - self._last_commit >= self.commit_interval_s:
@@ -277,8 +234,8 @@ class _Loop:
                 committed = (await self.consumer.beginning_offsets([tp]))[tp]
             self.consumer.seek(tp, committed)
 
-    async def _handle(self, batch: Batch, stop: asyncio.Event) -> bool:
-        """Handle the batch; False when it failed (its records are read again) or on a stop.
+    async def _attempt(self, call: Callable[[], Awaitable[None]], stop: asyncio.Event) -> bool:
+        """Handle a batch (or tick); False when it failed (the records are read again) or on a stop.
 
         A failed batch is never retried on the handler's state as it stands: the handler may
         have changed that state for effects that never became durable (a rollout folded, a
@@ -289,7 +246,7 @@ class _Loop:
         0.5 s doubling to 30 s while that fails too.
         """
         try:
-            await self.handler.handle(batch)
+            await call()
             self.failures = 0
             return True
         except self.retry_on as error:
@@ -327,7 +284,7 @@ async def run_processor(
     name: str,
     topics: Sequence[str],
     stop: asyncio.Event,
-    ready_file: str | None = None,
+    ready_as: str | None = None,
     max_records: int = 5000,
     commit_interval_s: float = 0.2,
     on_start: Callable[[AIOKafkaConsumer], None] | None = None,
@@ -339,8 +296,9 @@ async def run_processor(
     until ``stop`` is set.
 
     Partitions are assigned by range, so equal partition numbers of co-partitioned topics go to
-    the same member. ``ready_file`` (under the run dir) is written once the first assignment was
-    handled: what ``agl-stream up`` waits for. ``on_start`` gets the consumer (for positions).
+    the same member. ``ready_as``: the stack's name of the role, whose ready file
+    (:meth:`Settings.ready_file`) is written once the first assignment was handled: what
+    ``agl-stream up`` waits for. ``on_start`` gets the consumer (for positions).
     ``retry_on``: the errors of ``handle`` after which the handler starts over on its partitions
     and reads the batch again, with backoff (others end the loop); a handler's ``assigned`` that
     fails in a rebalance ends it too.
@@ -369,8 +327,8 @@ async def run_processor(
         on_start(consumer)
     await consumer.start()
     ready_task: asyncio.Task[None] | None = None
-    if ready_file is not None:
-        ready_task = asyncio.create_task(_signal_ready(settings.run_dir / ready_file, loop.assigned_once, name))
+    if ready_as is not None:
+        ready_task = asyncio.create_task(_signal_ready(settings.ready_file(ready_as), loop.assigned_once, name))
     try:
         while not stop.is_set():
             await loop.step(stop)

@@ -31,7 +31,7 @@ from agl_stream.config import Settings, load_settings
 from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.errors import AglError
 from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
-from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import (
     AglModel,
@@ -110,7 +110,7 @@ class AglStore(StoreReads):
         self.writer = f"client-{uuid.uuid4().hex[:12]}"
         # A 2 ms linger lets concurrent requests share produce requests: far less broker work.
         self._producer: AIOKafkaProducer = make_producer(settings, linger_ms=2)
-        self._records = TypedProducer(self._producer, self.codec)
+        self._records = Outbox(settings, self._producer, self.writer, self.codec)
         self._replies = ReplyChannel(settings, self.writer, self.codec)
         self._replies.on_state = self._on_state
         self._replies.on_queue = self._on_queue

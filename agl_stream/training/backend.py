@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -35,31 +35,13 @@ from verl import DataProto
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
+from agl_stream.rl_options import RLOptions, resolve_estimator
 from agl_stream.training.data import InvalidBatchError
 from agl_stream.training.levels import check_levels, rollout_advantages
 from agl_stream.training.off_policy import check_correction, importance_correction, staleness_histogram
 
-Algorithm = Literal["grpo", "ppo"]
-LossAggMode = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "rollout-mean"
-]
-
 TRAINER_STATE_FILE = "trainer_state.pt"
 
-# Estimators that need no critic values and no extra tensors; GAE needs values, ReMax baselines.
-CRITIC_FREE_ESTIMATORS = frozenset(
-    {
-        "grpo",
-        "grpo_vectorized",
-        "grpo_passk",
-        "rloo",
-        "rloo_vectorized",
-        "opo",
-        "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline",
-    }
-)
-ESTIMATOR_OF: dict[str, str] = {"grpo": "grpo", "ppo": "reinforce_plus_plus"}
 _REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "token_level_rewards")
 
 
@@ -149,20 +131,6 @@ def compute_advantages(
     return estimate(rewards, batch["response_mask"], uid)
 
 
-def resolve_estimator(algorithm: str, adv_estimator: str | None) -> str:
-    """The VERL advantage estimator for ``algorithm`` ("grpo" | "ppo") or the explicit one; ValueError
-    for an unknown algorithm or an estimator that would need a critic."""
-    if algorithm not in ESTIMATOR_OF:
-        raise ValueError(f"algorithm must be 'grpo' or 'ppo', not {algorithm!r}")
-    estimator = adv_estimator or ESTIMATOR_OF[algorithm]
-    if estimator not in CRITIC_FREE_ESTIMATORS:
-        raise ValueError(
-            f"advantage estimator {estimator!r} is not supported without a critic; "
-            f"use one of {sorted(CRITIC_FREE_ESTIMATORS)}"
-        )
-    return estimator
-
-
 def step_metrics(
     batch: dict[str, torch.Tensor],
     advantages: torch.Tensor,
@@ -208,7 +176,7 @@ def step_metrics(
     return metrics
 
 
-def check_common_options(options: Any) -> None:
+def check_common_options(options: RLOptions) -> None:
     """The checks every backend's options need (estimator, lr, epochs, mini-batches, clipping)."""
     resolve_estimator(options.algorithm, options.adv_estimator)
     if options.lr <= 0:

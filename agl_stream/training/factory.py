@@ -4,13 +4,12 @@ in verl_backend), so neither backend module imports the other."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from agl_stream.policy import load_checkpoint
+from agl_stream.rl_options import BackendKind
 from agl_stream.training.backend import TRAINER_STATE_FILE, PolicyBackend
 from agl_stream.training.torch_backend import TorchPolicyBackend
-
-BackendKind = Literal["torch", "verl"]
 
 
 def open_backend(kind: BackendKind, checkpoint_dir: str | Path | None, **options: Any) -> PolicyBackend:

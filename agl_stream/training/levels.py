@@ -22,24 +22,14 @@ loss. Two settings put the rollout back where it belongs:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from verl import DataProto
 from verl.trainer.ppo.core_algos import agg_loss
 
-AdvantageLevel = Literal["rollout", "sample"]
-ADVANTAGE_LEVELS: tuple[str, ...] = ("rollout", "sample")
-VERL_LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-ROLLOUT_MEAN = "rollout-mean"
-LOSS_AGG_MODES: tuple[str, ...] = (*VERL_LOSS_AGG_MODES, ROLLOUT_MEAN)
+from agl_stream.rl_options import ADVANTAGE_LEVELS, LOSS_AGG_MODES, ROLLOUT_MEAN, VERL_LOSS_AGG_MODES, AdvantageLevel
 
 # An estimator as the backends call it: (token_level_rewards, response_mask, uid groups) -> advantages.
 Estimate = Callable[[torch.Tensor, torch.Tensor, np.ndarray[Any, Any]], torch.Tensor]

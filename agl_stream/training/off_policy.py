@@ -23,15 +23,11 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
-OffPolicyCorrection = Literal["none", "truncate", "mask"]
-ImportanceLevel = Literal["token", "sequence"]
-OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "truncate", "mask")
-IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
+from agl_stream.rl_options import IMPORTANCE_LEVELS, OFF_POLICY_CORRECTIONS, ImportanceLevel, OffPolicyCorrection
 
 
 def check_correction(correction: str, level: str, threshold: float) -> None:

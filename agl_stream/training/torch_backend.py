@@ -21,11 +21,9 @@ from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from agl_stream.policy import load_checkpoint, save_checkpoint
+from agl_stream.rl_options import ROLLOUT_MEAN, RLOptions
 from agl_stream.training.backend import (
-    ESTIMATOR_OF,
     TRAINER_STATE_FILE,
-    Algorithm,
-    LossAggMode,
     check_common_options,
     compute_advantages,
     off_policy_metrics,
@@ -35,52 +33,23 @@ from agl_stream.training.backend import (
     step_metrics,
 )
 from agl_stream.training.levels import (
-    ROLLOUT_MEAN,
-    AdvantageLevel,
     aggregate_loss,
     policy_loss_mode,
     rollout_index,
     rollout_mean_weights,
     verl_loss_agg_mode,
 )
-from agl_stream.training.off_policy import ImportanceLevel, OffPolicyCorrection
 
 
-@dataclass(frozen=True)
-class TorchBackendOptions:
-    """The hyperparameters of a :class:`TorchPolicyBackend` (saved with its checkpoints)."""
+@dataclass(frozen=True, kw_only=True)
+class TorchBackendOptions(RLOptions):
+    """The hyperparameters of a :class:`TorchPolicyBackend` (saved with its checkpoints): the
+    shared :class:`~agl_stream.rl_options.RLOptions` and this engine's own."""
 
-    lr: float
-    algorithm: Algorithm = "grpo"
-    adv_estimator: str | None = None  # None: the algorithm's (grpo -> grpo, ppo -> reinforce_plus_plus)
-    loss_mode: str = "vanilla"
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None  # None: clip_ratio
-    clip_ratio_high: float | None = None  # None: clip_ratio
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: LossAggMode = "token-mean"  # VERL's modes, or "rollout-mean" (agl_stream.training.levels)
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    entropy_coeff: float = 0.0
-    advantage_level: AdvantageLevel = "rollout"  # one advantage per rollout, or per sample (row)
-    off_policy_correction: OffPolicyCorrection = "truncate"  # with rollout log-probs: agl_stream.training.off_policy
-    rollout_is: ImportanceLevel = "token"
-    rollout_is_threshold: float = 2.0  # the importance weights' cap
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None  # rows per optimizer step; None: the whole batch
     micro_batch_size: int = 8  # rows per forward/backward pass
-    shuffle: bool = False
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     recompute_old_log_probs: bool = False
     mixed_precision: bool = False  # bf16 autocast on CUDA (fp32 master weights)
-    seed: int = 0
-
-    @property
-    def estimator(self) -> str:
-        return self.adv_estimator or ESTIMATOR_OF[self.algorithm]
 
 
 class TorchPolicyBackend:
@@ -100,65 +69,12 @@ class TorchPolicyBackend:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        lr: float,
-        algorithm: Algorithm = "grpo",
-        adv_estimator: str | None = None,
-        loss_mode: str = "vanilla",
-        clip_ratio: float = 0.2,
-        clip_ratio_low: float | None = None,
-        clip_ratio_high: float | None = None,
-        clip_ratio_c: float = 3.0,
-        loss_agg_mode: LossAggMode = "token-mean",
-        norm_adv_by_std_in_grpo: bool = True,
-        gamma: float = 1.0,
-        entropy_coeff: float = 0.0,
-        advantage_level: AdvantageLevel = "rollout",
-        off_policy_correction: OffPolicyCorrection = "truncate",
-        rollout_is: ImportanceLevel = "token",
-        rollout_is_threshold: float = 2.0,
-        ppo_epochs: int = 1,
-        mini_batch_size: int | None = None,
-        micro_batch_size: int = 8,
-        shuffle: bool = False,
-        max_grad_norm: float = 1.0,
-        weight_decay: float = 0.01,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        recompute_old_log_probs: bool = False,
-        mixed_precision: bool = False,
         device: str | torch.device = "cpu",
-        seed: int = 0,
         policy_version: int = 0,
+        **fields: Any,
     ) -> None:
-        options = TorchBackendOptions(
-            lr=lr,
-            algorithm=algorithm,
-            adv_estimator=adv_estimator,
-            loss_mode=loss_mode,
-            clip_ratio=clip_ratio,
-            clip_ratio_low=clip_ratio_low,
-            clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c,
-            loss_agg_mode=loss_agg_mode,
-            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-            gamma=gamma,
-            entropy_coeff=entropy_coeff,
-            advantage_level=advantage_level,
-            off_policy_correction=off_policy_correction,
-            rollout_is=rollout_is,
-            rollout_is_threshold=rollout_is_threshold,
-            ppo_epochs=ppo_epochs,
-            mini_batch_size=mini_batch_size,
-            micro_batch_size=micro_batch_size,
-            shuffle=shuffle,
-            max_grad_norm=max_grad_norm,
-            weight_decay=weight_decay,
-            betas=(betas[0], betas[1]),
-            eps=eps,
-            recompute_old_log_probs=recompute_old_log_probs,
-            mixed_precision=mixed_precision,
-            seed=seed,
-        )
+        """``fields``: :class:`TorchBackendOptions` fields (``lr`` is required)."""
+        options = TorchBackendOptions(**fields)
         _validate(options)
         self.options = options
         self.device = torch.device(device)

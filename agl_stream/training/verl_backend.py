@@ -97,28 +97,23 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from agl_stream.policy import save_checkpoint
 from agl_stream.policy.model import _fsync_tree
+from agl_stream.rl_options import ROLLOUT_MEAN, RLOptions
 from agl_stream.training.backend import (
-    Algorithm,
-    LossAggMode,
     check_common_options,
     compute_advantages,
     off_policy_metrics,
     old_log_probs_and_weights,
     prepare_batch,
-    resolve_estimator,
     row_versions,
     step_metrics,
 )
 from agl_stream.training.data import InvalidBatchError
 from agl_stream.training.levels import (
-    ROLLOUT_MEAN,
-    AdvantageLevel,
     policy_loss_mode,
     rollout_index,
     rollout_mean_weights,
     verl_loss_agg_mode,
 )
-from agl_stream.training.off_policy import ImportanceLevel, OffPolicyCorrection
 from agl_stream.training.verl_cpu import use_cpu_platform
 
 VERL_STATE_FILE = "verl_state.json"
@@ -132,11 +127,11 @@ _TRAIN_KEYS = (*_MODEL_KEYS, "old_log_probs", "advantages")
 _FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
-@dataclass(frozen=True)
-class VerlBackendOptions:
+@dataclass(frozen=True, kw_only=True)
+class VerlBackendOptions(RLOptions):
     """The hyperparameters of a :class:`VerlFSDPBackend` (saved with its checkpoints).
 
-    The RL fields mean what they mean for :class:`~agl_stream.training.TorchBackendOptions`.
+    The shared :class:`~agl_stream.rl_options.RLOptions` and this engine's own.
     Engine fields: ``max_token_len_per_gpu`` is VERL's ``ppo_max_token_len_per_gpu`` (micro-batches
     are packed up to this many tokens per GPU: dynamic batch size); ``mixed_precision`` None is
     VERL's default on GPUs (bf16 compute, fp32 master weights and reduction) and fp32 on the CPU;
@@ -145,29 +140,7 @@ class VerlBackendOptions:
     step would pay the compilation, and it needs triton).
     """
 
-    lr: float
-    algorithm: Algorithm = "grpo"
-    adv_estimator: str | None = None
-    loss_mode: str = "vanilla"
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: LossAggMode = "token-mean"
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    entropy_coeff: float = 0.0
-    advantage_level: AdvantageLevel = "rollout"
-    off_policy_correction: OffPolicyCorrection = "truncate"
-    rollout_is: ImportanceLevel = "token"
-    rollout_is_threshold: float = 2.0
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None  # rows per optimizer step; None: the whole batch
     max_token_len_per_gpu: int = 16384
-    shuffle: bool = False
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
     recompute_old_log_probs: bool = True
     strategy: Strategy = "fsdp2"
     mixed_precision: bool | None = None
@@ -175,11 +148,6 @@ class VerlBackendOptions:
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
     use_torch_compile: bool = False
-    seed: int = 0
-
-    @property
-    def estimator(self) -> str:
-        return resolve_estimator(self.algorithm, self.adv_estimator)
 
 
 class VerlFSDPBackend:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import socket
 import time
 import uuid
@@ -60,6 +59,7 @@ from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen, s
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.policy import StepToken, build_model, build_tokenizer, load_checkpoint
+from agl_stream.processes import stop_on_signals
 from agl_stream.store.resources_cache import ResourcesCache
 from consumers.inference.engine import Engine, Policy, Sampling
 from consumers.inference.openai_api import (
@@ -480,10 +480,8 @@ def create_app(server: InferenceServer) -> FastAPI:
 
 async def run_inference(settings: Settings | None, options: InferenceOptions) -> None:
     server = InferenceServer(settings, options)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.stop)
-    await server.run()
+    with stop_on_signals(server.stop):
+        await server.run()
 
 
 def main(

@@ -89,6 +89,7 @@ from agl_stream.http_serving import (
     server_config,
 )
 from agl_stream.logs import configure_logging, describe, get_logger
+from agl_stream.processes import run_until_stopped
 from agl_stream.store.client import AglStore
 from producers.llm_proxy.agl_v1 import AglV1Options, install
 from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport
@@ -707,11 +708,9 @@ async def serving(
         await proxy.close()
 
 
-async def run(settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+async def run(
+    settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions, stop: asyncio.Event
+) -> None:
     async with serving(settings, model_list, options) as proxy:
         attempt_url = f"{proxy.url}/rollout/<rollout_id>/attempt/<attempt_id>/v1"
         log.info("LLM proxy started", url=proxy.url, models=proxy.models, attempt_url=attempt_url)
@@ -729,7 +728,7 @@ async def run(settings: Settings, model_list: Sequence[Mapping[str, Any]], optio
 def main(settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions) -> None:
     """Run the proxy until SIGTERM or Ctrl-C (``agl-stream llm-proxy``)."""
     if options.workers <= 1:
-        asyncio.run(run(settings, model_list, options))
+        run_until_stopped(lambda stop: run(settings, model_list, options, stop))
         return
     # The parent holds the port (bound, never listening, so the kernel hands it no connection):
     # port 0 resolves once and every worker joins the same SO_REUSEPORT group.
@@ -763,4 +762,4 @@ def main(settings: Settings, model_list: Sequence[Mapping[str, Any]], options: P
 def _worker(settings: Settings, model_list: list[dict[str, Any]], options: ProxyOptions) -> None:
     configure_logging(settings.log_level, settings.log_format)  # a spawned process starts bare
     metrics.set_role("llm-proxy")
-    asyncio.run(run(settings, model_list, options))
+    run_until_stopped(lambda stop: run(settings, model_list, options, stop))

@@ -18,7 +18,7 @@ import pytest
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
-from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import DlqRecord, Triplet, TripletBatch, TripletRecord
 from agl_stream.processes import role_environment, start_budget, stop_role
@@ -73,7 +73,7 @@ async def produce(settings: Settings, records: list[TripletRecord]) -> list[Writ
     producer = make_producer(settings)
     await producer.start()
     try:
-        typed = TypedProducer(producer)
+        typed = Outbox(settings, producer, "test")
         sent = await typed.send_many(settings.topic("triplets"), [(r.group_id, r) for r in records])
     finally:
         await producer.stop()

@@ -39,7 +39,7 @@ from agl_stream.auth import auth_headers, known_token
 from agl_stream.config import Settings
 from agl_stream.domain.batching import batch_id_of
 from agl_stream.kafka import broker
-from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
 from agl_stream.models import LLM, PromptTemplate, ProxyLLM, TrainerStep, Triplet, TripletBatch, TripletRecord
@@ -428,7 +428,7 @@ async def _train_on(settings: Settings, records: list[TripletRecord], version: i
     producer = make_producer(settings)
     await producer.start()
     try:
-        typed = TypedProducer(producer)
+        typed = Outbox(settings, producer, "test")
         await typed.send(settings.topic("triplet-batches"), batch, key=batch.batch_id)
         await typed.send(settings.topic("trainer-metrics"), step, key=batch.batch_id)
     finally:

@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.kafka.broker import free_ports
-from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.models import ModelCheckpoint, Triplet, TripletBatch, TripletRecord
 from agl_stream.policy import load_checkpoint
 from consumers.inference import VERSION_HEADER
@@ -117,7 +117,7 @@ async def test_an_hf_model_is_served_trained_and_the_new_version_reloaded(settin
         producer = make_producer(settings)
         await producer.start()
         try:
-            await TypedProducer(producer).send(settings.topic("triplet-batches"), batch, key="p0")
+            await Outbox(settings, producer, "test").send(settings.topic("triplet-batches"), batch, key="p0")
         finally:
             await producer.stop()
 

@@ -25,7 +25,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from agl_stream.config import Settings
 from agl_stream.ids import new_resources_id
 from agl_stream.kafka import admin
-from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.policy import build_model, build_tokenizer, generate, save_checkpoint
 from agl_stream.topics import load_topic_specs
@@ -440,7 +440,7 @@ async def publish(settings: Settings, *checkpoints: ModelCheckpoint) -> None:
     producer = make_producer(settings)
     await producer.start()
     try:
-        await TypedProducer(producer).send(settings.topic("resources"), update, key=update.resources_id)
+        await Outbox(settings, producer, "test").send(settings.topic("resources"), update, key=update.resources_id)
     finally:
         await producer.stop()
 

@@ -7,7 +7,7 @@ import pytest
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
-from agl_stream.kafka.io import DeadLetters, TypedProducer, decode_as, make_consumer, make_producer, prepare_records
+from agl_stream.kafka.io import Outbox, decode_as, make_consumer, make_producer, prepare_records
 from agl_stream.models import DlqRecord, Worker
 from tests.integration.helpers import read_topic
 
@@ -22,7 +22,7 @@ async def test_typed_records_round_trip_and_other_record_types_are_dead_lettered
     consumer = make_consumer(settings, topic, group_id=f"{settings.topic_prefix}.io-test")
     await consumer.start()
     try:
-        typed = TypedProducer(producer)
+        typed = Outbox(settings, producer, "io-test")
         workers = [Worker(worker_id=f"w-{i}", heartbeat_stats={"i": i}) for i in range(3)]
         sent = await typed.send_many(topic, [(w.worker_id, w) for w in workers])
         stray = DlqRecord(
@@ -36,14 +36,13 @@ async def test_typed_records_round_trip_and_other_record_types_are_dead_lettered
             time=0.0,
         )
         wrong = await typed.send(topic, stray, key="w-0")
-        dead_letters = DeadLetters(settings, producer, "io-test")
         prepare = decode_as(Codec.default(), "agl.Worker")
         got: list[dict[str, object]] = []
         seen = 0
         while seen < len(sent) + 1:
             fetched = await consumer.getmany(timeout_ms=1000, max_records=100)
             prepared, rejected = prepare_records(fetched, prepare)
-            await dead_letters.send_many(rejected)
+            await typed.reject(rejected)
             got += [f.value for f in prepared]
             seen += len(prepared) + len(rejected)
     finally:

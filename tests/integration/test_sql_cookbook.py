@@ -30,7 +30,7 @@ from opentelemetry.trace import Status, StatusCode
 from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
-from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
 from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig, TrainerStep
@@ -110,7 +110,7 @@ async def _steps(settings: Settings, batches: list[dict[str, Any]]) -> None:
     producer = make_producer(settings)
     await producer.start()
     try:
-        typed = TypedProducer(producer)
+        typed = Outbox(settings, producer, "test")
         for version, batch in enumerate(batches, start=1):
             step = TrainerStep(
                 batch_id=batch["batch_id"],

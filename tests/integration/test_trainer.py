@@ -16,7 +16,7 @@ import pytest
 from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
-from agl_stream.kafka.io import TypedProducer, make_producer
+from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.models import DlqRecord, ResourcesUpdate, TrainerStep, Triplet, TripletBatch, TripletRecord
 from agl_stream.policy import load_checkpoint
 from agl_stream.processes import role_environment
@@ -78,7 +78,7 @@ async def test_a_killed_trainer_trains_every_batch_exactly_once(settings: Settin
     producer = make_producer(settings)
     await producer.start()
     try:
-        typed = TypedProducer(producer)
+        typed = Outbox(settings, producer, "test")
         # All into one partition (one key), in this order: bad ones in the middle.
         for batch in good[:3] + bad + good[3:]:
             await typed.send(settings.topic("triplet-batches"), batch, key="p0")
@@ -122,7 +122,7 @@ async def test_the_verl_backend_trains_from_the_topic_on_two_ranks(settings: Set
     producer = make_producer(settings)
     await producer.start()
     try:
-        typed = TypedProducer(producer)
+        typed = Outbox(settings, producer, "test")
         for batch in good:
             await typed.send(settings.topic("triplet-batches"), batch, key="p0")
     finally:

@@ -13,7 +13,7 @@ from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.config import Settings
 from agl_stream.domain.batching import Batcher, BatchPolicy
 from agl_stream.kafka import admin
-from agl_stream.kafka.io import Fetched, TypedProducer, make_producer
+from agl_stream.kafka.io import Fetched, Outbox, make_producer
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import AglModel, TrainerStep, Triplet, TripletBatch, TripletRecord
 from consumers.clickhouse_sink import TRAINER_STEPS, TRIPLET_BATCHES, TRIPLETS, SinkGroup, TableSink
@@ -203,7 +203,7 @@ async def test_the_sinks_materialize_triplets_and_batches_from_the_topics(settin
     producer = make_producer(settings)
     await producer.start()
     try:
-        typed = TypedProducer(producer)
+        typed = Outbox(settings, producer, "test")
         await typed.send_many(settings.topic("triplets"), [(r.group_id, r) for r in records])
         # The same batch twice, as after a lost acknowledgement: one row.
         await typed.send_many(settings.topic("triplet-batches"), [(batch.batch_id, batch), (batch.batch_id, batch)])
@@ -240,7 +240,9 @@ async def test_a_lingering_batch_is_flushed_as_soon_as_a_reader_waits_for_its_to
     producer = make_producer(settings)
     await producer.start()
     try:
-        sent = await TypedProducer(producer).send_many(topic, [(r.group_id, r) for r in [record(1, "g", reward=1.0)]])
+        sent = await Outbox(settings, producer, "test").send_many(
+            topic, [(r.group_id, r) for r in [record(1, "g", reward=1.0)]]
+        )
     finally:
         await producer.stop()
     [written] = sent

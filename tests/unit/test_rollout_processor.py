@@ -19,8 +19,7 @@ from agl_stream.config import Settings
 from agl_stream.domain.queue import QUEUE_FULL, claim_attempt_id
 from agl_stream.domain.trace_collector import finishes_an_attempt
 from agl_stream.ids import new_event_id, new_rollout_id
-from agl_stream.kafka.io import DeadLetters
-from agl_stream.kafka.processor import Outbox
+from agl_stream.kafka.io import Outbox
 from agl_stream.models import (
     Attempt,
     AttemptHeartbeat,
@@ -95,7 +94,7 @@ class Harness:
         self.ends: dict[tuple[str, int], int] = defaultdict(int) if ends is None else ends
         self.producer = Producer(self.ends)
         self.replies = Producer(self.ends)
-        outbox = Outbox(self.producer, DeadLetters(settings, self.producer, "test", self.codec))  # type: ignore[arg-type]
+        outbox = Outbox(settings, self.producer, "test", self.codec)  # type: ignore[arg-type]
         self.processor = RolloutProcessor(settings, outbox, self.replies, self.codec)  # type: ignore[arg-type]
         self.processor.reply_topics = ReplyTopics(self.processor.reply_topics)  # type: ignore[assignment]
         self.processor.owned = {0}

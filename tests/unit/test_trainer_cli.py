@@ -76,7 +76,7 @@ def test_rl_options_reach_a_new_policy_backend_and_unset_ones_keep_its_defaults(
     result = CliRunner().invoke(app, flags, obj=Settings())
     assert result.exit_code == 0, result.output
     [options] = seen
-    assert trainer_role._new_backend_options(options) == {
+    assert options.backend_options() == {
         "lr": 1e-2,
         "algorithm": "grpo",
         "seed": 0,
@@ -101,8 +101,8 @@ def test_advantage_loss_and_off_policy_options_reach_the_backend_and_bad_ones_ar
     result = CliRunner().invoke(app, flags, obj=Settings())
     assert result.exit_code == 0, result.output
     [options] = seen
-    chosen = trainer_role._new_backend_options(options)
-    assert {k: chosen[k] for k in trainer_role.BACKEND_OPTIONS if k in chosen} == {
+    chosen = options.backend_options()
+    assert {k: v for k, v in chosen.items() if k not in ("lr", "algorithm", "seed")} == {
         "advantage_level": "sample",
         "loss_agg_mode": "rollout-mean",
         "off_policy_correction": "mask",

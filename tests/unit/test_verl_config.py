@@ -15,8 +15,6 @@ from typer.testing import CliRunner
 import agl_stream as agl
 from agl_stream.algorithm import ALGORITHMS, VERL, make_algorithm
 from agl_stream.algorithm.verl_config import (
-    CRITIC_FREE_ESTIMATORS,
-    LOSS_AGG_MODES,
     RolePlan,
     VerlConfig,
     adapter_flags,
@@ -239,18 +237,6 @@ def test_bad_values_are_named(config: dict[str, Any], key: str, message: str) ->
 
 def test_flatten_keeps_leaf_values_that_are_lists() -> None:
     assert flatten({"a": {"b.c": [1, 2], "d": {}}}) == {"a.b.c": [1, 2]}
-
-
-def test_the_estimators_are_the_trainer_backends() -> None:
-    from agl_stream.training.backend import CRITIC_FREE_ESTIMATORS as BACKENDS
-
-    assert CRITIC_FREE_ESTIMATORS == BACKENDS
-
-
-def test_the_loss_aggregations_are_the_trainer_backends() -> None:
-    from agl_stream.training.levels import LOSS_AGG_MODES as BACKENDS
-
-    assert frozenset(BACKENDS) == LOSS_AGG_MODES
 
 
 def test_verls_rollout_correction_reaches_the_trainer() -> None:
