@@ -65,7 +65,7 @@ from opentelemetry import propagate
 
 from agl_stream.litagent import LitAgent, NamedResources
 from agl_stream.models import LLM, ProxyLLM, Rollout
-from agl_stream.semconv import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY
+from agl_stream.wire.semconv import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY
 
 OUTPUT_TAIL_BYTES = 64 * 1024
 """How much of a process's stdout and of its stderr is kept (the end of each)."""

@@ -25,7 +25,7 @@ from opentelemetry import trace
 from opentelemetry.semconv.attributes import exception_attributes
 
 from agl_stream.logs import get_logger
-from agl_stream.semconv import (
+from agl_stream.wire.semconv import (
     AGL_ANNOTATION,
     AGL_EXCEPTION,
     AGL_MESSAGE,

@@ -2,7 +2,7 @@
 
 Shared by both ways OTLP traces come in: the gateway's ``POST /v1/traces`` (consumers/gateway.py,
 which keeps only the HTTP mapping) and the collector's Kafka topic (consumers/otlp_kafka.py).
-Decoding is agl_stream/otlp.py; this module is what happens after it, through a store client.
+Decoding is agl_stream/wire/otlp.py; this module is what happens after it, through a store client.
 
 Semantics of one export (a request, or one poll batch of Kafka messages):
 
@@ -27,7 +27,6 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agl_stream import otlp
 from agl_stream.background import BackgroundClient
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
@@ -35,6 +34,7 @@ from agl_stream.logs import get_logger
 from agl_stream.models import Span
 from agl_stream.store.client import AglStore
 from agl_stream.store.readside import ReadSide
+from agl_stream.wire import otlp
 
 log = get_logger("agl.trace_ingest")
 

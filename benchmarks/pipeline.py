@@ -38,12 +38,12 @@ from typing import Any
 
 from agl_stream.clickhouse import avro_ingest
 from agl_stream.clickhouse.client import get_client
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker
 from agl_stream.kafka.io import make_consumer, make_producer
 from agl_stream.processes import role_environment
-from agl_stream.span_records import SPAN, span_dict_records, span_dicts_of
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import SPAN, span_dict_records, span_dicts_of
 from consumers.clickhouse_sink import SPANS, TableSink
 from producers.synthetic_spans import synthetic_span
 

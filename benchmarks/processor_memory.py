@@ -21,12 +21,12 @@ from typing import Any
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.structs import RecordMetadata
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.ids import new_event_id, new_rollout_id
 from agl_stream.kafka.io import Outbox
 from agl_stream.models import Rollout, RolloutEnqueued, RolloutEvent
 from agl_stream.store.replies import REPLY_HEADER
+from agl_stream.wire.codec import Codec
 from processors.rollouts import RolloutProcessor
 
 

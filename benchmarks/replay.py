@@ -39,7 +39,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
 from agl_stream.domain.adapter.lean import LeanSpan
@@ -48,7 +47,8 @@ from agl_stream.domain.replay import PartitionReplay, ReplaySettings, out_record
 from agl_stream.domain.trace_collector import ReadyAttempt, TraceCollector, spans_by_attempt, triplet_record
 from agl_stream.kafka import admin, broker
 from agl_stream.models import Span, TripletRecord
-from agl_stream.span_records import span_dicts_of
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import span_dicts_of
 from producers.replay import replay
 from producers.replay_history import attempt_history, span_values, write_history
 

@@ -49,10 +49,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode, Tracer
 
-from agl_stream.codec import Codec
 from agl_stream.models import Span
-from agl_stream.span_records import span_records
 from agl_stream.tracing import AttemptTracer
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import span_records
 
 _PAYLOAD = "x" * 2048
 _T0 = 1_760_000_000_000_000_000  # ns: a fixed epoch time, so the records are the same every run

@@ -23,10 +23,10 @@ from _measure import bench_settings, percentile  # type: ignore[import-not-found
 from aiokafka import AIOKafkaConsumer
 
 from agl_stream import connect, stack
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.models import TripletRecord
 from agl_stream.processes import start_role, stop_role
+from agl_stream.wire.codec import Codec
 
 
 async def _measure(settings: Settings, rollouts: int, rate: float) -> dict[str, Any]:

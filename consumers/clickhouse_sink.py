@@ -57,11 +57,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from agl_stream import metrics, span_records
+from agl_stream import metrics
 from agl_stream.clickhouse import avro_ingest
 from agl_stream.clickhouse.client import get_client
 from agl_stream.clickhouse.migrations import migrate
-from agl_stream.codec import HEADER_SIZE, MAGIC, Codec, dump_json
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError, MalformedRecordError, RecordTypeError
 from agl_stream.kafka.io import Fetched, Outbox, Rejected, prepare_records
@@ -71,6 +70,8 @@ from agl_stream.models import MODELS, ResourcesUpdate
 from agl_stream.processes import stop_on_signals
 from agl_stream.resources import resource_path
 from agl_stream.retry import RESTART
+from agl_stream.wire import span_records
+from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec, dump_json
 
 log = get_logger("agl.sink")
 

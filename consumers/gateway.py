@@ -20,7 +20,7 @@ HTTP API (JSON):
 - ``POST /v1/traces``: an OTLP/HTTP trace receiver (protobuf or JSON, optionally gzip). Spans
   tagged with ``agentlightning.rollout_id``/``agentlightning.attempt_id`` are written to agl.spans
   through the gateway's own store client (semantics in agl_stream/trace_ingest.py, shared with
-  the Kafka consumer of consumers/otlp_kafka.py; decoding is agl_stream/otlp.py).
+  the Kafka consumer of consumers/otlp_kafka.py; decoding is agl_stream/wire/otlp.py).
 - ``/dashboard/`` and ``/v1/dashboard/...``: the web dashboard and the fixed read-only queries
   it runs on the query clients below (consumers/dashboard.py).
 - ``/v1/agl/...``: Agent Lightning's store REST API (the seed's ``LightningStoreClient`` works
@@ -55,7 +55,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
-from agl_stream import metrics, otlp
+from agl_stream import metrics
 from agl_stream.auth import listener_token
 from agl_stream.clickhouse.access import QUERY_RESULT_BYTES_FACTOR
 from agl_stream.clickhouse.client import get_client
@@ -76,9 +76,10 @@ from agl_stream.logs import get_logger
 from agl_stream.processes import stop_on_signals
 from agl_stream.store.readside import DEFAULT_TIMEOUT, GATEWAY_FILE, Fence, QueryResult, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
+from agl_stream.wire import otlp
 from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
 from consumers.dashboard import DASHBOARD_PAGES, Backlog, dashboard_router
-from consumers.gateway_agl import agl_router
+from consumers.gateway_agl import serve_agl
 from consumers.gateway_sql import (
     FunctionPolicy,
     SqlLimits,
@@ -436,7 +437,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         return Response(otlp.export_response(rejected, message, encoding), media_type=media_type)
 
     app.include_router(tasks_router(gateway.tasks, lambda: gateway.stopping))
-    app.include_router(agl_router(gateway.traces.store, lambda: gateway.stopping))
+    serve_agl(app, gateway.traces.store, lambda: gateway.stopping)
 
     app.include_router(sql_router(settings, lambda: gateway.stopping))
     backlog = Backlog(

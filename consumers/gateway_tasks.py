@@ -43,7 +43,6 @@ from fastapi.responses import JSONResponse
 
 from agl_stream import metrics
 from agl_stream.background import BackgroundClient
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
     HeldRequest,
@@ -61,6 +60,7 @@ from agl_stream.http_serving import MAX_BODY_BYTES, BodyTooLargeError, Malformed
 from agl_stream.kafka.io import make_producer
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import TaskRequest
+from agl_stream.wire.codec import Codec
 
 log = get_logger("agl.gateway.tasks")
 

@@ -8,7 +8,7 @@ number of resource spans; ``otlp_json`` is its OTLP JSON form. The key is empty 
 headers carry only what ``include_metadata_keys``/``record_headers`` add: none of it is read.
 Spans belong to the attempt named by ``agentlightning.rollout_id``/``attempt_id`` (resource or
 span attributes), exactly as for the gateway's ``POST /v1/traces``; decoding is
-agl_stream/otlp.py and numbering and writing agl_stream/trace_ingest.py, shared with it.
+agl_stream/wire/otlp.py and numbering and writing agl_stream/trace_ingest.py, shared with it.
 
 A handler on the processor skeleton (``agl_stream.kafka.processor``; group ``agl-otlp-kafka``
 by default; the topic is the collector's, so it is not prefixed). Per poll batch: decode every
@@ -44,7 +44,6 @@ from typing import Any, Literal, TypeAlias
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
-from agl_stream import otlp
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
 from agl_stream.kafka.io import Outbox, Rejected
@@ -54,6 +53,7 @@ from agl_stream.logs import get_logger
 from agl_stream.processes import stop_on_signals
 from agl_stream.store.client import AglStore
 from agl_stream.trace_ingest import SpansRejectedError, TraceIngest, number_spans, write_spans
+from agl_stream.wire import otlp
 
 log = get_logger("agl.otlp_kafka")
 

@@ -71,13 +71,13 @@ from agl_stream.models import ResourcesUpdate, Span
 from agl_stream.models.base import RUNNING_STATUSES
 from agl_stream.processes import stop_on_signals
 from agl_stream.retry import FAILOVER, ONCE, Backoff, retrying
-from agl_stream.semconv import AGL_ATTEMPT
-from agl_stream.spans import span_from_otel
 from agl_stream.store.client import AglStore
 from agl_stream.store.readside import read_gateway_file
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import AttemptedRollout
 from agl_stream.tracing import RECORD_ERRORS, AttemptTracer
+from agl_stream.wire.semconv import AGL_ATTEMPT
+from agl_stream.wire.spans import span_from_otel
 
 log = get_logger("agl.runner")
 

@@ -15,7 +15,7 @@ number of LLM proxies and runners, so it knows exactly which are in flight. A sw
   whose code is :data:`SWITCH_CUT`.
 - **resume**: once the new server answers ``/health``, the held calls go to it.
 
-Every answer carries :data:`~agl_stream.semconv.POLICY_VERSION_HEADER`: the version of the
+Every answer carries :data:`~agl_stream.wire.semconv.POLICY_VERSION_HEADER`: the version of the
 server the call was sent to (vLLM names none; the LLM proxy records it on the call's span).
 ``GET /health`` is the gate's own: 503 until the first server is ready, then 200 with status
 ``ok`` or ``switching``, the version served, the calls in flight and the hand-off counters (held,
@@ -36,7 +36,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from agl_stream.domain.llm_calls import CallError, error_of_status
 from agl_stream.logs import get_logger
-from agl_stream.semconv import POLICY_VERSION_HEADER
+from agl_stream.wire.semconv import POLICY_VERSION_HEADER
 
 log = get_logger("agl.inference.gate")
 

@@ -33,7 +33,6 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
 from agl_stream import metrics as agl_metrics  # `metrics` here names a step's numbers
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError
 from agl_stream.ids import new_resources_id
@@ -42,6 +41,7 @@ from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TrainerStep, TripletBatch
 from agl_stream.processes import run_until_stopped
 from agl_stream.rl_options import TrainerOptions
+from agl_stream.wire.codec import Codec
 
 log = get_logger("agl.trainer")
 

@@ -42,7 +42,6 @@ import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.batching import Batcher, BatchPolicy, JournalEntry, Recovery
 from agl_stream.errors import CodecError, TopicError
@@ -52,6 +51,7 @@ from agl_stream.logs import describe, get_logger
 from agl_stream.models import TripletBatch, TripletRecord
 from agl_stream.processes import stop_on_signals
 from agl_stream.topics import load_topic_specs
+from agl_stream.wire.codec import Codec
 
 log = get_logger("agl.batcher")
 

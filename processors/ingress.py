@@ -29,7 +29,6 @@ import time
 from aiokafka import ConsumerRecord, TopicPartition
 
 from agl_stream import metrics
-from agl_stream.avro_primitives import MAX_RECORD_BYTES
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
     WRITER,
@@ -57,6 +56,7 @@ from agl_stream.models import TaskRequest
 from agl_stream.processes import run_until_stopped
 from agl_stream.store.readside import ReadSide, read_side_for
 from agl_stream.store.resources_cache import ResourcesCache
+from agl_stream.wire.avro_primitives import MAX_RECORD_BYTES
 
 log = get_logger("agl.ingress")
 

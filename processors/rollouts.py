@@ -56,8 +56,6 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.errors import KafkaError
 
 from agl_stream import metrics
-from agl_stream.avro_primitives import MAX_RECORD_BYTES
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.fold import fold
 from agl_stream.domain.queue import QUEUE_FULL, Admission, ClaimQueue, claim_attempt_id
@@ -80,7 +78,9 @@ from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES
 from agl_stream.models.replies import ReplyOutcome
 from agl_stream.processes import run_until_stopped
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, ReplyTopics, prune_reply_topics
-from agl_stream.store.reply_wire import ReplyEncoder
+from agl_stream.wire.avro_primitives import MAX_RECORD_BYTES
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.reply_wire import ReplyEncoder
 
 log = get_logger("agl.processor")
 

@@ -21,7 +21,7 @@ Concurrency model: the skeleton's one loop task calls every method here (rebalan
 loop's lock); nothing here is shared.
 
 A record of agl.spans is one span or an agl.SpanBatch (a writer's flush of one attempt's
-spans, :mod:`agl_stream.span_records`); a batch stays pending until every attempt it holds
+spans, :mod:`agl_stream.wire.span_records`); a batch stays pending until every attempt it holds
 spans of was emitted.
 
 Undecodable records go to ``agl.dlq`` (acknowledged before their offset is committed); spans of
@@ -40,7 +40,6 @@ from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
 from agl_stream import metrics
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.domain.adapter.lean import lean_span
@@ -59,8 +58,9 @@ from agl_stream.kafka.processor import Batch, run_processor
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import RolloutState, TripletRecord
 from agl_stream.processes import run_until_stopped
-from agl_stream.span_records import spans_of
 from agl_stream.store.resources_cache import ResourcesCache
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import spans_of
 
 log = get_logger("agl.triplets")
 

@@ -27,7 +27,6 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.replay import (
     HEADER_ATTEMPT,
@@ -51,8 +50,9 @@ from agl_stream.kafka.admin import create_topic_like
 from agl_stream.kafka.io import make_consumer, make_producer
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import ResourcesUpdate
-from agl_stream.span_records import span_dicts_of
 from agl_stream.store.readside import read_side_for
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import span_dicts_of
 
 log = get_logger("agl.replay")
 

@@ -15,7 +15,6 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.io import make_producer
 from agl_stream.models import (
@@ -26,7 +25,8 @@ from agl_stream.models import (
     RolloutEnqueued,
     RolloutEvent,
 )
-from agl_stream.span_records import SPAN, span_dict_records
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import SPAN, span_dict_records
 
 BASE_TIME = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 _TEXT = "plan the next step, call a tool, then answer with digits only. " * 40

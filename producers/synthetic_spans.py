@@ -8,10 +8,10 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.io import make_producer
-from agl_stream.span_records import SPAN, span_dict_records
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import SPAN, span_dict_records
 
 _WORDS = ("plan", "search", "tool", "answer", "digit", "reward", "think", "call", "agent", "step")
 # Prompt text is cut from one long deterministic string: generating text per span would cost

@@ -28,7 +28,7 @@ from typing import Any
 from agl_stream.algorithm.report import REWARD_VALUE_KEY, ModeReport
 from agl_stream.errors import AlgorithmConfigError
 from agl_stream.models import PromptTemplate, Span
-from agl_stream.semconv import AGL_EXCEPTION, LightningSpanAttributes
+from agl_stream.wire.semconv import AGL_EXCEPTION, LightningSpanAttributes
 
 NOTE_CHARS = 600
 """Characters of one logged item (a message, a model answer) shown to the critique model."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import fence_at_end
-from agl_stream.semconv import RewardAttributes, reward_key
+from agl_stream.wire.semconv import RewardAttributes, reward_key
 
 REWARD_VALUE_KEY = reward_key(0, RewardAttributes.REWARD_VALUE)
 """The primary reward's attribute: dimension 0 is always the primary one."""

@@ -48,7 +48,6 @@ from rich.progress import (
 from rich.text import Text
 
 from agl_stream.cli.context import settings_of
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
     HeldRequest,
@@ -68,6 +67,7 @@ from agl_stream.logs import describe
 from agl_stream.models import TaskRequest
 from agl_stream.stack import local_stack_settings
 from agl_stream.store.readside import ReadSide, read_side_for
+from agl_stream.wire.codec import Codec
 
 EXIT_REFUSED = 3
 EXIT_INTERRUPTED = 130

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from agl_stream.contract import HISTORY_DIRNAME, Contract
 from agl_stream.resources import resource_path
+from agl_stream.wire.contract import HISTORY_DIRNAME, Contract
 
 schemas_app = typer.Typer(no_args_is_help=True)
 

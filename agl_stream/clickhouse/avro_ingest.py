@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from agl_stream.avro_primitives import avro_bytes, zigzag
+from agl_stream.wire.avro_primitives import avro_bytes, zigzag
 
 _PRIMITIVES = {
     "null": "Nothing",

@@ -39,7 +39,7 @@ from agl_stream.models import Rollout, Span
 from agl_stream.models.base import AttemptStatus, RolloutStatus
 from agl_stream.models.rollouts import RolloutConfig
 from agl_stream.models.spans import OtelResource, SpanStatus
-from agl_stream.semconv import AGL_ANNOTATION, POLICY_VERSION, PRIMARY_REWARD_NAME, RewardAttributes, reward_key
+from agl_stream.wire.semconv import AGL_ANNOTATION, POLICY_VERSION, PRIMARY_REWARD_NAME, RewardAttributes, reward_key
 
 V1_KEY = "agentlightning_v1"
 """Metadata key of the 1.0 fields: on the store rollout (its 1.0 config and metadata) and on its

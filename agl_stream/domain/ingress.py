@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
 
-from agl_stream.codec import Codec, dump_json
 from agl_stream.errors import AglError, RecordTypeError
 from agl_stream.models import RolloutEnqueued, RolloutEvent, TaskRequest
 from agl_stream.models.base import AttemptStatus, RolloutMode
 from agl_stream.models.rollouts import Rollout, RolloutConfig
+from agl_stream.wire.codec import Codec, dump_json
 
 if TYPE_CHECKING:
     from agl_stream.config import Settings

@@ -44,7 +44,7 @@ from opentelemetry.util.genai.types import (
 
 from agl_stream.models import OtelResource, Span, SpanStatus
 from agl_stream.models.spans import Attributes, AttributeScalar
-from agl_stream.semconv import ATTEMPT_ID_KEY, POLICY_VERSION, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY
+from agl_stream.wire.semconv import ATTEMPT_ID_KEY, POLICY_VERSION, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY
 
 __all__ = [
     "CHAT",
@@ -85,7 +85,7 @@ SCOPE_NAME = "agl_stream.llm_proxy"
 SERVICE_NAME = "agl-stream-llm-proxy"
 _W3C = TraceContextTextMapPropagator()
 
-# Attributes that tie a span to its attempt (agl_stream.semconv.LightningResourceAttributes);
+# Attributes that tie a span to its attempt (agl_stream.wire.semconv.LightningResourceAttributes);
 # the runner's tracer writes them on every span, so proxy spans read the same in SQL.
 
 INPUT_MESSAGES_KEY = "gen_ai.input.messages"

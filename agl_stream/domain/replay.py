@@ -19,10 +19,9 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict
 
-from agl_stream.codec import Codec
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.domain.adapter.lean import LeanSpan
-from agl_stream.domain.adapter.wire import SpanRecordDecoder, TripletRecordEncoder, span_dicts_of
+from agl_stream.domain.adapter.wire import SpanRecordDecoder, TripletRecordEncoder
 from agl_stream.domain.fold import fold
 from agl_stream.domain.trace_collector import (
     ReadyAttempt,
@@ -33,6 +32,8 @@ from agl_stream.domain.trace_collector import (
 )
 from agl_stream.errors import AglError, CodecError, MalformedRecordError
 from agl_stream.models import ResourcesUpdate, RolloutEvent, RolloutState, Span, TripletRecord
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import span_dicts_of
 
 RewardFn = Callable[[list[Span]], "float | None"]
 IncompletePolicy = Literal["skip", "emit"]

@@ -20,11 +20,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.structs import RecordMetadata
 
 from agl_stream import metrics
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import CodecError, RecordTypeError
 from agl_stream.logs import get_logger
 from agl_stream.models import AglModel, DlqRecord
+from agl_stream.wire.codec import Codec
 
 log = get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """Wire records as pydantic models, one per Avro record in ``schemas/`` (same names, same fields).
 
 Every model has ``avro_name`` (the Avro full name) and forbids unknown fields. Encode and decode
-them with :class:`agl_stream.codec.Codec`.
+them with :class:`agl_stream.wire.codec.Codec`.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class Span(AglModel):
 class SpanBatch(AglModel):
     """Spans of one attempt in one record (topic agl.spans, key rollout_id).
 
-    Written by :func:`agl_stream.span_records.span_records`; agl.spans carries these beside
+    Written by :func:`agl_stream.wire.span_records.span_records`; agl.spans carries these beside
     single :class:`Span` records, and every reader takes both (``span_records.spans_of``).
     """
 

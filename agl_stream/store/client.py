@@ -25,8 +25,6 @@ from typing import Any, Literal, TypeVar
 from aiokafka import AIOKafkaProducer
 
 from agl_stream import metrics
-from agl_stream.avro_primitives import MAX_RECORD_BYTES
-from agl_stream.codec import Codec
 from agl_stream.config import Settings, load_settings
 from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.errors import AglError
@@ -53,12 +51,14 @@ from agl_stream.models import (
 )
 from agl_stream.models.base import TERMINAL_STATUSES, AttemptStatus, RolloutMode, RolloutStatus
 from agl_stream.models.replies import Reply
-from agl_stream.span_records import span_records
 from agl_stream.store.reads import StoreReads
 from agl_stream.store.readside import KeyFences, ReadSide
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError, ReplyChannel
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import UNSET, AttemptedRollout, EnqueueRolloutRequest, StoreCapabilities, Unset
+from agl_stream.wire.avro_primitives import MAX_RECORD_BYTES
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import span_records
 
 log = get_logger("agl.store")
 
@@ -895,7 +895,7 @@ class AglStore(StoreReads):
     ) -> Span | None:
         """Store an OpenTelemetry SDK span (a ``ReadableSpan``) of an attempt, numbered with
         ``sequence_id`` or the next one reserved for it; the span as stored."""
-        from agl_stream.spans import span_from_otel
+        from agl_stream.wire.spans import span_from_otel
 
         if sequence_id is None:
             sequence_id = await self.get_next_span_sequence_id(rollout_id, attempt_id)

@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.queue import QUEUE_FULL
 from agl_stream.errors import AglError, CodecError
@@ -33,6 +32,7 @@ from agl_stream.kafka.admin import admin_client, broker_count
 from agl_stream.kafka.io import IDLE_FETCH_WAIT_MS
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import Reply
+from agl_stream.wire.codec import Codec
 
 __all__ = [
     "REPLY_HEADER",

@@ -18,11 +18,11 @@ from collections.abc import Callable, Mapping
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import ResourcesUpdate
+from agl_stream.wire.codec import Codec
 
 log = get_logger("agl.store.resources")
 

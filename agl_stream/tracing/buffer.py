@@ -19,13 +19,13 @@ from typing import Protocol, TypeAlias
 from opentelemetry.sdk.trace import ReadableSpan
 
 from agl_stream.models import Span
-from agl_stream.semconv import (
+from agl_stream.tracing.export_policy import ExportPolicy
+from agl_stream.wire.semconv import (
     ATTEMPT_ID_KEY,
     POLICY_VERSION,
     ROLLOUT_ID_KEY,
     SEQUENCE_ID_KEY,
 )
-from agl_stream.tracing.export_policy import ExportPolicy
 
 SpanKey: TypeAlias = tuple[int, int]
 """(trace_id, span_id) of an OpenTelemetry span: how its start and its end are matched."""

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from agl_stream.http_serving import MalformedBodyError, parse_json
 from agl_stream.logs import get_logger
 from agl_stream.policy import Generation, StepToken
-from agl_stream.semconv import POLICY_VERSION_HEADER
+from agl_stream.wire.semconv import POLICY_VERSION_HEADER
 from consumers.inference.engine import Job, Policy, Sampling
 
 log = get_logger("agl.inference")

@@ -15,7 +15,7 @@ from agl_stream.domain.llm_calls import (
     policy_version_of_header,
 )
 from agl_stream.http_serving import MalformedBodyError, parse_json
-from agl_stream.semconv import POLICY_VERSION_HEADER
+from agl_stream.wire.semconv import POLICY_VERSION_HEADER
 
 CALL_HEADER = "x-agl-proxy-call"
 """Header that ties a backend request to the proxy call that made it (see CaptureTransport)."""

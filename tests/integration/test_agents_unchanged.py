@@ -43,7 +43,7 @@ from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM, Rollout, Span
 from agl_stream.policy import build_tokenizer
-from agl_stream.semconv import AGL_ATTEMPT
+from agl_stream.wire.semconv import AGL_ATTEMPT
 from examples.calculator import calc_agent as calculator
 from tests.integration.helpers import serve, start_role, stop_role
 from tests.integration.test_triplet_builder import _records_covering

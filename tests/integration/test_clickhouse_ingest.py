@@ -10,11 +10,11 @@ from clickhouse_connect.driver.exceptions import DatabaseError
 
 from agl_stream.clickhouse.avro_ingest import columns_of, container, container_header, zigzag
 from agl_stream.clickhouse.client import get_client
-from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.io import Fetched
 from agl_stream.models import Attempt, Rollout, RolloutState, Span
-from agl_stream.span_records import span_dict_records
+from agl_stream.wire.codec import HEADER_SIZE, Codec
+from agl_stream.wire.span_records import span_dict_records
 from consumers.clickhouse_sink import ROLLOUT_STATE, SPANS, EngineRefusedError, TableSink
 from tests.integration.helpers import clickhouse
 from tests.unit.test_codec import span_dict

@@ -30,11 +30,11 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from agl_stream import AglStore, connect, stack
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import TripletBatch
+from agl_stream.wire.codec import Codec
 from tests.integration.helpers import read_to_end, start_role, stop_role
 
 pytestmark = pytest.mark.integration

@@ -20,10 +20,10 @@ import pytest
 from rich.console import Console
 
 import agl_stream as agl
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.models import TripletBatch, TripletRecord
 from agl_stream.policy.model import IM_START_TOKEN, build_tokenizer
+from agl_stream.wire.codec import Codec
 from examples.keypad import keypad_agent as example
 from tests.integration.helpers import read_to_end
 

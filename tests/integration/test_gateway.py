@@ -21,7 +21,6 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError
 from aiokafka.structs import RecordMetadata
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.errors import FenceTimeoutError, QueryError, ReadSideError
 from agl_stream.kafka import admin
@@ -47,6 +46,7 @@ from agl_stream.store.queries import (
     worker_from_row,
 )
 from agl_stream.store.readside import GATEWAY_FILE, GatewayReadSide, fence_of, read_gateway_file
+from agl_stream.wire.codec import Codec
 from consumers.clickhouse_sink import ROLLOUT_STATE, SPECS
 from consumers.gateway import AppliedOffsets, jsonable
 from tests.integration.helpers import start_role, stop_role

@@ -27,7 +27,7 @@ from agl_stream import connect
 from agl_stream.config import Settings
 from agl_stream.kafka.broker import free_ports
 from agl_stream.models import ModelCheckpoint, ProxyLLM, Span
-from agl_stream.semconv import POLICY_VERSION
+from agl_stream.wire.semconv import POLICY_VERSION
 from producers.llm_proxy import ProxyOptions, model_list_of, serving
 from tests.hf_model import build_hf_model_folder
 from tests.integration.helpers import start_role, stop_role

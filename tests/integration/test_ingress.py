@@ -32,7 +32,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agl_stream import AglStore, connect, monitor, stack
 from agl_stream.auth import auth_headers
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
     WRITER,
@@ -48,6 +47,7 @@ from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, Rol
 from agl_stream.models.rollouts import Rollout
 from agl_stream.processes import role_alive, role_environment, start_budget
 from agl_stream.supervisor import RoleStatus, read_status
+from agl_stream.wire.codec import Codec
 from tests.integration.helpers import dlq_records, read_to_end, start_role, stop_role
 
 pytestmark = pytest.mark.asyncio

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import Outbox, decode_as, make_consumer, make_producer, prepare_records
 from agl_stream.models import DlqRecord, Worker
+from agl_stream.wire.codec import Codec
 from tests.integration.helpers import read_topic
 
 pytestmark = pytest.mark.integration

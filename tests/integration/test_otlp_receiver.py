@@ -31,8 +31,8 @@ from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import Span
-from agl_stream.otlp import PROTOBUF
 from agl_stream.trace_ingest import MAX_ATTEMPTS_PER_EXPORT
+from agl_stream.wire.otlp import PROTOBUF
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,6 @@ import pytest
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka.io import Fetched
 from agl_stream.models import (
@@ -44,6 +43,7 @@ from agl_stream.store.queries import (
     worker_from_row,
 )
 from agl_stream.store.readside import ClickHouseReadSide
+from agl_stream.wire.codec import Codec
 from consumers.clickhouse_sink import REDACTED, RESOURCES, ROLLOUT_STATE, SPANS, WORKERS, SinkSpec, TableSink
 from tests.integration.helpers import clickhouse
 from tests.unit.test_codec import span_dict

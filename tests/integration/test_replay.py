@@ -13,13 +13,13 @@ from uuid import uuid4
 import pytest
 
 from agl_stream import stack
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.replay import ReplaySettings, Selection, batches_topic_of
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import Span, TripletBatch, TripletRecord
 from agl_stream.processes import role_environment
+from agl_stream.wire.codec import Codec
 from producers.replay import replay
 from producers.replay_history import attempt_history, rollout_id_of, write_history
 from tests.integration.helpers import read_topic, start_role, stop_role

@@ -20,7 +20,7 @@ from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM
 from agl_stream.policy import build_tokenizer
-from agl_stream.semconv import AGL_ATTEMPT
+from agl_stream.wire.semconv import AGL_ATTEMPT
 from tests.integration.helpers import serve, start_role, stop_role
 from tests.integration.test_triplet_builder import _records_covering
 

@@ -13,13 +13,13 @@ from typing import cast
 
 import pytest
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import committed_offsets, wait_for_group
 from agl_stream.models import DlqRecord
-from agl_stream.span_records import span_dict_records
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import span_dict_records
 from producers.synthetic_spans import produce_spans, synthetic_span
 from tests.integration.helpers import (
     clickhouse,

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from agl_stream import UNSET, AglStore, AttemptedRollout, connect
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.ids import new_event_id
 from agl_stream.models import LLM, Reply, RolloutConfig, Span, StoreRequest
 from agl_stream.store import client as client_module
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError
+from agl_stream.wire.codec import Codec
 
 pytestmark = pytest.mark.integration
 
@@ -291,9 +291,9 @@ async def test_watchdog_times_out_then_retries_then_fails(store: AglStore) -> No
 async def test_garbage_on_the_rollouts_topic_is_dead_lettered_and_the_processor_goes_on(
     store: AglStore, stack_settings: Settings
 ) -> None:
-    from agl_stream.codec import Codec
     from agl_stream.kafka.io import make_producer
     from agl_stream.models import DlqRecord
+    from agl_stream.wire.codec import Codec
     from tests.integration.helpers import read_topic
 
     producer = make_producer(stack_settings)

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.config import Settings
 from agl_stream.domain.batching import Batcher, BatchPolicy
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import Fetched, Outbox, make_producer
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import AglModel, TrainerStep, Triplet, TripletBatch, TripletRecord
+from agl_stream.wire.codec import HEADER_SIZE, Codec
 from consumers.clickhouse_sink import TRAINER_STEPS, TRIPLET_BATCHES, TRIPLETS, SinkGroup, TableSink
 from tests.integration.helpers import clickhouse
 

@@ -15,7 +15,6 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 
 from agl_stream import connect, stack
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.fold import fold
 from agl_stream.kafka import admin
@@ -23,7 +22,8 @@ from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import DlqRecord, RolloutState, TripletRecord
 from agl_stream.processes import start_budget
-from agl_stream.span_records import SPAN_BATCH
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import SPAN_BATCH
 from processors.triplets import TripletBuilder
 from producers.replay_history import AttemptHistory, attempt_history, rollout_id_of, span_values
 from tests.integration.helpers import read_topic, start_role, stop_role

@@ -13,10 +13,10 @@ import pytest
 from rich.console import Console
 
 import agl_stream as agl
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.demo.task import PROMPTS, digits
 from agl_stream.models import TripletBatch, TripletRecord
+from agl_stream.wire.codec import Codec
 from tests.integration.helpers import clickhouse, read_to_end
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_stream.codec import Codec
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
 from agl_stream.domain.adapter.lean import ADAPTER_KEYS, LeanSpan, lean_attributes, lean_span
 from agl_stream.domain.adapter.wire import (
@@ -23,7 +22,8 @@ from agl_stream.domain.adapter.wire import (
 )
 from agl_stream.errors import CodecError
 from agl_stream.models import Span, Triplet, TripletRecord
-from agl_stream.span_records import span_dict_records
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import span_dict_records
 from producers.replay_history import attempt_history, span_values
 
 CODEC = Codec.default()

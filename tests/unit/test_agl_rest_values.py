@@ -8,7 +8,7 @@ import pytest
 
 from agl_stream.http_serving import FiniteJSONResponse, MalformedBodyError, all_finite, finite_or_null, parse_json
 from agl_stream.store.queries import StoreQueries, count_of
-from consumers.gateway_agl import Refusal, span_from_wire
+from consumers.gateway_agl_shapes import Refusal, span_from_wire
 
 
 def test_a_number_that_overflows_a_double_is_refused_with_the_body() -> None:

@@ -34,7 +34,7 @@ from agl_stream.algorithm.apo_core import (
 from agl_stream.algorithm.report import REWARD_VALUE_KEY, ModeReport
 from agl_stream.errors import AlgorithmConfigError, DatasetError
 from agl_stream.models import LLM, PromptTemplate, Span
-from agl_stream.semconv import AGL_EXCEPTION, AGL_MESSAGE
+from agl_stream.wire.semconv import AGL_EXCEPTION, AGL_MESSAGE
 
 # -- parameters -------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agl_stream.clickhouse.avro_ingest import clickhouse_type, container, container_header, zigzag
-from agl_stream.codec import HEADER_SIZE, Codec
+from agl_stream.wire.codec import HEADER_SIZE, Codec
 from producers.synthetic_spans import synthetic_span
 
 

@@ -57,9 +57,7 @@ from pydantic import BaseModel, StringConstraints, ValidationError
 from pydantic.fields import FieldInfo
 from starlette.testclient import TestClient
 
-from agl_stream import otlp
 from agl_stream.clickhouse.avro_ingest import container, container_header, zigzag
-from agl_stream.codec import HEADER_SIZE, MAGIC, Codec
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
     IngressLimits,
@@ -85,8 +83,10 @@ from agl_stream.models import (
     TaskRequest,
 )
 from agl_stream.models.base import MAX_EPOCH_SECONDS
-from agl_stream.span_records import SPAN_BATCH, batch_body_of_span, span_dict_records, span_dicts_of, spans_of
-from agl_stream.store.reply_wire import ReplyEncoder
+from agl_stream.wire import otlp
+from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec
+from agl_stream.wire.reply_wire import ReplyEncoder
+from agl_stream.wire.span_records import SPAN_BATCH, batch_body_of_span, span_dict_records, span_dicts_of, spans_of
 from consumers.clickhouse_sink import SPECS, EnvelopeBody
 
 pytestmark = pytest.mark.timeout(120)  # a stall fails, instead of hanging the suite

@@ -14,8 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agl_stream.codec import HEADER_SIZE, MAGIC, Codec, dump_json
-from agl_stream.contract import Contract, canonical_form
 from agl_stream.errors import (
     CodecError,
     MalformedRecordError,
@@ -40,6 +38,8 @@ from agl_stream.models import (
     Span,
     TaskRequest,
 )
+from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec, dump_json
+from agl_stream.wire.contract import Contract, canonical_form
 from tests.unit.test_models import model_strategy, typed
 
 CODEC = Codec.default()

@@ -38,8 +38,8 @@ from agl_stream.emitters import (
     reward,
 )
 from agl_stream.models import Span
-from agl_stream.semconv import AttributeLink, RewardDimension
-from agl_stream.spans import span_from_otel
+from agl_stream.wire.semconv import AttributeLink, RewardDimension
+from agl_stream.wire.spans import span_from_otel
 
 # One provider for the module: the global provider can be set only once per process, so the
 # emitters get this one passed in and the global path is tested in a subprocess below.

@@ -1,6 +1,7 @@
-"""``/v1/agl`` (consumers/gateway_agl.py) without a broker: the pure mapping, and the answers the
-routes give before the store is asked (a gateway that was never run: its store client is not up,
-so a valid request is answered 503 and every refusal comes from the route itself)."""
+"""``/v1/agl`` without a broker (consumers/gateway_agl.py, consumers/gateway_agl_shapes.py): the pure
+mapping, and the answers the routes give before the store is asked (a gateway that was never run:
+its store client is not up, so a valid request is answered 503 and every refusal comes from the
+route itself)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from starlette.datastructures import QueryParams
 
 from agl_stream.config import Settings
 from agl_stream.store.replies import RejectedError
-from consumers.gateway_agl import (
+from consumers.gateway_agl_shapes import (
     ATTEMPT_NOT_NULL,
     ROLLOUT_NOT_NULL,
     AttemptChanges,

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from agl_stream.codec import Codec
 from agl_stream.domain.fold import fold
 from agl_stream.domain.ingress import (
     AlreadyEnqueued,
@@ -39,6 +38,7 @@ from agl_stream.domain.ingress import (
 from agl_stream.errors import MalformedRecordError, NotSingleObjectEncodedError, RecordTypeError
 from agl_stream.ids import is_rollout_id
 from agl_stream.models import RolloutEnqueued, TaskRequest, Worker
+from agl_stream.wire.codec import Codec
 
 CODEC = Codec.default()
 LIMITS = IngressLimits(max_input_bytes=1000, max_metadata_bytes=100)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from agl_stream.codec import Codec
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.domain.batching import Batcher, BatchPolicy, batch_id_of
 from agl_stream.domain.fold import fold
 from agl_stream.domain.replay import PartitionReplay, ReplaySettings, canonical
 from agl_stream.domain.trace_collector import TraceCollector, spans_by_attempt, triplet_record
 from agl_stream.models import RolloutEvent, RolloutState, Span, TripletBatch, TripletRecord
+from agl_stream.wire.codec import Codec
 from producers.replay_history import AttemptHistory, attempt_history, span_values
 
 ATTEMPTS = 8

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 
-from agl_stream.codec import Codec
 from agl_stream.domain.llm_calls import (
     CHAT,
     COMPLETION,
@@ -39,7 +38,8 @@ from agl_stream.domain.llm_calls import (
     trace_parent,
 )
 from agl_stream.models import Span
-from agl_stream.semconv import POLICY_VERSION
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.semconv import POLICY_VERSION
 from producers.llm_proxy import CALL_HEADER, CaptureTransport, SequenceBlocks, backend_url, model_list_of
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "vllm_proxy"

@@ -19,7 +19,6 @@ from pydantic import BaseModel, StringConstraints, ValidationError
 from pydantic.fields import FieldInfo
 
 from agl_stream import ids
-from agl_stream.contract import Contract
 from agl_stream.models import (
     LLM,
     MODELS,
@@ -37,6 +36,7 @@ from agl_stream.models import (
     SpanContext,
     UnionMember,
 )
+from agl_stream.wire.contract import Contract
 
 INT64 = (-(2**63), 2**63 - 1)
 

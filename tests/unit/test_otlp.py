@@ -1,4 +1,4 @@
-"""agl_stream.otlp: OTLP/HTTP export requests (protobuf and OTLP JSON) -> agl Span records."""
+"""agl_stream.wire.otlp: OTLP/HTTP export requests (protobuf and OTLP JSON) -> agl Span records."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, SpanKind, StatusCode
 
-from agl_stream import otlp
 from agl_stream.errors import AglError
 from agl_stream.models import Span
 from agl_stream.models.spans import OtelResource, SpanContext, SpanEvent, SpanLink, SpanStatus
-from agl_stream.spans import span_from_otel
+from agl_stream.wire import otlp
+from agl_stream.wire.spans import span_from_otel
 
 TRACE = bytes.fromhex("0af7651916cd43dd8448eb211c80319c")
 SPAN = bytes.fromhex("b7ad6b7169203331")
@@ -262,7 +262,7 @@ def test_json_request_with_snake_case_names_numbers_and_enum_names() -> None:
 
 
 def test_sdk_spans_decode_as_agl_stream_spans_converts_them() -> None:
-    """What the real exporter sends equals what agl_stream.spans makes of the same SDK spans."""
+    """What the real exporter sends equals what agl_stream.wire.spans makes of the same SDK spans."""
     memory = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({**IDS, "service.name": "sdk"}))
     provider.add_span_processor(SimpleSpanProcessor(memory))

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from agl_stream.codec import Codec
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
 from agl_stream.domain.adapter.wire import SpanRecordDecoder
 from agl_stream.domain.replay import (
@@ -28,7 +27,8 @@ from agl_stream.domain.replay import (
 )
 from agl_stream.errors import MalformedRecordError
 from agl_stream.models import Span, TripletRecord
-from agl_stream.span_records import span_dict_records
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.span_records import span_dict_records
 from producers.replay_history import attempt_history, span_values
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agl_stream.codec import Codec
 from agl_stream.models import Reply, Rollout, RolloutConfig, RolloutState
-from agl_stream.store.reply_wire import ReplyEncoder
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.reply_wire import ReplyEncoder
 
 CODEC = Codec.default()
 STATE = RolloutState(

@@ -14,7 +14,6 @@ from typing import Any
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.structs import RecordMetadata
 
-from agl_stream.codec import Codec
 from agl_stream.config import Settings
 from agl_stream.domain.queue import QUEUE_FULL, claim_attempt_id
 from agl_stream.domain.trace_collector import finishes_an_attempt
@@ -33,6 +32,7 @@ from agl_stream.models import (
     StoreRequest,
 )
 from agl_stream.store.replies import REPLY_HEADER
+from agl_stream.wire.codec import Codec
 from processors.rollouts import PROCESSOR, RolloutProcessor
 
 SETTINGS = Settings(topic_prefix="t")

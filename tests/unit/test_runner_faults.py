@@ -21,10 +21,10 @@ from agl_stream.litagent import FunctionalLitAgent
 from agl_stream.models import Attempt, Rollout, Span
 from agl_stream.models.base import AttemptStatus, RolloutStatus
 from agl_stream.retry import Backoff
-from agl_stream.semconv import AGL_ATTEMPT
 from agl_stream.store.client import AglStore
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import UNSET, AttemptedRollout, Unset
+from agl_stream.wire.semconv import AGL_ATTEMPT
 from consumers.runner import Runner, RunnerOptions, RunnerStats
 
 TIMEOUT = 60.0  # generous: the machine may be busy

@@ -13,8 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from agl_stream.cli.schemas_cmd import schemas_app
-from agl_stream.codec import Codec
-from agl_stream.contract import (
+from agl_stream.errors import CodecError, SchemaCompatibilityError, UnknownFingerprintError
+from agl_stream.models import Span, TripletBatch, TripletRecord, Worker
+from agl_stream.resources import resource_path
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.contract import (
     Contract,
     NamedSchema,
     SchemaDefinitionError,
@@ -23,9 +26,6 @@ from agl_stream.contract import (
     expand_schema,
     load_definitions,
 )
-from agl_stream.errors import CodecError, SchemaCompatibilityError, UnknownFingerprintError
-from agl_stream.models import Span, TripletBatch, TripletRecord, Worker
-from agl_stream.resources import resource_path
 
 CURRENT = Contract.load()
 

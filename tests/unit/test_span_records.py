@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.errors import CodecError, MalformedRecordError, RecordTypeError
 from agl_stream.models import Span, SpanBatch, Worker
-from agl_stream.span_avro import WRITTEN_FOR, span_body
-from agl_stream.span_records import (
+from agl_stream.wire.codec import HEADER_SIZE, Codec
+from agl_stream.wire.span_avro import WRITTEN_FOR, span_body
+from agl_stream.wire.span_records import (
     MAX_RECORD_BYTES,
     SPAN,
     SPAN_BATCH,
@@ -217,7 +217,7 @@ def _fastavro_body(span: Span | dict[str, Any]) -> bytes | None:
 
 def test_the_writer_is_for_the_current_span_schema() -> None:
     assert CODEC.fingerprint(SPAN) == WRITTEN_FOR, (
-        "agl.Span changed: write its new layout in agl_stream/span_avro.py and set WRITTEN_FOR to "
+        "agl.Span changed: write its new layout in agl_stream/wire/span_avro.py and set WRITTEN_FOR to "
         f"{CODEC.fingerprint(SPAN):#018x} (until then every span is written by fastavro, slowly)"
     )
 

@@ -15,10 +15,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, Tracer, TraceState
 from pydantic import ValidationError
 
-from agl_stream import spans
-from agl_stream.codec import Codec
 from agl_stream.models import Span
-from agl_stream.spans import span_from_otel
+from agl_stream.wire import spans
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.spans import span_from_otel
 from tests.unit.test_models import attribute_values, typed
 
 

@@ -14,7 +14,7 @@ import httpx
 from aiohttp import web
 
 from agl_stream.http_serving import QuietServer, listen, server_config
-from agl_stream.semconv import POLICY_VERSION_HEADER
+from agl_stream.wire.semconv import POLICY_VERSION_HEADER
 from consumers.switch_gate import SWITCH_CUT, SWITCH_TIMEOUT, HandoffOptions, SwitchGate
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -10,10 +10,7 @@ from collections.abc import Callable, Sequence
 import pytest
 from opentelemetry import trace
 
-from agl_stream.codec import Codec
 from agl_stream.models import Span, SpanBatch
-from agl_stream.semconv import POLICY_VERSION
-from agl_stream.span_records import span_records
 from agl_stream.tracing import (
     ATTEMPT_ID_KEY,
     ROLLOUT_ID_KEY,
@@ -23,6 +20,9 @@ from agl_stream.tracing import (
     ExportPolicy,
     Wait,
 )
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.semconv import POLICY_VERSION
+from agl_stream.wire.span_records import span_records
 
 TIMEOUT = 60.0  # generous: the machine may be busy with a benchmark
 tracer_api = trace.get_tracer("tests.tracing")

@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 
-from agl_stream.codec import Codec
-from agl_stream.contract import Contract, check_compatible
 from agl_stream.domain.adapter import (
     BRANCH,
     DRIFT,
@@ -29,7 +27,9 @@ from agl_stream.domain.adapter.lean import lean_span
 from agl_stream.domain.adapter.wire import TripletRecordEncoder
 from agl_stream.models import Span, Triplet, TripletRecord
 from agl_stream.resources import resource_path
-from agl_stream.semconv import POLICY_VERSION
+from agl_stream.wire.codec import Codec
+from agl_stream.wire.contract import Contract, check_compatible
+from agl_stream.wire.semconv import POLICY_VERSION
 
 SYSTEM = [1, 2, 3]
 USER = [10, 11]

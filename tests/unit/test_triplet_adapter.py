@@ -25,7 +25,7 @@ from agl_stream.domain.adapter import (
 )
 from agl_stream.domain.adapter.tree import TraceNode
 from agl_stream.models import Span
-from agl_stream.semconv import AGL_ANNOTATION, AGL_VIRTUAL
+from agl_stream.wire.semconv import AGL_ANNOTATION, AGL_VIRTUAL
 
 CHAT = "openai.chat.completion"
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from agl_stream.models import Span
-from agl_stream.semconv import POLICY_VERSION
+from agl_stream.wire.semconv import POLICY_VERSION
 
 __all__ = [
     "ADAPTER_KEYS",

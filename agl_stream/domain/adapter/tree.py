@@ -15,7 +15,7 @@ from typing import Any
 
 from agl_stream.domain.adapter.lean import LeanSpan, lean_span
 from agl_stream.models import Span
-from agl_stream.semconv import AGL_VIRTUAL
+from agl_stream.wire.semconv import AGL_VIRTUAL
 
 __all__ = [
     "VIRTUAL_ROOT_ID",

@@ -25,7 +25,7 @@ from agl_stream.domain.adapter.trajectory import Aggregation, aggregate_triplets
 from agl_stream.domain.adapter.tree import TraceNode, agent_name_of, build_tree, node_key, repair_hierarchy
 from agl_stream.emitters import get_reward_value
 from agl_stream.models import Span, Triplet
-from agl_stream.semconv import AGL_ANNOTATION, POLICY_VERSION
+from agl_stream.wire.semconv import AGL_ANNOTATION, POLICY_VERSION
 
 __all__ = [
     "DEFAULT_LLM_CALL_MATCH",

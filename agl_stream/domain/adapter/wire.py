@@ -31,12 +31,13 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from agl_stream.avro_primitives import zigzag
-from agl_stream.codec import HEADER_SIZE, MAGIC, Codec
 from agl_stream.domain.adapter.lean import ADAPTER_KEYS, REWARD_PREFIX, REWARDISH_KEYS, LeanSpan, lean_attributes
-from agl_stream.errors import MalformedRecordError, RecordTypeError
+from agl_stream.errors import MalformedRecordError
 from agl_stream.models import TripletRecord
 from agl_stream.models.spans import SPAN_ID_MAX_LENGTH
+from agl_stream.wire.avro_primitives import zigzag
+from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec
+from agl_stream.wire.span_records import span_dicts_of
 
 __all__ = [
     "SPAN_BATCH_FINGERPRINT",
@@ -570,18 +571,6 @@ class SpanRecordDecoder:
     def slow(self, data: bytes) -> list[LeanSpan]:
         """Through the codec (any schema version it knows; its errors)."""
         return [lean_of_datum(datum) for datum in span_dicts_of(self.codec, data)]
-
-
-def span_dicts_of(codec: Codec, data: bytes) -> list[dict[str, Any]]:
-    """The spans of one agl.spans record in the codec's dict form (as
-    ``agl_stream.span_records.span_dicts_of``, which the domain may not import)."""
-    name, datum = codec.decode_dict(data)
-    if name == SPAN_BATCH:
-        spans: list[dict[str, Any]] = datum["spans"]
-        return spans
-    if name == SPAN:
-        return [datum]
-    raise RecordTypeError(f"expected an {SPAN} or an {SPAN_BATCH}, got a {name}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from fastavro.read import LOGICAL_READERS
 from fastavro.write import LOGICAL_WRITERS
 from pydantic import ValidationError
 
-from agl_stream.contract import JSON_LOGICAL_TYPE, Contract, NamedSchema
 from agl_stream.errors import (
     CodecError,
     MalformedRecordError,
@@ -42,6 +41,7 @@ from agl_stream.errors import (
     UnknownFingerprintError,
 )
 from agl_stream.models import AVRO_CONTEXT, MODELS, TYPE_KEY, AglModel
+from agl_stream.wire.contract import JSON_LOGICAL_TYPE, Contract, NamedSchema
 
 MAGIC = b"\xc3\x01"
 HEADER_SIZE = 10

@@ -5,7 +5,7 @@ Writers send batches: :func:`span_records` turns the spans of a flush into one r
 topic stays co-partitioned with agl.rollouts). Single-span records written before batches (or
 by other writers) stay valid: every reader takes both forms through :func:`span_dicts_of` (the
 codec's dict form, for hot loops) or :func:`spans_of` (validated models). Each span's body is
-written by :mod:`agl_stream.span_avro` (by hand, fastavro's bytes) where it can, by the codec
+written by :mod:`agl_stream.wire.span_avro` (by hand, fastavro's bytes) where it can, by the codec
 otherwise.
 
 The ClickHouse sink does not decode spans: it hands the engine Avro bodies of ``agl.SpanBatch``
@@ -20,11 +20,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from agl_stream.avro_primitives import MAX_RECORD_BYTES, avro_string, zigzag
-from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.errors import MalformedRecordError, RecordTypeError
 from agl_stream.models import Span
-from agl_stream.span_avro import WRITTEN_FOR, span_body
+from agl_stream.wire.avro_primitives import MAX_RECORD_BYTES, avro_string, zigzag
+from agl_stream.wire.codec import HEADER_SIZE, Codec
+from agl_stream.wire.span_avro import WRITTEN_FOR, span_body
 
 SPAN = "agl.Span"
 SPAN_BATCH = "agl.SpanBatch"

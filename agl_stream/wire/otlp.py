@@ -8,7 +8,7 @@ ids are hex, not base64 (lowerCamelCase and snake_case field names, int64 as str
 and enums as integers or names are all accepted, as the spec asks of receivers). Bodies may be
 gzip-compressed (``Content-Encoding: gzip``, one member or several).
 
-Field conventions follow agl_stream/spans.py (SDK spans): times in float seconds (``None`` for
+Field conventions follow agl_stream/wire/spans.py (SDK spans): times in float seconds (``None`` for
 an unset 0), hex ids, kind and status code by name (``SPAN_KIND_UNSPECIFIED`` reads as
 ``INTERNAL``, as the OpenTelemetry spec allows). Attribute values keep their types: string, bool,
 int, double, bytes (as base64 text, as OTLP JSON carries them), arrays of those as lists. Our
@@ -54,7 +54,7 @@ from pydantic import ValidationError
 from agl_stream.errors import AglError
 from agl_stream.models import Span
 from agl_stream.models.spans import Attributes, OtelResource, SpanContext, SpanEvent, SpanLink, SpanStatus
-from agl_stream.semconv import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY
+from agl_stream.wire.semconv import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agl_stream.avro_primitives import avro_string, zigzag
-from agl_stream.codec import HEADER_SIZE, Codec
 from agl_stream.models.replies import ReplyOutcome
+from agl_stream.wire.avro_primitives import avro_string, zigzag
+from agl_stream.wire.codec import HEADER_SIZE, Codec
 
 __all__ = ["ReplyEncoder"]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from agl_stream.avro_primitives import zigzag
+from agl_stream.wire.avro_primitives import zigzag
 
 WRITTEN_FOR = 0x482855A0550023DA
 """Fingerprint (CRC-64-AVRO of the Parsing Canonical Form) of the ``agl.Span`` this writes."""
