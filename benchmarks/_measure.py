@@ -107,12 +107,12 @@ def bench_settings(data_dir: Path, prefix: str) -> Any:
     import uuid
 
     from agl_stream.config import Settings
-    from agl_stream.kafka import broker
+    from agl_stream.ports import free_ports
 
     settings = Settings(
         data_dir=data_dir, gateway_port=0, topic_prefix=f"{prefix}{uuid.uuid4().hex[:6]}", log_level="WARNING"
     )
     if settings.uses_local_broker:
-        port, controller = broker.free_ports(2)
+        port, controller = free_ports(2)
         settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
     return settings

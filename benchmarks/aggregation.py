@@ -54,7 +54,7 @@ from rich.table import Table
 
 from agl_stream.config import Settings
 from agl_stream.demo import loop
-from agl_stream.kafka.broker import free_ports
+from agl_stream.ports import free_ports
 from agl_stream.store.client import AglStore
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -485,6 +485,7 @@ def agl_store(logs: Path) -> Iterator[Store]:
     from agl_stream import metrics, stack
     from agl_stream.config import Settings
     from agl_stream.kafka import broker
+    from agl_stream.ports import free_ports
 
     with tempfile.TemporaryDirectory(prefix="agl-bench-compare-") as tmp:
         settings = Settings(
@@ -492,7 +493,7 @@ def agl_store(logs: Path) -> Iterator[Store]:
         )
         own_broker = settings.uses_local_broker
         if own_broker:
-            port, controller = broker.free_ports(2)
+            port, controller = free_ports(2)
             settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
         try:
             with console.status("agl-stream: starting the stack (broker, topics, roles)"):

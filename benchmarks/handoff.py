@@ -97,8 +97,8 @@ async def _one_at_a_time(url: str, calls: int) -> list[float]:
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    from agl_stream.kafka.broker import free_ports
     from agl_stream.models import ModelCheckpoint
+    from agl_stream.ports import free_ports
     from consumers.switch_gate import HandoffOptions
     from consumers.vllm_server import VllmManager, VllmOptions
 

@@ -26,6 +26,7 @@ from _measure import cpu_seconds, tree_cpu_seconds
 from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.ports import free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results" / "idle.json"
 
@@ -92,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="agl-bench-idle-") as tmp:
         settings = Settings(data_dir=Path(tmp), gateway_port=0, topic_prefix=f"i{uuid.uuid4().hex[:6]}")
-        port, controller = broker.free_ports(2)
+        port, controller = free_ports(2)
         settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
         stack.up(settings, training=args.training)
         try:

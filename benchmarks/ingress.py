@@ -32,6 +32,7 @@ from agl_stream.kafka import admin, broker
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.models import RolloutConfig, TaskRequest
+from agl_stream.ports import free_ports
 from agl_stream.processes import start_role, stop_role
 from agl_stream.wire.codec import Codec
 
@@ -156,7 +157,7 @@ def main() -> None:
         settings = Settings(data_dir=Path(tmp), topic_prefix=f"b{uuid.uuid4().hex[:6]}", log_level="WARNING")
         own_broker = settings.uses_local_broker
         if own_broker:
-            port, controller = broker.free_ports(2)
+            port, controller = free_ports(2)
             settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
             broker.start(settings)
         try:

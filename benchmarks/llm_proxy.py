@@ -37,7 +37,7 @@ from _measure import cpu_seconds  # type: ignore[import-not-found]
 
 from agl_stream import connect, stack
 from agl_stream.config import Settings
-from agl_stream.kafka import broker
+from agl_stream.ports import free_ports
 from agl_stream.processes import role_environment
 
 MODEL = "bench-policy"
@@ -227,13 +227,13 @@ def main() -> None:
             data_dir=Path(tmp), gateway_port=0, topic_prefix=f"b{uuid.uuid4().hex[:6]}", log_level="WARNING"
         )
         if settings.uses_local_broker:
-            port, controller = broker.free_ports(2)
+            port, controller = free_ports(2)
             settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
         stack.up(settings)
         children: list[subprocess.Popen[bytes]] = []
         try:
             settings = stack.local_stack_settings(settings)
-            backend_port, proxy_port = broker.free_ports(2)
+            backend_port, proxy_port = free_ports(2)
             backend_url = f"http://127.0.0.1:{backend_port}/v1"
             me = [sys.executable, os.path.abspath(__file__)]
             children.append(subprocess.Popen([*me, "--role", "backend", "--port", str(backend_port)]))

@@ -41,6 +41,7 @@ from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker
 from agl_stream.kafka.io import make_consumer, make_producer
+from agl_stream.ports import free_ports
 from agl_stream.processes import role_environment
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import SPAN, span_dict_records, span_dicts_of
@@ -308,7 +309,7 @@ def main() -> None:
         base = Settings(data_dir=Path(tmp), log_level="WARNING")
         started = False
         if base.uses_local_broker:
-            port, controller_port = broker.free_ports(2)
+            port, controller_port = free_ports(2)
             base = base.model_copy(update={"kafka_port": port, "kafka_controller_port": controller_port})
             broker.start(base)
             started = True

@@ -42,11 +42,13 @@ from typing import Any
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
 from agl_stream.domain.adapter.lean import LeanSpan
-from agl_stream.domain.adapter.wire import SpanRecordDecoder, TripletRecordEncoder, lean_of_datum
+from agl_stream.domain.adapter.span_decoder import SpanRecordDecoder, lean_of_datum
+from agl_stream.domain.adapter.triplet_encoder import TripletRecordEncoder
 from agl_stream.domain.replay import PartitionReplay, ReplaySettings, out_record, output_digest
 from agl_stream.domain.trace_collector import ReadyAttempt, TraceCollector, spans_by_attempt, triplet_record
 from agl_stream.kafka import admin, broker
 from agl_stream.models import Span, TripletRecord
+from agl_stream.ports import free_ports
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import span_dicts_of
 from producers.replay import replay
@@ -227,7 +229,7 @@ def main() -> None:
             settings = Settings(data_dir=Path(tmp), topic_prefix=f"b{uuid.uuid4().hex[:6]}", log_level="WARNING")
             started = False
             if settings.uses_local_broker:
-                port, controller = broker.free_ports(2)
+                port, controller = free_ports(2)
                 settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
                 broker.start(settings)
                 started = True

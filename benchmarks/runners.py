@@ -30,6 +30,7 @@ from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.ports import free_ports
 from agl_stream.processes import start_role, stop_role
 
 
@@ -141,7 +142,7 @@ def main() -> None:
             data_dir=Path(tmp), gateway_port=0, topic_prefix=f"b{uuid.uuid4().hex[:6]}", log_level="WARNING"
         )
         if settings.uses_local_broker:
-            port, controller = broker.free_ports(2)
+            port, controller = free_ports(2)
             settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
         stack.up(settings)
         try:

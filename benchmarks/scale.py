@@ -43,10 +43,11 @@ def scaled_store(logs: Path, brokers: int, processors: int) -> Iterator[Store]:
     from agl_stream import stack
     from agl_stream.config import Settings
     from agl_stream.kafka import broker
+    from agl_stream.ports import free_port_run
     from agl_stream.processes import start_role, stop_role
 
     with tempfile.TemporaryDirectory(prefix="agl-bench-scale-") as tmp:
-        first = broker.free_port_run(2 * brokers)
+        first = free_port_run(2 * brokers)
         settings = Settings(
             kafka_bootstrap=None,
             data_dir=Path(tmp),

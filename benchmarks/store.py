@@ -33,6 +33,7 @@ from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.models import Span
+from agl_stream.ports import free_ports
 
 PROBES = 100
 
@@ -205,7 +206,7 @@ def main() -> None:
         )
         own_broker = settings.uses_local_broker
         if own_broker:
-            port, controller = broker.free_ports(2)
+            port, controller = free_ports(2)
             settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
         stack.up(settings)
         try:

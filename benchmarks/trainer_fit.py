@@ -40,7 +40,7 @@ import agl_stream as agl
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.demo.task import PROMPTS, digits
-from agl_stream.kafka import broker
+from agl_stream.ports import free_ports
 from agl_stream.processes import RoleGroup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ from examples.calculator import calc_agent  # noqa: E402
 def _settings(data_dir: Path) -> Settings:
     settings = Settings(data_dir=data_dir, gateway_port=0, topic_prefix=f"b{uuid.uuid4().hex[:6]}", log_level="WARNING")
     if settings.uses_local_broker:
-        port, controller = broker.free_ports(2)
+        port, controller = free_ports(2)
         settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
     return settings
 
@@ -108,7 +108,7 @@ def throughput(runners: int, concurrency: int, epochs: int, max_tokens: int) -> 
     with tempfile.TemporaryDirectory(prefix="agl-bench-fit-") as tmp:
         settings = _settings(Path(tmp))
         roles = RoleGroup(settings, Path(tmp) / "logs")
-        (port,) = broker.free_ports(1)
+        (port,) = free_ports(1)
         try:
             roles.start("inference", "--port", str(port), "--no-follow", name="inference")
             roles.wait_http("inference", f"http://127.0.0.1:{port}/health")

@@ -43,7 +43,7 @@ from agl_stream import metrics
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.domain.adapter.lean import lean_span
-from agl_stream.domain.adapter.wire import TripletRecordEncoder
+from agl_stream.domain.adapter.triplet_encoder import TripletRecordEncoder
 from agl_stream.domain.trace_collector import (
     EvictedAttempt,
     ReadyAttempt,

@@ -35,9 +35,9 @@ from typing import Any
 import httpx
 import torch
 
-from agl_stream.kafka.broker import free_ports
 from agl_stream.models import ModelCheckpoint, Triplet, TripletBatch, TripletRecord
 from agl_stream.policy import build_model, build_tokenizer, load_checkpoint, save_checkpoint
+from agl_stream.ports import free_ports
 from agl_stream.training import TorchPolicyBackend, batch_to_dataproto
 from consumers.vllm_server import VllmManager, VllmOptions, default_command
 

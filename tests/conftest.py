@@ -17,6 +17,7 @@ import pytest
 
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.ports import free_ports
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -34,7 +35,7 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if given:
         yield given
         return
-    port, controller_port = broker.free_ports(2)
+    port, controller_port = free_ports(2)
     # kafka_libs_dir keeps its default, so the Maven jar cache is shared with `make jars`.
     local = Settings(
         kafka_bootstrap=None,

@@ -50,10 +50,10 @@ from agl_stream.algorithm.verl_config import (
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.errors import AlgorithmConfigError, ConfigError, DatasetError
-from agl_stream.kafka.broker import free_ports
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.logs import get_logger
 from agl_stream.models import ProxyLLM, ResourcesUpdate
+from agl_stream.ports import free_ports
 from agl_stream.rl_options import BackendKind
 
 log = get_logger("agl.algorithm.verl")

@@ -11,6 +11,7 @@ from rich.table import Table
 from agl_stream.cli.context import settings_of
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.kafka.jars import ensure_jars
 
 kafka_app = typer.Typer(
     help=(
@@ -35,7 +36,7 @@ def _with_overrides(settings: Settings, **overrides: Any) -> Settings:
 def jars(ctx: typer.Context) -> None:
     """Fetch the Kafka server jars from Maven Central into the cache (once; `start` does it too)."""
     settings = settings_of(ctx)
-    libs = broker.ensure_jars(settings)
+    libs = ensure_jars(settings)
     _console.print(f"Kafka jars ready in [bold]{libs}[/bold]")
 
 

@@ -26,7 +26,7 @@ from rich.table import Table
 from agl_stream import stack
 from agl_stream.config import Settings
 from agl_stream.demo.task import PROMPTS
-from agl_stream.kafka import broker
+from agl_stream.ports import free_ports
 from agl_stream.processes import RoleGroup
 from agl_stream.store.client import AglStore
 
@@ -111,7 +111,7 @@ def running_loop(
         opened = stack.open_session(settings, progress=spinner.update)
     try:
         running = opened.settings
-        model_port, proxy_port = ports or broker.free_ports(2)
+        model_port, proxy_port = ports or free_ports(2)
         proxy_url = f"http://127.0.0.1:{proxy_port}/v1"
         roles = RoleGroup(running, settings.data_dir / "logs")
         try:

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict
 
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.domain.adapter.lean import LeanSpan
-from agl_stream.domain.adapter.wire import SpanRecordDecoder, TripletRecordEncoder
+from agl_stream.domain.adapter.span_decoder import SpanRecordDecoder
+from agl_stream.domain.adapter.triplet_encoder import TripletRecordEncoder
 from agl_stream.domain.fold import fold
 from agl_stream.domain.trace_collector import (
     ReadyAttempt,

@@ -1,4 +1,5 @@
-"""The local Apache Kafka broker or cluster: fetch its jars, format its storage, start, stop, inspect.
+"""The local Apache Kafka broker or cluster: format its storage, start, stop, inspect (its jars and
+Java: ``jars.py``; its TLS, SCRAM and ACL settings: ``security.py``).
 
 By default one single-node KRaft broker (broker and controller in one JVM) per data dir, under
 ``<data_dir>/kafka``:
@@ -28,54 +29,37 @@ SASL/PLAIN with a password made at each start.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
-import secrets
-import shutil
 import signal
 import socket
-import ssl
-import struct
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiokafka.conn import create_conn
-from aiokafka.errors import KafkaError, SaslAuthenticationFailed
-from aiokafka.protocol.metadata import MetadataRequest
-from pydantic import BaseModel, ConfigDict, SecretStr
+from pydantic import BaseModel, ConfigDict
 
-from agl_stream.config import KAFKA_VERSION, Settings
-from agl_stream.errors import BrokerError, ConfigError, PrerequisiteError
+from agl_stream.config import Settings
+from agl_stream.errors import BrokerError, ConfigError
+from agl_stream.kafka import probe, security
+from agl_stream.kafka.jars import check_prerequisites, ensure_jars
 from agl_stream.logs import get_logger
 from agl_stream.resources import resource_path
 
 log = get_logger(__name__)
 
-MIN_JAVA = 17
 KAFKA_MAIN = "kafka.Kafka"
-_JARS_MARKER = ".agl-complete"
 _POLL_S = 0.05
 CLUSTER_STOP_GRACE_S = 10.0
 _TAIL_LINES = 40
-
-_JAVA_HINT = (
-    "install a Java 17+ JDK, e.g. `apt-get install openjdk-17-jdk-headless` "
-    "(macOS: `brew install openjdk@17`), or set JAVA_HOME to one"
-)
-_MAVEN_HINT = "install Apache Maven, e.g. `apt-get install maven` (macOS: `brew install maven`)"
-_EXTERNAL_HINT = "or set AGL_KAFKA_BOOTSTRAP to use an existing Kafka cluster instead"
 
 # Broker JVMs this Python process launched. Keeping the Popen objects lets stop() reap them:
 # an unreaped child stays a zombie, which os.kill(pid, 0) still reports as alive.
@@ -112,15 +96,6 @@ class BrokerStatus(BaseModel):
     data_dir: Path
     log_file: Path
     node_id: int = 1
-
-
-@dataclass(frozen=True)
-class Toolchain:
-    """The tools check_prerequisites() found."""
-
-    java: Path
-    java_version: int
-    mvn: Path | None
 
 
 @dataclass(frozen=True)
@@ -179,146 +154,8 @@ class _Paths:
         )
 
 
-# -- prerequisites --------------------------------------------------------------------------
-
-
-def _find_java() -> Path:
-    java_home = os.environ.get("JAVA_HOME")
-    if java_home:
-        candidate = Path(java_home) / "bin" / "java"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate
-        raise PrerequisiteError(
-            f"JAVA_HOME={java_home} has no executable bin/java: point JAVA_HOME at a Java "
-            f"{MIN_JAVA}+ JDK or unset it to use `java` from PATH"
-        )
-    found = shutil.which("java")
-    if found is None:
-        raise PrerequisiteError(
-            f"the local Kafka broker needs Java {MIN_JAVA}+ but `java` is not on PATH: {_JAVA_HINT}; {_EXTERNAL_HINT}"
-        )
-    return Path(found)
-
-
-def java_major_version(java: Path) -> int:
-    """Major version from ``java -version`` (``"1.8.0_292"`` -> 8, ``"17.0.15"`` -> 17)."""
-    try:
-        out = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise PrerequisiteError(f"could not run `{java} -version` ({exc}): {_JAVA_HINT}") from exc
-    text = out.stderr + out.stdout  # the version goes to stderr
-    match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
-    if match is None:
-        raise PrerequisiteError(
-            f"could not read the Java version from `{java} -version` (got {text.strip()[:200]!r}): {_JAVA_HINT}"
-        )
-    major = int(match.group(1))
-    if major == 1 and match.group(2):  # pre-9 scheme: 1.8 is Java 8
-        major = int(match.group(2))
-    return major
-
-
-def _find_maven() -> Path:
-    found = shutil.which("mvn")
-    if found is None:
-        raise PrerequisiteError(
-            f"fetching the Kafka server jars needs Apache Maven but `mvn` is not on PATH: "
-            f"{_MAVEN_HINT}; {_EXTERNAL_HINT}"
-        )
-    return Path(found)
-
-
-def check_prerequisites(*, maven: bool = True) -> Toolchain:
-    """Java 17+ (JAVA_HOME first, then PATH) and, unless ``maven=False``, ``mvn`` on PATH."""
-    java = _find_java()
-    major = java_major_version(java)
-    if major < MIN_JAVA:
-        raise PrerequisiteError(
-            f"{java} is Java {major}; the Kafka {KAFKA_VERSION} broker needs Java {MIN_JAVA}+: {_JAVA_HINT}"
-        )
-    return Toolchain(java=java, java_version=major, mvn=_find_maven() if maven else None)
-
-
-# -- jars -----------------------------------------------------------------------------------
-
-
-def _pom_digest(pom: Path) -> str:
-    return hashlib.sha256(pom.read_bytes()).hexdigest()
-
-
-def _jars_complete(libs: Path, digest: str) -> bool:
-    """The marker is written last, names the pom it came from and every jar copied."""
-    try:
-        marker = json.loads((libs / _JARS_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    jars = marker.get("jars") if isinstance(marker, dict) else None
-    return (
-        marker.get("pom_sha256") == digest
-        and isinstance(jars, list)
-        and bool(jars)
-        and all((libs / str(name)).is_file() for name in jars)
-    )
-
-
 def _tail(text: str, lines: int = _TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def ensure_jars(settings: Settings) -> Path:
-    """Resolve the Kafka server jars with Maven into ``settings.kafka_libs_dir`` (cached)."""
-    pom = resource_path("infra/kafka/pom.xml")
-    digest = _pom_digest(pom)
-    libs = settings.kafka_libs_dir.expanduser().resolve()
-    if _jars_complete(libs, digest):
-        return libs
-    tools = check_prerequisites()
-    assert tools.mvn is not None
-    libs.parent.mkdir(parents=True, exist_ok=True)
-    # Copy into a private folder and rename it into place when complete: an interrupted copy
-    # leaves no half-filled libs dir behind, and two processes resolving at once don't mix.
-    staging = libs.parent / f".{libs.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    started = time.monotonic()
-    log.info("resolving kafka jars with maven", libs=str(libs), pom=str(pom))
-    try:
-        result = subprocess.run(
-            [
-                str(tools.mvn),
-                "-q",
-                "-B",
-                "-Dstyle.color=never",
-                "-f",
-                str(pom),
-                "dependency:copy-dependencies",
-                f"-DoutputDirectory={staging}",
-                "-DincludeScope=runtime",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=libs.parent,
-        )
-        if result.returncode != 0:
-            raise BrokerError(
-                f"Maven could not resolve the Kafka jars (exit {result.returncode}); is Maven "
-                f"Central reachable (or a mirror in ~/.m2/settings.xml)? Last lines:\n"
-                f"{_tail(result.stdout + result.stderr)}"
-            )
-        jars = sorted(p.name for p in staging.glob("*.jar"))
-        if not any(name.startswith("kafka_2.13-") for name in jars):
-            raise BrokerError(f"Maven finished but copied no Kafka server jar into {staging}")
-        (staging / _JARS_MARKER).write_text(json.dumps({"pom_sha256": digest, "jars": jars}))
-        if libs.exists() and not _jars_complete(libs, digest):
-            shutil.rmtree(libs)  # an older or half-finished copy
-        try:
-            staging.rename(libs)
-        except OSError:
-            if not _jars_complete(libs, digest):  # no concurrent resolver won: a real error
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    log.info("kafka jars ready", libs=str(libs), seconds=round(time.monotonic() - started, 1))
-    return libs
 
 
 # -- processes ------------------------------------------------------------------------------
@@ -430,45 +267,7 @@ def _log_tail(paths: _Paths) -> str:
     return f"(nothing in {paths.console_log} or {paths.server_log})"
 
 
-# -- ports and probing ----------------------------------------------------------------------
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports free right now (all held open while choosing, so no repeats)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def free_port_run(count: int, host: str = "127.0.0.1") -> int:
-    """The first of ``count`` consecutive ports free right now (a local cluster's ports, for tests)."""
-    for _ in range(200):
-        first = free_ports(1, host)[0]
-        if first + count > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(sock)
-                sock.bind((host, port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise BrokerError(f"found no {count} consecutive free ports on {host}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on ``host`` (for tests)."""
-    return free_ports(1, host)[0]
+# -- ports ----------------------------------------------------------------------
 
 
 def _check_port_free(host: str, port: int, what: str, option: str) -> None:
@@ -489,233 +288,14 @@ def _check_port_free(host: str, port: int, what: str, option: str) -> None:
             ) from exc
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("connection closed mid-response")
-        data += chunk
-    return bytes(data)
-
-
-def is_answering(host: str, port: int, *, timeout: float = 1.0) -> bool:
-    """Whether a broker at host:port answers Metadata listing at least one unfenced broker.
-
-    A plain PLAINTEXT request, so it works from sync code and inside a running event loop.
-    A broker accepts requests shortly before the controller unfences it, and only unfenced
-    brokers are listed; waiting for one means topics can be created right away.
-    """
-    client_id = b"agl-probe"
-    # Request header v1 (api_key 3 = Metadata, version 4: the oldest Kafka 4 still serves),
-    # then the v4 body: an empty topic array, allow_auto_topic_creation = false.
-    body = struct.pack(">hhih", 3, 4, 1, len(client_id)) + client_id + struct.pack(">ib", 0, 0)
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.sendall(struct.pack(">i", len(body)) + body)
-            (size,) = struct.unpack(">i", _recv_exact(sock, 4))
-            # correlation id, throttle_time_ms, then the broker array's length
-            correlation, _throttle, brokers = struct.unpack(">iii", _recv_exact(sock, 12))
-            _recv_exact(sock, size - 12)
-    except (OSError, struct.error):
-        return False
-    return correlation == 1 and brokers > 0
-
-
-def _is_answering_secured(settings: Settings, host: str, port: int, *, timeout: float = 1.0) -> bool:
-    """is_answering over the SASL_SSL listener, as the settings' user (TLS, SCRAM, Metadata).
-
-    Raises BrokerError when the broker refuses the credentials or its certificate does not
-    verify: waiting longer would not help. Runs its own event loop in a thread, so it works
-    from sync code and inside a running event loop alike.
-    """
-    options = settings.kafka_client_options()
-
-    async def probe() -> int:
-        conn = await create_conn(
-            host,
-            port,
-            client_id="agl-probe",
-            request_timeout_ms=int(timeout * 1000),
-            security_protocol=options["security_protocol"],
-            ssl_context=options.get("ssl_context"),
-            sasl_mechanism=options["sasl_mechanism"],
-            sasl_plain_username=options["sasl_plain_username"],
-            sasl_plain_password=options["sasl_plain_password"],
-        )
-        try:
-            response = await conn.send(MetadataRequest([]))  # no topics: just the live brokers
-        finally:
-            conn.close()
-        return len(response.brokers)
-
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            brokers = pool.submit(asyncio.run, asyncio.wait_for(probe(), timeout)).result()
-    except SaslAuthenticationFailed as exc:
-        raise BrokerError(
-            f"the local Kafka broker on {host}:{port} refused the credentials of AGL_KAFKA_SASL_USERNAME="
-            f"{settings.kafka_sasl_username} ({exc}). The user and password are stored when the data dir is "
-            f"first formatted ({settings.kafka_dir / 'data'}): use the ones it was formatted with, or "
-            f"start on a new data dir"
-        ) from exc
-    except ssl.SSLCertVerificationError as exc:
-        raise BrokerError(
-            f"the certificate of the local Kafka broker on {host}:{port} did not verify ({exc.verify_message}): "
-            "AGL_KAFKA_SSL_CAFILE must name the CA that signed the certificate in AGL_KAFKA_BROKER_KEYSTORE, "
-            f"and that certificate must be issued for {host}"
-        ) from exc
-    except (OSError, KafkaError, asyncio.TimeoutError):
-        return False  # not listening yet, or still starting
-    return brokers > 0
-
-
-def _answering(settings: Settings, host: str, port: int, *, timeout: float = 1.0) -> bool:
-    """is_answering as the settings' clients connect; a TLS and SCRAM handshake get 5x the time."""
-    if _secured(settings):
-        return _is_answering_secured(settings, host, port, timeout=5 * timeout)
-    return is_answering(host, port, timeout=timeout)
-
-
-# -- security -------------------------------------------------------------------------------
-
-_SCRAM_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512")
-_SCRAM_ITERATIONS = 8192
-_SCRAM_USER = re.compile(r"[A-Za-z0-9._-]+")  # also an unquoted JAAS option name (user_<name>)
-_LOOPBACK = "127.0.0.1"
-
-
-def _secured(settings: Settings) -> bool:
-    """Whether the broker is secured: SASL_SSL, the one protocol besides PLAINTEXT _check_security allows."""
-    return settings.kafka_security_protocol != "PLAINTEXT"
-
-
-def _controller_host(settings: Settings) -> str:
-    """Secured, the controller listener (SASL/PLAIN without TLS) is on loopback only."""
-    return _LOOPBACK if _secured(settings) else settings.kafka_host
-
-
-def _secret(value: SecretStr | None) -> str:
-    return value.get_secret_value() if value is not None else ""
-
-
-def _check_security(settings: Settings) -> None:
-    """Refuse, before anything runs, security settings the local broker cannot serve."""
-    protocol, mechanism = settings.kafka_security_protocol, settings.kafka_sasl_mechanism
-    if protocol == "PLAINTEXT":
-        return
-    if protocol != "SASL_SSL" or mechanism not in _SCRAM_MECHANISMS:
-        raise ConfigError(
-            f"the local Kafka broker serves PLAINTEXT, or SASL_SSL with SCRAM-SHA-256 or SCRAM-SHA-512, not "
-            f"AGL_KAFKA_SECURITY_PROTOCOL={protocol} with AGL_KAFKA_SASL_MECHANISM={mechanism}; change them, "
-            "or set AGL_KAFKA_BOOTSTRAP to use a cluster secured your way"
-        )
-    required = {
-        "AGL_KAFKA_SASL_USERNAME": settings.kafka_sasl_username or "",
-        "AGL_KAFKA_SASL_PASSWORD": _secret(settings.kafka_sasl_password),
-        "AGL_KAFKA_BROKER_KEYSTORE": str(settings.kafka_broker_keystore or ""),
-        "AGL_KAFKA_BROKER_KEYSTORE_PASSWORD": _secret(settings.kafka_broker_keystore_password),
-    }
-    missing = [name for name, value in required.items() if not value]
-    if missing:
-        raise ConfigError(f"a local Kafka broker with SASL_SSL needs {', '.join(missing)}")
-    if not _SCRAM_USER.fullmatch(required["AGL_KAFKA_SASL_USERNAME"]):
-        raise ConfigError(
-            f"AGL_KAFKA_SASL_USERNAME={settings.kafka_sasl_username!r}: the local broker's user name may "
-            "contain letters, digits and . _ - only"
-        )
-    for name, path in (
-        ("AGL_KAFKA_BROKER_KEYSTORE", settings.kafka_broker_keystore),
-        ("AGL_KAFKA_SSL_CAFILE", settings.kafka_ssl_cafile),
-    ):
-        if path is not None and not path.expanduser().is_file():
-            raise ConfigError(f"{name}={path} is not a file")
-
-
-def _jaas_quoted(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _security_properties(settings: Settings) -> dict[str, str]:
-    """The SASL_SSL listener's TLS, SCRAM and ACL settings (the rest is in _server_properties)."""
-    mechanism = str(settings.kafka_sasl_mechanism)
-    user = str(settings.kafka_sasl_username)
-    keystore = settings.kafka_broker_keystore
-    assert keystore is not None  # _check_security ran
-    login = (
-        "org.apache.kafka.common.security.scram.ScramLoginModule required "
-        f"username={_jaas_quoted(user)} password={_jaas_quoted(_secret(settings.kafka_sasl_password))};"
-    )
-    # The controller listener authenticates too: as a PLAINTEXT listener its callers would be
-    # User:ANONYMOUS, which the broker's registration makes a super user, so any local process
-    # could grant itself ACLs there. KRaft controllers take no SCRAM; PLAIN with a password made
-    # for this start (the broker is the controller's only client) names the same user.
-    controller_password = _jaas_quoted(secrets.token_urlsafe(24))
-    controller_login = (
-        "org.apache.kafka.common.security.plain.PlainLoginModule required "
-        f"username={_jaas_quoted(user)} password={controller_password} user_{user}={controller_password};"
-    )
-    props = {
-        "sasl.enabled.mechanisms": mechanism,
-        # The broker is a client of its own listener too (one node: inter-broker traffic goes to
-        # itself), as the settings' user.
-        "sasl.mechanism.inter.broker.protocol": mechanism,
-        f"listener.name.sasl_ssl.{mechanism.lower()}.sasl.jaas.config": login,
-        "sasl.mechanism.controller.protocol": "PLAIN",
-        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
-        "listener.name.controller.plain.sasl.jaas.config": controller_login,
-        "ssl.keystore.type": "PKCS12",
-        "ssl.keystore.location": str(keystore.expanduser().resolve()),
-        "ssl.keystore.password": _secret(settings.kafka_broker_keystore_password),
-        # ACLs: nobody but the settings' user may do anything without one.
-        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-        "super.users": f"User:{user}",
-    }
-    if settings.kafka_ssl_cafile is not None:  # else the JDK's CAs, as the clients use the system's
-        props["ssl.truststore.type"] = "PEM"
-        props["ssl.truststore.location"] = str(settings.kafka_ssl_cafile.expanduser().resolve())
-    return props
-
-
-def _scram_argument(settings: Settings) -> str:
-    """``--add-scram`` for the settings' user: a salted password, never the password itself."""
-    mechanism = str(settings.kafka_sasl_mechanism)
-    salt = os.urandom(32)
-    salted = hashlib.pbkdf2_hmac(
-        mechanism.removeprefix("SCRAM-").replace("-", "").lower(),  # sha256 / sha512
-        _secret(settings.kafka_sasl_password).encode(),
-        salt,
-        _SCRAM_ITERATIONS,
-    )
-    salt_b64, salted_b64 = base64.b64encode(salt).decode(), base64.b64encode(salted).decode()
-    return (
-        f'{mechanism}=[name={settings.kafka_sasl_username},salt="{salt_b64}",'
-        f'saltedpassword="{salted_b64}",iterations={_SCRAM_ITERATIONS}]'
-    )
-
-
-def _property_value(value: str) -> str:
-    """``value`` escaped for java.util.Properties, which Kafka reads as ISO-8859-1."""
-    escaped = []
-    for index, char in enumerate(value):
-        if char == "\\" or (char == " " and index == 0):
-            escaped.append("\\" + char)
-        elif " " <= char <= "~":
-            escaped.append(char)
-        else:
-            units = struct.unpack(f">{len(char.encode('utf-16-be')) // 2}H", char.encode("utf-16-be"))
-            escaped.extend(f"\\u{unit:04x}" for unit in units)
-    return "".join(escaped)
-
-
 # -- configuration --------------------------------------------------------------------------
 
 
 def _server_properties(settings: Settings, paths: _Paths, node: Node, nodes: list[Node]) -> str:
     host = settings.kafka_host
-    secured = _secured(settings)
+    secured = security.secured(settings)
     client, controller = ("SASL_SSL", "SASL_PLAINTEXT") if secured else ("PLAINTEXT", "PLAINTEXT")
-    chost = _controller_host(settings)
+    chost = security.controller_host(settings)
     # Internal topics as the declared ones (topics/topics.toml): 3 replicas, 2 in sync, capped
     # at the nodes there are.
     replicas, min_isr = str(min(3, len(nodes))), str(min(2, len(nodes)))
@@ -745,14 +325,14 @@ def _server_properties(settings: Settings, paths: _Paths, node: Node, nodes: lis
         "auto.create.topics.enable": "false",
         "num.partitions": "1",
         # Retention stays at Kafka's defaults (7 days); each declared topic sets its own.
-        **(_security_properties(settings) if secured else {}),
+        **(security.security_properties(settings) if secured else {}),
     }
     header = (
         "# Written by agl-stream (agl_stream/kafka/broker.py) on every start; edits are lost.\n"
         "# Change ports with AGL_KAFKA_PORT / AGL_KAFKA_CONTROLLER_PORT or `agl-stream kafka start"
         " --port`.\n"
     )
-    return header + "".join(f"{key}={_property_value(value)}\n" for key, value in props.items())
+    return header + "".join(f"{key}={security.property_value(value)}\n" for key, value in props.items())
 
 
 def _configured_bootstrap(paths: _Paths) -> str | None:
@@ -809,8 +389,8 @@ def _format_storage(java: Path, libs: Path, paths: _Paths, settings: Settings) -
         cluster_id = _new_cluster_id()
         paths.cluster_id.write_text(cluster_id + "\n")
     arguments = ["format", "-t", cluster_id, "-c", str(paths.config)]
-    if _secured(settings):
-        arguments += ["--add-scram", _scram_argument(settings)]
+    if security.secured(settings):
+        arguments += ["--add-scram", security.scram_argument(settings)]
     # The arguments go in a 0600 file (one a line, read by the tool itself), not on the command
     # line, where every local user could read the salted password.
     args_file = paths.kafka_dir / "format.args"
@@ -852,7 +432,7 @@ def _wait_until_answering(pid: int, settings: Settings, paths: _Paths, node: Nod
             code = f" with exit code {child.returncode}" if child is not None else ""
             raise BrokerError(f"the local Kafka broker (pid {pid}) exited during start-up{code}.\n{_log_tail(paths)}")
         remaining = deadline - time.monotonic()
-        if _answering(settings, host, port, timeout=max(0.1, min(1.0, remaining))):
+        if probe.answering(settings, host, port, timeout=max(0.1, min(1.0, remaining))):
             return
         if time.monotonic() >= deadline:
             raise BrokerError(
@@ -955,13 +535,13 @@ def _check_start_settings(settings: Settings) -> list[Node]:
         raise ConfigError(
             f"kafka heap {settings.kafka_heap!r} (--heap / AGL_KAFKA_HEAP): use a JVM size like 512m or 2g"
         )
-    if settings.kafka_brokers > 1 and _secured(settings):
+    if settings.kafka_brokers > 1 and security.secured(settings):
         raise ConfigError(
             "the local multi-broker cluster runs PLAINTEXT only; use AGL_KAFKA_BROKERS=1 with "
             f"AGL_KAFKA_SECURITY_PROTOCOL={settings.kafka_security_protocol}, or point "
             "AGL_KAFKA_BOOTSTRAP at a secured cluster of your own"
         )
-    _check_security(settings)
+    security.check_security(settings)
     _check_layout(settings)
     return cluster_nodes(settings)
 
@@ -1008,7 +588,7 @@ def start(settings: Settings, *, wait_timeout: float | None = None) -> BrokerInf
         for node in missing:
             _check_port_free(settings.kafka_host, node.port, "the client port", "--port / AGL_KAFKA_PORT")
             _check_port_free(
-                _controller_host(settings),
+                security.controller_host(settings),
                 node.controller_port,
                 "the controller port",
                 "--controller-port / AGL_KAFKA_CONTROLLER_PORT",
@@ -1176,7 +756,7 @@ def nodes_status(settings: Settings) -> list[BrokerStatus]:
         found.append(
             BrokerStatus(
                 running=pid is not None,
-                answering=pid is not None and _answering(settings, host, int(port)),
+                answering=pid is not None and probe.answering(settings, host, int(port)),
                 pid=pid,
                 bootstrap=bootstrap,
                 data_dir=paths.kafka_dir,

@@ -39,10 +39,10 @@ import pytest
 from agl_stream import AglStore, connect, stack
 from agl_stream.config import Settings
 from agl_stream.emitters import find_final_reward
-from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM, Rollout, Span
 from agl_stream.policy import build_tokenizer
+from agl_stream.ports import free_ports
 from agl_stream.wire.semconv import AGL_ATTEMPT
 from examples.calculator import calc_agent as calculator
 from tests.integration.helpers import serve, start_role, stop_role
@@ -112,7 +112,7 @@ def served(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> It
         gateway_port=0,
     )
     stack.up(settings, training=True)
-    model_port, proxy_port = broker.free_ports(2)
+    model_port, proxy_port = free_ports(2)
     running = stack.local_stack_settings(settings)
     started = []
     script = CalculatorScript()

@@ -33,8 +33,8 @@ import pytest
 
 from agl_stream import connect, stack
 from agl_stream.config import Settings
-from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.ports import free_ports
 from tests.integration.helpers import serve, stop_role
 from tests.integration.test_triplet_builder import _records_covering
 from tests.scripted_openai import scripted_openai
@@ -90,7 +90,7 @@ def served(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> It
     )
     stack.up(settings, training=True)
     running = stack.local_stack_settings(settings)
-    [port] = broker.free_ports(1)
+    [port] = free_ports(1)
     script = Script()
     exits = ExitStack()
     proxy = None

@@ -22,14 +22,15 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from agl_stream.config import Settings
 from agl_stream.errors import BrokerError, PrerequisiteError
-from agl_stream.kafka import broker
+from agl_stream.kafka import broker, jars
+from agl_stream.ports import free_ports
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None and not os.environ.get("JAVA_HOME"), reason="no Java here")
 
 
 def _local(data_dir: Path, **overrides: object) -> Settings:
     """Settings for a broker of our own on free ports, whatever AGL_KAFKA_BOOTSTRAP says."""
-    port, controller_port = broker.free_ports(2)
+    port, controller_port = free_ports(2)
     values: dict[str, object] = {
         "kafka_bootstrap": None,
         "data_dir": data_dir,
@@ -241,7 +242,7 @@ def test_missing_java_says_what_to_install(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.delenv("JAVA_HOME", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # neither java nor mvn here
     with pytest.raises(PrerequisiteError) as caught:
-        broker.check_prerequisites()
+        jars.check_prerequisites()
     message = str(caught.value)
     assert "Java 17+" in message
     assert "apt-get install openjdk-17-jdk-headless" in message
@@ -252,9 +253,9 @@ def test_missing_maven_says_what_to_install(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.delenv("JAVA_HOME", raising=False)
     _fake_java(tmp_path, 'openjdk version "17.0.15" 2025-04-15')
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert broker.check_prerequisites(maven=False).java_version == 17
+    assert jars.check_prerequisites(maven=False).java_version == 17
     with pytest.raises(PrerequisiteError, match=r"apt-get install maven"):
-        broker.check_prerequisites()
+        jars.check_prerequisites()
 
 
 def test_java_home_wins_and_old_java_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,12 +264,12 @@ def test_java_home_wins_and_old_java_is_refused(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("PATH", str(tmp_path / "path"))
     monkeypatch.setenv("JAVA_HOME", str(tmp_path / "jdk8"))
     with pytest.raises(PrerequisiteError, match=r"is Java 8; .* needs Java 17\+"):
-        broker.check_prerequisites(maven=False)
+        jars.check_prerequisites(maven=False)
     monkeypatch.setenv("JAVA_HOME", str(tmp_path / "nothing-here"))
     with pytest.raises(PrerequisiteError, match=r"JAVA_HOME=.*has no executable bin/java"):
-        broker.check_prerequisites(maven=False)
+        jars.check_prerequisites(maven=False)
     monkeypatch.delenv("JAVA_HOME")
-    assert broker.check_prerequisites(maven=False).java_version == 21
+    assert jars.check_prerequisites(maven=False).java_version == 21
 
 
 @pytest.mark.parametrize(
@@ -282,4 +283,4 @@ def test_java_home_wins_and_old_java_is_refused(tmp_path: Path, monkeypatch: pyt
     ],
 )
 def test_java_version_parsing(tmp_path: Path, line: str, major: int) -> None:
-    assert broker.java_major_version(_fake_java(tmp_path, line)) == major
+    assert jars.java_major_version(_fake_java(tmp_path, line)) == major

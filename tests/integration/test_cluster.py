@@ -34,6 +34,7 @@ from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import TripletBatch
+from agl_stream.ports import free_port_run
 from agl_stream.wire.codec import Codec
 from tests.integration.helpers import read_to_end, start_role, stop_role
 
@@ -46,7 +47,7 @@ ROLLOUTS = int(os.environ.get("CLUSTER_TEST_ROLLOUTS", "480"))
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    first = broker.free_port_run(6)
+    first = free_port_run(6)
     local = Settings(
         kafka_bootstrap=None,
         data_dir=tmp_path_factory.mktemp("cluster"),

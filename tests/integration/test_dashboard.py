@@ -38,11 +38,11 @@ from agl_stream import connect, stack
 from agl_stream.auth import auth_headers, known_token
 from agl_stream.config import Settings
 from agl_stream.domain.batching import batch_id_of
-from agl_stream.kafka import broker
 from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
 from agl_stream.models import LLM, PromptTemplate, ProxyLLM, TrainerStep, Triplet, TripletBatch, TripletRecord
+from agl_stream.ports import free_ports
 from consumers import dashboard_sql as dsql
 from tests.integration.helpers import serve, start_role, stop_role
 from tests.scripted_openai import scripted_openai, tool_call
@@ -153,7 +153,7 @@ def dash(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     proxy: subprocess.Popen[bytes] | None = None
     try:
         with scripted_openai(_model_reply, _model_ids) as model:
-            [proxy_port] = broker.free_ports(1)
+            [proxy_port] = free_ports(1)
             proxy = serve(
                 *(settings, "llm-proxy", "--port", str(proxy_port), "--backend", f"tiny={model.base_url}"),
                 name="proxy",

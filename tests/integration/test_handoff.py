@@ -25,8 +25,8 @@ import pytest
 
 from agl_stream import connect
 from agl_stream.config import Settings
-from agl_stream.kafka.broker import free_ports
 from agl_stream.models import ModelCheckpoint, ProxyLLM, Span
+from agl_stream.ports import free_ports
 from agl_stream.wire.semconv import POLICY_VERSION
 from producers.llm_proxy import ProxyOptions, model_list_of, serving
 from tests.hf_model import build_hf_model_folder

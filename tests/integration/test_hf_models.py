@@ -22,10 +22,10 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
-from agl_stream.kafka.broker import free_ports
 from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.models import ModelCheckpoint, Triplet, TripletBatch, TripletRecord
 from agl_stream.policy import load_checkpoint
+from agl_stream.ports import free_ports
 from consumers.inference import VERSION_HEADER
 from tests.hf_model import CHAT_TEMPLATE, build_hf_model_folder
 from tests.integration.helpers import start_role, stop_role

@@ -29,9 +29,10 @@ from pydantic import SecretStr
 from agl_stream import connect, stack
 from agl_stream.config import Settings
 from agl_stream.errors import BrokerError, ConfigError
-from agl_stream.kafka import broker
+from agl_stream.kafka import broker, jars
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import Span
+from agl_stream.ports import free_ports
 from tests.integration.helpers import start_role, stop_role
 
 pytestmark = [
@@ -46,7 +47,7 @@ AGENT = "tests.integration.agents:scripted"
 
 
 def _keytool(*args: str, stdin: bytes | None = None) -> bytes:
-    java = broker.check_prerequisites(maven=False).java.resolve()
+    java = jars.check_prerequisites(maven=False).java.resolve()
     jvm = ["-J-XX:TieredStopAtLevel=1", "-J-XX:+UseSerialGC"]  # a short-lived JVM starts faster
     result = subprocess.run([str(java.parent / "keytool"), *jvm, *args], input=stdin, capture_output=True)
     assert result.returncode == 0, f"keytool {args[0]} failed: {result.stdout!r} {result.stderr!r}"
@@ -81,7 +82,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """The stack on a broker of its own that serves SASL_SSL only, as the project's user."""
     folder = tmp_path_factory.mktemp("secured")
     ca_pem, keystore = _certificates(folder / "tls")
-    port, controller_port = broker.free_ports(2)
+    port, controller_port = free_ports(2)
     settings = Settings(
         kafka_bootstrap=None,
         data_dir=folder / "data",
@@ -259,10 +260,10 @@ def _add_scram_user(settings: Settings, name: str, password: str) -> None:
         f'username="{USER}" password="{PASSWORD}";\n'
         f"ssl.truststore.type=PEM\nssl.truststore.location={settings.kafka_ssl_cafile}\n"
     )
-    java = broker.check_prerequisites(maven=False).java
+    java = jars.check_prerequisites(maven=False).java
     result = subprocess.run(
         [
-            *(str(java), "-XX:TieredStopAtLevel=1", "-cp", f"{broker.ensure_jars(settings)}/*"),
+            *(str(java), "-XX:TieredStopAtLevel=1", "-cp", f"{jars.ensure_jars(settings)}/*"),
             *("kafka.admin.ConfigCommand", "--bootstrap-server", settings.bootstrap_servers),
             *("--command-config", str(client), "--alter", "--entity-type", "users", "--entity-name", name),
             *("--add-config", f"{settings.kafka_sasl_mechanism}=[iterations=8192,password={password}]"),

@@ -28,8 +28,8 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionMessageT
 
 from agl_stream import AglStore, connect, span_records
 from agl_stream.config import Settings
-from agl_stream.kafka import broker
 from agl_stream.models import ProxyLLM, Span
+from agl_stream.ports import free_port
 from agl_stream.processes import role_environment
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.semconv import POLICY_VERSION, POLICY_VERSION_HEADER
@@ -504,7 +504,7 @@ def start_proxy_process(
 async def test_workers_share_one_port_and_take_disjoint_sequence_ids(
     store: AglStore, backend: FakeVLLM, stack_settings: Settings, tmp_path: Path
 ) -> None:
-    port = broker.free_port()
+    port = free_port()
     log_path = tmp_path / "llm-proxy.log"
     process = start_proxy_process(stack_settings, backend.url, port, workers=2, log_path=log_path)
     url = f"http://127.0.0.1:{port}"

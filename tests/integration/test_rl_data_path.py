@@ -16,10 +16,10 @@ import pytest
 
 from agl_stream import connect, stack
 from agl_stream.config import Settings
-from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import ProxyLLM
 from agl_stream.policy import build_tokenizer
+from agl_stream.ports import free_ports
 from agl_stream.wire.semconv import AGL_ATTEMPT
 from tests.integration.helpers import serve, start_role, stop_role
 from tests.integration.test_triplet_builder import _records_covering
@@ -40,7 +40,7 @@ def training_stack(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Settings]:
 
 
 async def test_an_agents_model_calls_become_exact_triplets(training_stack: Settings) -> None:
-    model_port, proxy_port = broker.free_ports(2)
+    model_port, proxy_port = free_ports(2)
     model = serve(
         training_stack,
         "inference",

@@ -29,11 +29,11 @@ from opentelemetry.trace import Status, StatusCode
 
 from agl_stream import connect, stack
 from agl_stream.config import Settings
-from agl_stream.kafka import broker
 from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.litagent import rollout
 from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig, TrainerStep
+from agl_stream.ports import free_ports
 from agl_stream.processes import role_environment
 from tests.integration.helpers import serve, start_role, stop_role
 
@@ -174,7 +174,7 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> 
     try:
         roles.append(start_role(settings, "triplets", log_name="triplets"))
         roles.append(start_role(settings, "batcher", "--max-rollouts", "4", "--linger", "0.5", log_name="batcher"))
-        model_port, proxy_port = broker.free_ports(2)
+        model_port, proxy_port = free_ports(2)
         roles.append(
             serve(
                 settings,

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agl_stream.kafka.broker import free_ports
 from agl_stream.models import ModelCheckpoint
+from agl_stream.ports import free_ports
 from consumers.vllm_server import VllmManager, VllmOptions
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
-from agl_stream.domain.adapter.wire import SpanRecordDecoder
+from agl_stream.domain.adapter.span_decoder import SpanRecordDecoder
 from agl_stream.domain.replay import (
     PartitionReplay,
     ReplayError,

@@ -24,7 +24,7 @@ from agl_stream.domain.adapter import (
     extract_triplets,
 )
 from agl_stream.domain.adapter.lean import lean_span
-from agl_stream.domain.adapter.wire import TripletRecordEncoder
+from agl_stream.domain.adapter.triplet_encoder import TripletRecordEncoder
 from agl_stream.models import Span, Triplet, TripletRecord
 from agl_stream.resources import resource_path
 from agl_stream.wire.codec import Codec

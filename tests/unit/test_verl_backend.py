@@ -21,9 +21,9 @@ import torch
 from transformers import PreTrainedTokenizerFast
 from verl import DataProto
 
-from agl_stream.kafka.broker import free_port
 from agl_stream.models.training import Triplet, TripletBatch, TripletRecord
 from agl_stream.policy import build_model, build_tokenizer, generate, load_checkpoint, save_checkpoint
+from agl_stream.ports import free_port
 from agl_stream.training import (
     TRAINER_STATE_FILE,
     InvalidBatchError,

@@ -4,7 +4,7 @@ The adapter reads a span's ids, parent, name, times, sequence id and a known han
 attributes (token ids, response id, logprobs, reward and agent-name keys). Everything else of a
 span (resource, context, events, links, status, the prompt text and other attributes) is never
 looked at, so :class:`LeanSpan` does not carry it: the replay builds LeanSpans straight from
-record bytes (:mod:`agl_stream.domain.adapter.wire`) without materializing the rest, and the live
+record bytes (:mod:`agl_stream.domain.adapter.span_decoder`) without materializing the rest, and the live
 builder converts its validated :class:`~agl_stream.models.Span` models with :func:`lean_span`.
 Both filter attributes with the same rule (:func:`is_adapter_key`), so the adapter sees the same
 input on both paths; a key the adapter starts to read must be added here, or its own tests fail

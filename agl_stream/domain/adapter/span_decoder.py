@@ -1,31 +1,25 @@
-"""The adapter's edges on the wire: agl.spans record bytes -> LeanSpans, TripletRecord -> bytes.
+"""The adapter's input edge: agl.spans record bytes -> LeanSpans, without the codec's objects
+(its output edge, TripletRecord -> bytes, is :mod:`agl_stream.domain.adapter.triplet_encoder`).
 
 Why not the codec: fastavro builds every value of a span as a Python object (~65-150 us a span
 on this 2-core box), most of it the token-id arrays (each item an Avro union, ~0.6 us an item),
-and writes a TripletRecord at ~0.4 us a number. The adapter needs a few fields of each span and
-its output is a handful of arrays, so both ends are done here:
+and the adapter needs a few fields of each span. :class:`SpanRecordDecoder` reads an
+``agl.Span`` or ``agl.SpanBatch`` body directly into
+:class:`~agl_stream.domain.adapter.lean.LeanSpan` tuples: the fields the adapter reads are
+decoded, everything else is stepped over (strings still checked to be UTF-8, as fastavro does;
+byte runs already read, like a batch's ids and resource, compared instead of parsed), and a
+token-id array is split into its varints by one ``bytes.split`` and mapped to ints through a
+memo (C loops instead of one Python step per item). It is written for one schema version of
+each (their fingerprints below); a test fails when they change.
 
-* :class:`SpanRecordDecoder` reads an ``agl.Span`` or ``agl.SpanBatch`` body directly into
-  :class:`~agl_stream.domain.adapter.lean.LeanSpan` tuples: the fields the adapter reads are
-  decoded, everything else is stepped over (strings still checked to be UTF-8, as fastavro
-  does; byte runs already read, like a batch's ids and resource, compared instead of parsed),
-  and a token-id array is split into its varints by one ``bytes.split`` and mapped to ints
-  through a memo (C loops instead of one Python step per item). It is written for one schema
-  version of each (their fingerprints below); a test fails when they change.
-* :class:`TripletRecordEncoder` writes a TripletRecord as fastavro would (arrays in one block,
-  JSON text as the codec dumps it), from writers built from the current schema, token ids
-  through a table of varint encodings and log-probabilities with one ``struct.pack``.
-
-Both are exact or step aside: the decoder hands any record it does not take whole (another
-schema version, an unusual encoding, anything malformed) to the codec, so what is accepted,
-what is refused and with which message stay the codec's (tested on corrupted records); the
-encoder hands the codec any record it cannot write the way fastavro does, and any schema with
-a type it does not know.
+It is exact or steps aside: any record it does not take whole (another schema version, an
+unusual encoding, anything malformed) goes to the codec, so what is accepted, what is refused
+and with which message stay the codec's (tested on corrupted records). :class:`NotFast` is how
+this module and the encoder say "leave it to the codec".
 """
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from collections.abc import Callable
@@ -33,20 +27,11 @@ from typing import Any
 
 from agl_stream.domain.adapter.lean import ADAPTER_KEYS, REWARD_PREFIX, REWARDISH_KEYS, LeanSpan, lean_attributes
 from agl_stream.errors import MalformedRecordError
-from agl_stream.models import TripletRecord
 from agl_stream.models.spans import SPAN_ID_MAX_LENGTH
-from agl_stream.wire.avro_primitives import zigzag
 from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec
 from agl_stream.wire.span_records import span_dicts_of
 
-__all__ = [
-    "SPAN_BATCH_FINGERPRINT",
-    "SPAN_FINGERPRINT",
-    "SpanRecordDecoder",
-    "TripletRecordEncoder",
-    "lean_of_datum",
-    "span_dicts_of",
-]
+__all__ = ["SPAN_BATCH_FINGERPRINT", "SPAN_FINGERPRINT", "NotFast", "SpanRecordDecoder", "lean_of_datum"]
 
 SPAN = "agl.Span"
 SPAN_BATCH = "agl.SpanBatch"
@@ -59,7 +44,7 @@ _STATUS_CODES = 3  # agl.StatusCode symbols
 _unpack_double = struct.Struct("<d").unpack_from
 
 
-class _NotFast(Exception):
+class NotFast(Exception):
     """The fast path does not take this record; the codec decides."""
 
 
@@ -83,9 +68,9 @@ def _long(data: bytes, pos: int) -> tuple[int, int]:
             break
         shift += 7
         if shift > 63:
-            raise _NotFast  # longer than any long: fastavro's overflow, from the codec path
+            raise NotFast  # longer than any long: fastavro's overflow, from the codec path
     if value >> 64:
-        raise _NotFast
+        raise NotFast
     return (value >> 1) ^ -(value & 1), pos
 
 
@@ -94,7 +79,7 @@ def _span_of(data: bytes, pos: int) -> tuple[int, int]:
     size, pos = _long(data, pos)
     end = pos + size
     if size < 0 or end > len(data):
-        raise _NotFast
+        raise NotFast
     return pos, end
 
 
@@ -184,7 +169,7 @@ def _item(data: bytes, pos: int, unchecked: list[bytes] | None) -> tuple[Any, in
         return data[pos] != 0, pos + 1
     if branch == 8:  # null
         return None, pos
-    raise _NotFast
+    raise NotFast
 
 
 def _array(data: bytes, pos: int, unchecked: list[bytes] | None) -> tuple[list[Any], int]:
@@ -232,7 +217,7 @@ def _value(data: bytes, pos: int) -> tuple[Any, int]:
         return None, pos
     if branch == 10:
         return _array(data, pos, None)
-    raise _NotFast
+    raise NotFast
 
 
 def _skip_value(data: bytes, pos: int, unchecked: list[bytes]) -> int:
@@ -244,7 +229,7 @@ def _skip_value(data: bytes, pos: int, unchecked: list[bytes]) -> int:
         return _long(data, pos)[1]
     if branch == 4:
         if pos + 8 > len(data):
-            raise _NotFast
+            raise NotFast
         return pos + 8
     if branch == 6:
         data[pos]
@@ -253,7 +238,7 @@ def _skip_value(data: bytes, pos: int, unchecked: list[bytes]) -> int:
         return pos
     if branch == 10:
         return _array(data, pos, unchecked)[1]
-    raise _NotFast
+    raise NotFast
 
 
 _Step = Callable[[bytes, int, list[bytes]], int]
@@ -335,7 +320,7 @@ def _skip_optional_context(data: bytes, pos: int, unchecked: list[bytes]) -> int
     if branch == 0:
         return pos + 1
     if branch != 2:
-        raise _NotFast
+        raise NotFast
     found = _CONTEXT.match(data, pos)
     return found.end() if found is not None else _skip_context(data, pos + 1, unchecked)
 
@@ -369,7 +354,7 @@ def _optional_double(data: bytes, pos: int) -> tuple[float | None, int]:
         return None, pos + 1
     if branch == 2:
         return _unpack_double(data, pos + 1)[0], pos + 9
-    raise _NotFast
+    raise NotFast
 
 
 _IDS = re.compile(rb"\x40[0-9a-f]{32}\x20([0-9a-f]{16})")
@@ -414,7 +399,7 @@ def _span(data: bytes, pos: int, unchecked: list[bytes], memo: _Memo) -> tuple[L
         sequence_id, pos = _long(data, pos)
     ids = _IDS.match(data, pos)
     if ids is None:
-        raise _NotFast  # span_view's error or acceptance, from the codec path
+        raise NotFast  # span_view's error or acceptance, from the codec path
     span_id = ids[1].decode()
     pos += 50
     branch = data[pos]
@@ -424,7 +409,7 @@ def _span(data: bytes, pos: int, unchecked: list[bytes], memo: _Memo) -> tuple[L
     elif branch == 2:
         parent_id, pos = _text(data, pos + 1)
     else:
-        raise _NotFast
+        raise NotFast
     byte = data[pos]
     if byte < 0x80 and not byte & 1:
         end = pos + 1 + (byte >> 1)
@@ -441,14 +426,14 @@ def _span(data: bytes, pos: int, unchecked: list[bytes], memo: _Memo) -> tuple[L
     else:
         pos = _skip_text(data, pos, unchecked)
     if data[pos] not in (0, 2, 4):  # status: status_code (one of 3 symbols), description [null, string]
-        raise _NotFast
+        raise NotFast
     branch = data[pos + 1]
     if branch == 0:
         pos += 2
     elif branch == 2:
         pos = _skip_text(data, pos + 2, unchecked)
     else:
-        raise _NotFast
+        raise NotFast
     attributes, rewardish, pos = _attributes(data, pos, unchecked)
     if data[pos] == 0 and data[pos + 1] == 0:  # no events, no links
         pos += 2
@@ -496,7 +481,7 @@ def _fast(data: bytes, batch: bool, memo: _Memo) -> list[LeanSpan]:
         span, pos = _span(data, pos, unchecked, memo)
         spans.append(span)
     if pos != len(data):
-        raise _NotFast
+        raise NotFast
     if unchecked:
         # What fastavro would have decoded: one UTF-8 check for all of it. The separator
         # (ASCII) keeps a sequence cut at the end of one string from completing in the next.
@@ -560,7 +545,7 @@ class SpanRecordDecoder:
             if fingerprint == SPAN_BATCH_FINGERPRINT or fingerprint == SPAN_FINGERPRINT:
                 try:
                     spans = _fast(data, fingerprint == SPAN_BATCH_FINGERPRINT, self._memo)
-                except (_NotFast, IndexError, struct.error, UnicodeDecodeError):
+                except (NotFast, IndexError, struct.error, UnicodeDecodeError):
                     pass
                 else:
                     self.fast_records += 1
@@ -571,243 +556,3 @@ class SpanRecordDecoder:
     def slow(self, data: bytes) -> list[LeanSpan]:
         """Through the codec (any schema version it knows; its errors)."""
         return [lean_of_datum(datum) for datum in span_dicts_of(self.codec, data)]
-
-
-# --------------------------------------------------------------------------------------------
-# Writing a TripletRecord
-# --------------------------------------------------------------------------------------------
-
-_pack_double = struct.Struct("<d").pack
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _varint(value: int) -> bytes:
-    """Zig-zag varint of a long, as fastavro writes it."""
-    if not _INT64_MIN <= value <= _INT64_MAX:
-        raise _NotFast  # fastavro's own error, from the codec path
-    return zigzag(value)
-
-
-_VARINTS: list[bytes] = []
-"""Varints of 0 .. 2**18 - 1, filled by the first encoder: token ids (Qwen's 151,936-token and
-Gemma's 256,000-token vocabularies included) are written by one table lookup each, in C."""
-
-
-def _fill_varints() -> None:
-    if not _VARINTS:
-        one = [bytes((2 * v,)) for v in range(64)]
-        two = [bytes((2 * v & 0x7F | 0x80, 2 * v >> 7)) for v in range(64, 1 << 13)]
-        three = [bytes((2 * v & 0x7F | 0x80, 2 * v >> 7 & 0x7F | 0x80, 2 * v >> 14)) for v in range(1 << 13, 1 << 18)]
-        _VARINTS.extend(one + two + three)
-
-
-def _size(value: int) -> bytes:
-    """The varint of a length or count (from the table when it is there)."""
-    return _VARINTS[value] if value < len(_VARINTS) else _varint(value)
-
-
-_json_text = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")).encode
-"""``codec.dump_json`` without building an encoder per call (json.dumps does, for these options)."""
-
-_Write = Callable[[Any, list[bytes]], None]
-"""Appends the Avro bytes of a value to a list; raises _NotFast where fastavro's rules are not
-this module's to repeat (other types than the schema's, branches it would have to guess)."""
-
-
-def _write_string(value: Any, out: list[bytes]) -> None:
-    if type(value) is not str:
-        raise _NotFast
-    data = value.encode()
-    out.append(_size(len(data)))
-    out.append(data)
-
-
-def _write_long(value: Any, out: list[bytes]) -> None:
-    if type(value) is not int:
-        raise _NotFast  # a bool or a float: fastavro's conversions, from the codec path
-    out.append(_varint(value))
-
-
-def _write_double(value: Any, out: list[bytes]) -> None:
-    if type(value) is not float:
-        raise _NotFast
-    out.append(_pack_double(value))
-
-
-def _write_null(value: Any, out: list[bytes]) -> None:
-    if value is not None:
-        raise _NotFast
-
-
-def _write_json(value: Any, out: list[bytes]) -> None:
-    _write_string(_json_text(value), out)
-
-
-def _write_longs(values: Any, out: list[bytes]) -> None:
-    """An array of longs (token ids: through the table, in C loops)."""
-    if type(values) is not list:
-        raise _NotFast
-    if values:
-        try:
-            body = b"".join(map(_VARINTS.__getitem__, values))
-            if min(values) < 0:  # a negative index reads from the table's end
-                raise IndexError
-        except (IndexError, TypeError):
-            if set(map(type, values)) != {int}:
-                raise _NotFast from None  # bools, floats: fastavro's conversions, from the codec path
-            table, size = _VARINTS, len(_VARINTS)
-            body = b"".join([table[value] if 0 <= value < size else _varint(value) for value in values])
-        out.append(_size(len(values)))
-        out.append(body)
-    out.append(b"\x00")
-
-
-def _write_doubles(values: Any, out: list[bytes]) -> None:
-    if type(values) is not list:
-        raise _NotFast
-    if values:
-        if set(map(type, values)) != {float}:
-            raise _NotFast
-        out.append(_size(len(values)))
-        out.append(struct.pack(f"<{len(values)}d", *values))
-    out.append(b"\x00")
-
-
-def _array_writer(item: _Write) -> _Write:
-    def write(values: Any, out: list[bytes]) -> None:
-        if type(values) is not list:
-            raise _NotFast
-        if values:
-            out.append(_size(len(values)))
-            for value in values:
-                item(value, out)
-        out.append(b"\x00")  # fastavro: one block, then the empty one
-
-    return write
-
-
-def _optional_writer(other: _Write, json_branch: bool) -> _Write:
-    def write(value: Any, out: list[bytes]) -> None:
-        if value is None:
-            out.append(b"\x00")
-            return
-        if json_branch:
-            raise _NotFast  # a JSON value in a union: fastavro picks the branch, the codec's way
-        out.append(b"\x02")
-        other(value, out)
-
-    return write
-
-
-def _enum_writer(symbols: list[str]) -> _Write:
-    index = {symbol: _varint(i) for i, symbol in enumerate(symbols)}
-
-    def write(value: Any, out: list[bytes]) -> None:
-        found = index.get(value) if type(value) is str else None
-        if found is None:
-            raise _NotFast
-        out.append(found)
-
-    return write
-
-
-def _record_writer(fields: list[tuple[str, _Write]]) -> _Write:
-    def write(value: Any, out: list[bytes]) -> None:
-        for name, field_writer in fields:
-            field_writer(getattr(value, name), out)
-
-    return write
-
-
-_PRIMITIVES: dict[str, _Write] = {
-    "string": _write_string,
-    "long": _write_long,
-    "double": _write_double,
-    "null": _write_null,
-}
-
-
-def _compile(schema: Any, named: dict[str, _Write], namespace: str) -> _Write:
-    """A writer of values of ``schema`` (an expanded schema: named types defined where first
-    used); _NotFast for a type this module does not write (the codec then writes everything)."""
-    if isinstance(schema, str):
-        if schema in _PRIMITIVES:
-            return _PRIMITIVES[schema]
-        full = schema if "." in schema else f"{namespace}.{schema}"
-        if full in named:
-            return named[full]
-        raise _NotFast
-    if isinstance(schema, list):
-        if len(schema) == 2 and schema[0] == "null" and schema[1] != "null":
-            other = schema[1]
-            json_branch = isinstance(other, dict) and other.get("logicalType") == "json"
-            return _optional_writer(_compile(other, named, namespace), json_branch)
-        raise _NotFast
-    kind = schema.get("type")
-    if kind == "string" and schema.get("logicalType") == "json":
-        return _write_json
-    if "logicalType" in schema:
-        raise _NotFast
-    if kind in _PRIMITIVES:
-        return _PRIMITIVES[kind]
-    if kind == "array":
-        items = schema["items"]
-        if items == "long":
-            return _write_longs
-        if items == "double":
-            return _write_doubles
-        return _array_writer(_compile(items, named, namespace))
-    if kind == "enum":
-        writer = _enum_writer(list(schema["symbols"]))
-        named[_full_name(schema, namespace)] = writer
-        return writer
-    if kind == "record":
-        full = _full_name(schema, namespace)
-        inner = full.rpartition(".")[0]
-        fields: list[tuple[str, _Write]] = []
-        writer = _record_writer(fields)
-        named[full] = writer  # before the fields: a field may refer back to it
-        fields.extend((f["name"], _compile(f["type"], named, inner)) for f in schema["fields"])
-        return writer
-    raise _NotFast
-
-
-def _full_name(schema: dict[str, Any], namespace: str) -> str:
-    name = str(schema["name"])
-    if "." in name:
-        return name
-    return f"{schema.get('namespace', namespace)}.{name}"
-
-
-class TripletRecordEncoder:
-    """TripletRecord -> the bytes ``codec.encode`` gives, without fastavro's per-item cost.
-
-    The writer is built from the current schema (so a field added to the record is written
-    too); a schema with a type it does not know leaves everything to the codec (``fast`` False).
-    A record it cannot write the way fastavro would (an unexpected type in a field, a JSON value
-    inside a union) is written by the codec.
-    """
-
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec
-        schema = codec.contract.schema(TripletRecord.avro_name)
-        self.header = schema.header
-        self._write: _Write | None
-        try:
-            self._write = _compile(schema.expanded, {}, "")
-        except (_NotFast, KeyError, TypeError):
-            self._write = None
-        self.fast = self._write is not None
-        if self.fast:
-            _fill_varints()
-
-    def encode(self, record: TripletRecord) -> bytes:
-        if self._write is not None:
-            out = [self.header]
-            try:
-                self._write(record, out)
-            except (_NotFast, ValueError, TypeError, UnicodeEncodeError, AttributeError):
-                pass  # the codec writes it, or raises its own error
-            else:
-                return b"".join(out)
-        return self.codec.encode(record)

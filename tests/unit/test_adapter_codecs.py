@@ -14,16 +14,12 @@ from hypothesis import strategies as st
 
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
 from agl_stream.domain.adapter.lean import ADAPTER_KEYS, LeanSpan, lean_attributes, lean_span
-from agl_stream.domain.adapter.wire import (
-    SpanRecordDecoder,
-    TripletRecordEncoder,
-    lean_of_datum,
-    span_dicts_of,
-)
+from agl_stream.domain.adapter.span_decoder import SpanRecordDecoder, lean_of_datum
+from agl_stream.domain.adapter.triplet_encoder import TripletRecordEncoder
 from agl_stream.errors import CodecError
 from agl_stream.models import Span, Triplet, TripletRecord
 from agl_stream.wire.codec import Codec
-from agl_stream.wire.span_records import span_dict_records
+from agl_stream.wire.span_records import span_dict_records, span_dicts_of
 from producers.replay_history import attempt_history, span_values
 
 CODEC = Codec.default()
@@ -49,7 +45,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # fastavro's messages name its buffer
 
 def test_the_fast_paths_are_on_for_the_current_schemas() -> None:
     """Fails when agl.Span or agl.SpanBatch change: the decoder then reads everything through
-    the codec (correct, slow) until wire.py is taught the new fields."""
+    the codec (correct, slow) until span_decoder.py is taught the new fields."""
     assert SpanRecordDecoder(CODEC).fast
     assert TripletRecordEncoder(CODEC).fast
 
@@ -254,13 +250,13 @@ def test_the_encoder_writes_the_codecs_bytes() -> None:
 
 
 def test_an_unknown_schema_leaves_encoding_and_decoding_to_the_codec(monkeypatch: pytest.MonkeyPatch) -> None:
-    import agl_stream.domain.adapter.wire as wire
+    from agl_stream.domain.adapter import span_decoder, triplet_encoder
 
-    monkeypatch.setattr(wire, "SPAN_BATCH_FINGERPRINT", 1)
+    monkeypatch.setattr(span_decoder, "SPAN_BATCH_FINGERPRINT", 1)
     decoder = SpanRecordDecoder(CODEC)
     value = span_values(attempt_history(1), CODEC, 10)[0]
     assert not decoder.fast and decoder.decode(value) == _reference(value) and decoder.codec_records == 1
-    monkeypatch.setattr(wire, "_compile", lambda *args: (_ for _ in ()).throw(wire._NotFast()))
+    monkeypatch.setattr(triplet_encoder, "_compile", lambda *args: (_ for _ in ()).throw(span_decoder.NotFast()))
     encoder = TripletRecordEncoder(CODEC)
     [record] = _records(random.Random(1), 1)
     assert not encoder.fast and encoder.encode(record) == CODEC.encode(record)
