@@ -26,11 +26,12 @@ import pytest
 from aiohttp import web
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionMessageToolCallParam
 
-from agl_stream import AglStore, connect, span_records
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.models import ProxyLLM, Span
 from agl_stream.ports import free_port
 from agl_stream.processes import role_environment
+from agl_stream.wire import span_records
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.semconv import POLICY_VERSION, POLICY_VERSION_HEADER
 from producers.llm_proxy import LLMProxy, ProxyOptions, model_list_of, serving

@@ -25,11 +25,12 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as OtlpSpan
 
-from agl_stream import AglStore, connect, otlp
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.kafka.admin import admin_client
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.models import DlqRecord, Span
+from agl_stream.wire import otlp
 from consumers.otlp_kafka import decode_message
 from tests.integration.helpers import dlq_records, start_role, stop_role, wait_committed_at_least
 
