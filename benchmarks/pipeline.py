@@ -45,7 +45,8 @@ from agl_stream.ports import free_ports
 from agl_stream.processes import role_environment
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import SPAN, span_dict_records, span_dicts_of
-from consumers.clickhouse_sink import SPANS, TableSink
+from consumers.clickhouse_sink import TableSink
+from consumers.sink_specs import SPANS
 from producers.synthetic_spans import synthetic_span
 
 STAGES = ("raw", "codec", "codec_sink")

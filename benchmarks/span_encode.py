@@ -186,7 +186,8 @@ def measure_sink(records: list[tuple[str, bytes]], spans: int, *, span_json: boo
     from agl_stream.clickhouse.client import get_client
     from agl_stream.config import Settings
     from agl_stream.kafka.io import Fetched
-    from consumers.clickhouse_sink import SPANS, TableSink
+    from consumers.clickhouse_sink import TableSink
+    from consumers.sink_specs import SPANS
 
     cpu: list[float] = []
     sizes: dict[str, int] = {}

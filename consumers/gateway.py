@@ -77,7 +77,7 @@ from agl_stream.processes import stop_on_signals
 from agl_stream.store.readside import DEFAULT_TIMEOUT, GATEWAY_FILE, Fence, QueryResult, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from agl_stream.wire import otlp
-from consumers.clickhouse_sink import SPECS, SinkGroup, SinkSpec
+from consumers.clickhouse_sink import SinkGroup
 from consumers.dashboard import DASHBOARD_PAGES, Backlog, dashboard_router
 from consumers.gateway_agl import serve_agl
 from consumers.gateway_sql import (
@@ -91,6 +91,7 @@ from consumers.gateway_sql import (
     within,
 )
 from consumers.gateway_tasks import TaskSubmitter, tasks_router
+from consumers.sink_specs import SPECS, SinkSpec
 
 log = get_logger("agl.gateway")
 

@@ -53,7 +53,7 @@ def _progress() -> Progress:
 
 
 async def _smoke(settings: Settings, spans: int) -> float:
-    from consumers import clickhouse_sink
+    from consumers.sink_specs import SPANS
     from producers import synthetic_spans as synthetic
 
     plan = await admin.apply(settings)
@@ -74,9 +74,7 @@ async def _smoke(settings: Settings, spans: int) -> float:
 
             ends = await synthetic.produce_spans(settings, spans, on_progress=on_produced)
             # Fence on the sink's committed offsets: they pass ours only after the INSERT.
-            await wait_for_group(
-                settings, clickhouse_sink.SPANS.group_id(settings), ends, timeout=300, on_progress=on_sunk
-            )
+            await wait_for_group(settings, SPANS.group_id(settings), ends, timeout=300, on_progress=on_sunk)
         return time.monotonic() - started
     finally:
         if stop_role(sink) != 0:

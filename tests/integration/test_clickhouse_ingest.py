@@ -15,7 +15,8 @@ from agl_stream.kafka.io import Fetched
 from agl_stream.models import Attempt, Rollout, RolloutState, Span
 from agl_stream.wire.codec import HEADER_SIZE, Codec
 from agl_stream.wire.span_records import span_dict_records
-from consumers.clickhouse_sink import ROLLOUT_STATE, SPANS, EngineRefusedError, TableSink
+from consumers.clickhouse_sink import EngineRefusedError, TableSink
+from consumers.sink_specs import ROLLOUT_STATE, SPANS
 from tests.integration.helpers import clickhouse
 from tests.unit.test_codec import span_dict
 

@@ -47,8 +47,8 @@ from agl_stream.store.queries import (
 )
 from agl_stream.store.readside import GATEWAY_FILE, GatewayReadSide, fence_of, read_gateway_file
 from agl_stream.wire.codec import Codec
-from consumers.clickhouse_sink import ROLLOUT_STATE, SPECS
 from consumers.gateway import AppliedOffsets, jsonable
+from consumers.sink_specs import ROLLOUT_STATE, SPECS
 from tests.integration.helpers import start_role, stop_role
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ from agl_stream.auth import auth_headers
 from agl_stream.config import Settings
 from agl_stream.kafka.admin import group_positions
 from agl_stream.processes import role_alive, role_environment
-from consumers.clickhouse_sink import ROLLOUT_STATE
+from consumers.sink_specs import ROLLOUT_STATE
 
 pytestmark = pytest.mark.integration
 

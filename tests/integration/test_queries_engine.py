@@ -44,7 +44,8 @@ from agl_stream.store.queries import (
 )
 from agl_stream.store.readside import ClickHouseReadSide
 from agl_stream.wire.codec import Codec
-from consumers.clickhouse_sink import REDACTED, RESOURCES, ROLLOUT_STATE, SPANS, WORKERS, SinkSpec, TableSink
+from consumers.clickhouse_sink import TableSink
+from consumers.sink_specs import REDACTED, RESOURCES, ROLLOUT_STATE, SPANS, WORKERS, SinkSpec
 from tests.integration.helpers import clickhouse
 from tests.unit.test_codec import span_dict
 

@@ -16,7 +16,8 @@ from agl_stream.kafka.io import Fetched, Outbox, make_producer
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import AglModel, TrainerStep, Triplet, TripletBatch, TripletRecord
 from agl_stream.wire.codec import HEADER_SIZE, Codec
-from consumers.clickhouse_sink import TRAINER_STEPS, TRIPLET_BATCHES, TRIPLETS, SinkGroup, TableSink
+from consumers.clickhouse_sink import SinkGroup, TableSink
+from consumers.sink_specs import TRAINER_STEPS, TRIPLET_BATCHES, TRIPLETS
 from tests.integration.helpers import clickhouse
 
 pytestmark = pytest.mark.integration

@@ -87,7 +87,8 @@ from agl_stream.wire import otlp
 from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec
 from agl_stream.wire.reply_wire import ReplyEncoder
 from agl_stream.wire.span_records import SPAN_BATCH, batch_body_of_span, span_dict_records, span_dicts_of, spans_of
-from consumers.clickhouse_sink import SPECS, EnvelopeBody
+from consumers.clickhouse_sink import EnvelopeBody
+from consumers.sink_specs import SPECS
 
 pytestmark = pytest.mark.timeout(120)  # a stall fails, instead of hanging the suite
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from agl_stream.kafka.io import Fetched
-from consumers.clickhouse_sink import ROLLOUT_STATE, SPANS, newest_per_key
+from consumers.clickhouse_sink import newest_per_key
+from consumers.sink_specs import ROLLOUT_STATE, SPANS
 
 
 def _record(partition: int, offset: int, key: bytes | None) -> Fetched[bytes]:

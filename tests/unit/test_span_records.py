@@ -23,7 +23,8 @@ from agl_stream.wire.span_records import (
     span_records,
     spans_of,
 )
-from consumers.clickhouse_sink import SPANS, EnvelopeBody
+from consumers.clickhouse_sink import EnvelopeBody
+from consumers.sink_specs import SPANS
 from tests.unit.test_codec import span_dict
 from tests.unit.test_models import model_strategy
 

@@ -18,7 +18,7 @@ ROLE_FILES = {
     "ingress": ["processors/ingress.py"],
     "triplets": ["processors/triplets.py"],
     "batcher": ["processors/batcher.py"],
-    "gateway": ["consumers/gateway*.py", "consumers/clickhouse_sink.py"],
+    "gateway": ["consumers/gateway*.py", "consumers/clickhouse_sink.py", "consumers/sink_specs.py"],
     "trainer": ["consumers/trainer.py"],
     "inference": ["consumers/inference/*.py", "consumers/vllm_server.py"],
     "runner": ["consumers/runner.py"],
@@ -61,7 +61,7 @@ def test_the_topics_a_roles_code_names_are_declared_for_that_role() -> None:
 
 
 def test_the_sinks_read_what_the_topology_says_the_gateway_reads() -> None:
-    from consumers.clickhouse_sink import SPECS
+    from consumers.sink_specs import SPECS
 
     specs, _ = load_topology()
     read_by_gateway = {spec.name for spec in specs if "gateway" in spec.read_by}
