@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from agl_stream.emitters import (
+from agl_stream.agent.emitters import (
     emit_annotation,
     emit_exception,
     emit_message,
@@ -27,7 +27,7 @@ from agl_stream.emitters import (
     get_rewards_from_span,
     is_reward_span,
 )
-from agl_stream.litagent import (
+from agl_stream.agent.litagent import (
     FunctionalLitAgent,
     Hook,
     LitAgent,
@@ -68,8 +68,8 @@ from agl_stream.store.types import (
 )
 
 if TYPE_CHECKING:
+    from agl_stream.agent.command_agent import CommandAgent
     from agl_stream.algorithm import APO, VERL, Algorithm, Baseline, FastAlgorithm, algo
-    from agl_stream.command_agent import CommandAgent
     from agl_stream.store.client import AglStore, connect
     from agl_stream.trainer import FitResult, Trainer
 
@@ -81,7 +81,7 @@ _LAZY = {
         name: ("agl_stream.algorithm", name)
         for name in ("APO", "VERL", "Algorithm", "Baseline", "FastAlgorithm", "algo")
     },
-    "CommandAgent": ("agl_stream.command_agent", "CommandAgent"),
+    "CommandAgent": ("agl_stream.agent.command_agent", "CommandAgent"),
     "AglStore": ("agl_stream.store.client", "AglStore"),
     "connect": ("agl_stream.store.client", "connect"),
     # The seed's name for the store: code written against it runs as it is.

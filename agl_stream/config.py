@@ -149,7 +149,7 @@ class Settings(BaseSettings):
         60.0, gt=0, description="How long a store call waits for the rollout processor's answer."
     )
 
-    # -- starting processes (the local stack, the demo, Trainer.fit; agl_stream/processes.py) ------
+    # -- starting processes (the local stack, the demo, Trainer.fit; agl_stream/local/processes.py) ------
     start_timeout_s: float = Field(
         600.0,
         gt=0,

@@ -6,7 +6,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from agl_stream.litagent import rollout
+from agl_stream.agent.litagent import rollout
 
 _PAYLOAD = "x" * 2048  # a span of ~2-3 KB once encoded: a typical LLM call span with its messages
 

@@ -482,9 +482,10 @@ def seed_store(logs: Path) -> Iterator[Store]:
 
 @contextlib.contextmanager
 def agl_store(logs: Path) -> Iterator[Store]:
-    from agl_stream import metrics, stack
+    from agl_stream import metrics
     from agl_stream.config import Settings
     from agl_stream.kafka import broker
+    from agl_stream.local import stack
     from agl_stream.ports import free_ports
 
     with tempfile.TemporaryDirectory(prefix="agl-bench-compare-") as tmp:

@@ -23,9 +23,10 @@ from typing import Any
 
 from _measure import cpu_seconds, tree_cpu_seconds
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.local import stack
 from agl_stream.ports import free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results" / "idle.json"

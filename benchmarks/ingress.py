@@ -31,9 +31,9 @@ from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.local.processes import start_role, stop_role
 from agl_stream.models import RolloutConfig, TaskRequest
 from agl_stream.ports import free_ports
-from agl_stream.processes import start_role, stop_role
 from agl_stream.wire.codec import Codec
 
 READY = "ingress.ready"

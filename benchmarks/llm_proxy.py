@@ -35,10 +35,11 @@ from typing import Any
 import httpx
 from _measure import cpu_seconds  # type: ignore[import-not-found]
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
+from agl_stream.local import stack
+from agl_stream.local.processes import role_environment
 from agl_stream.ports import free_ports
-from agl_stream.processes import role_environment
 
 MODEL = "bench-policy"
 MESSAGES = [

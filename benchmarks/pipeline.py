@@ -41,8 +41,8 @@ from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker
 from agl_stream.kafka.io import make_consumer, make_producer
+from agl_stream.local.processes import role_environment
 from agl_stream.ports import free_ports
-from agl_stream.processes import role_environment
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import SPAN, span_dict_records, span_dicts_of
 from consumers.clickhouse_sink import TableSink

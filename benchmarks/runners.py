@@ -26,12 +26,13 @@ from typing import Any
 
 from _measure import cpu_seconds  # type: ignore[import-not-found]
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.local import stack
+from agl_stream.local.processes import start_role, stop_role
 from agl_stream.ports import free_ports
-from agl_stream.processes import start_role, stop_role
 
 
 def _children(pid: int) -> list[int]:

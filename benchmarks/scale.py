@@ -40,11 +40,11 @@ COMPARE_SEED = Path(__file__).resolve().parent / "compare_seed.py"
 @contextlib.contextmanager
 def scaled_store(logs: Path, brokers: int, processors: int) -> Iterator[Store]:
     """A local stack on ``brokers`` nodes with ``processors`` rollout processor instances."""
-    from agl_stream import stack
     from agl_stream.config import Settings
     from agl_stream.kafka import broker
+    from agl_stream.local import stack
+    from agl_stream.local.processes import start_role, stop_role
     from agl_stream.ports import free_port_run
-    from agl_stream.processes import start_role, stop_role
 
     with tempfile.TemporaryDirectory(prefix="agl-bench-scale-") as tmp:
         first = free_port_run(2 * brokers)

@@ -26,11 +26,12 @@ from typing import Any
 
 from _measure import bench_settings, descendants  # type: ignore[import-not-found]
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
-from agl_stream.processes import start_role, stop_role
-from agl_stream.supervisor import read_status
+from agl_stream.local import stack
+from agl_stream.local.processes import start_role, stop_role
+from agl_stream.local.supervisor import read_status
 
 CHUNK = 500  # rollouts per enqueue call
 

@@ -49,8 +49,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode, Tracer
 
+from agl_stream.agent.tracing import AttemptTracer
 from agl_stream.models import Span
-from agl_stream.tracing import AttemptTracer
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import span_records
 

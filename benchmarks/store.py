@@ -29,9 +29,10 @@ from typing import Any
 
 from _measure import cpu_seconds, percentile  # type: ignore[import-not-found]
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
+from agl_stream.local import stack
 from agl_stream.models import Span
 from agl_stream.ports import free_ports
 

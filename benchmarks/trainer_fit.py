@@ -40,8 +40,8 @@ import agl_stream as agl
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.demo.task import PROMPTS, digits
+from agl_stream.local.processes import RoleGroup
 from agl_stream.ports import free_ports
-from agl_stream.processes import RoleGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the examples are imported from the repository root

@@ -22,10 +22,11 @@ from typing import Any
 from _measure import bench_settings, percentile  # type: ignore[import-not-found]
 from aiokafka import AIOKafkaConsumer
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
+from agl_stream.local import stack
+from agl_stream.local.processes import start_role, stop_role
 from agl_stream.models import TripletRecord
-from agl_stream.processes import start_role, stop_role
 from agl_stream.wire.codec import Codec
 
 

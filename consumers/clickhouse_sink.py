@@ -65,9 +65,9 @@ from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError, RecordTypeError
 from agl_stream.kafka.io import Fetched, Outbox, Rejected, prepare_records
 from agl_stream.kafka.processor import Batch, run_processor
+from agl_stream.local.processes import stop_on_signals
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import MODELS
-from agl_stream.processes import stop_on_signals
 from agl_stream.retry import RESTART
 from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec
 from consumers.sink_specs import (

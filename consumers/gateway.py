@@ -72,8 +72,8 @@ from agl_stream.http_serving import (
     read_body,
     server_config,
 )
+from agl_stream.local.processes import stop_on_signals
 from agl_stream.logs import get_logger
-from agl_stream.processes import stop_on_signals
 from agl_stream.store.readside import DEFAULT_TIMEOUT, GATEWAY_FILE, Fence, QueryResult, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from agl_stream.wire import otlp

@@ -49,8 +49,8 @@ from agl_stream.errors import AglError
 from agl_stream.kafka.io import Outbox, Rejected
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.kafka.processor import Batch, run_processor
+from agl_stream.local.processes import stop_on_signals
 from agl_stream.logs import get_logger
-from agl_stream.processes import stop_on_signals
 from agl_stream.store.client import AglStore
 from agl_stream.trace_ingest import SpansRejectedError, TraceIngest, number_spans, write_spans
 from agl_stream.wire import otlp

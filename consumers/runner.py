@@ -22,7 +22,7 @@ SIGTERM below. A release first asks the processor for the attempt and its rollou
 that change nothing, answered with the state): an attempt finished already (the watchdog
 closed it, or an outcome whose answer was lost went through) is left alone, and a rollout no
 longer running (cancelled) is not requeued. Spans the agent returned that the store refuses
-for what they are (``agl_stream.tracing.RECORD_ERRORS``: too large, not convertible) fail the
+for what they are (``agl_stream.agent.tracing.RECORD_ERRORS``: too large, not convertible) fail the
 attempt instead: another try would fail alike.
 
 Every attempt a runner claims ends in exactly one of ``RunnerStats``' outcomes: ``succeeded``,
@@ -61,21 +61,21 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from agl_stream import metrics
+from agl_stream.agent.command_agent import CommandAgent, OtlpTarget
+from agl_stream.agent.emitters import emit_exception, emit_reward, find_final_reward
+from agl_stream.agent.litagent import FunctionalLitAgent, Hook, LitAgent
+from agl_stream.agent.tracing import RECORD_ERRORS, AttemptTracer
 from agl_stream.auth import auth_headers
-from agl_stream.command_agent import CommandAgent, OtlpTarget
 from agl_stream.config import Settings
-from agl_stream.emitters import emit_exception, emit_reward, find_final_reward
-from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
+from agl_stream.local.processes import stop_on_signals
 from agl_stream.logs import describe, get_logger, log_llm_requests
 from agl_stream.models import ResourcesUpdate, Span
 from agl_stream.models.base import RUNNING_STATUSES
-from agl_stream.processes import stop_on_signals
 from agl_stream.retry import FAILOVER, ONCE, Backoff, retrying
 from agl_stream.store.client import AglStore
 from agl_stream.store.readside import read_gateway_file
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.store.types import AttemptedRollout
-from agl_stream.tracing import RECORD_ERRORS, AttemptTracer
 from agl_stream.wire.semconv import AGL_ATTEMPT
 from agl_stream.wire.spans import span_from_otel
 

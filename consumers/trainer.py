@@ -37,9 +37,9 @@ from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError
 from agl_stream.ids import new_resources_id
 from agl_stream.kafka.io import Outbox, Rejected
+from agl_stream.local.processes import run_until_stopped
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TrainerStep, TripletBatch
-from agl_stream.processes import run_until_stopped
 from agl_stream.rl_options import TrainerOptions
 from agl_stream.wire.codec import Codec
 

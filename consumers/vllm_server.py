@@ -59,9 +59,9 @@ import httpx
 from agl_stream.config import Settings
 from agl_stream.domain.checkpoints import choose_checkpoint, local_checkpoint_path
 from agl_stream.http_serving import QuietServer, bind, listen, server_config
+from agl_stream.local.processes import stop_on_signals
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
-from agl_stream.processes import stop_on_signals
 from agl_stream.store.resources_cache import ResourcesCache
 from consumers.switch_gate import HandoffOptions, SwitchGate
 

@@ -47,9 +47,9 @@ from agl_stream.domain.batching import Batcher, BatchPolicy, JournalEntry, Recov
 from agl_stream.errors import CodecError, TopicError
 from agl_stream.kafka.io import Outbox, Record, Rejected
 from agl_stream.kafka.processor import Batch, run_processor
+from agl_stream.local.processes import stop_on_signals
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import TripletBatch, TripletRecord
-from agl_stream.processes import stop_on_signals
 from agl_stream.topics import load_topic_specs
 from agl_stream.wire.codec import Codec
 

@@ -51,9 +51,9 @@ from agl_stream.domain.ingress import (
 from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.io import Outbox, Record, Rejected
 from agl_stream.kafka.processor import Batch, run_processor
+from agl_stream.local.processes import run_until_stopped
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import TaskRequest
-from agl_stream.processes import run_until_stopped
 from agl_stream.store.readside import ReadSide, read_side_for
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.wire.avro_primitives import MAX_RECORD_BYTES

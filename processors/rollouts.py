@@ -65,6 +65,7 @@ from agl_stream.errors import CodecError
 from agl_stream.ids import new_event_id
 from agl_stream.kafka.io import Outbox, Record, Rejected, make_producer
 from agl_stream.kafka.processor import Batch, run_processor
+from agl_stream.local.processes import run_until_stopped
 from agl_stream.logs import get_logger
 from agl_stream.models import (
     Attempt,
@@ -76,7 +77,6 @@ from agl_stream.models import (
 )
 from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES
 from agl_stream.models.replies import ReplyOutcome
-from agl_stream.processes import run_until_stopped
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, ReplyTopics, prune_reply_topics
 from agl_stream.wire.avro_primitives import MAX_RECORD_BYTES
 from agl_stream.wire.codec import Codec

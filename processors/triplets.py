@@ -55,9 +55,9 @@ from agl_stream.domain.trace_collector import (
 from agl_stream.errors import CodecError
 from agl_stream.kafka.io import Outbox, Record, Rejected
 from agl_stream.kafka.processor import Batch, run_processor
+from agl_stream.local.processes import run_until_stopped
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import RolloutState, TripletRecord
-from agl_stream.processes import run_until_stopped
 from agl_stream.store.resources_cache import ResourcesCache
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import spans_of

@@ -66,7 +66,7 @@ def stack_settings(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactor
 
     Store tests isolate themselves by the rollouts they create, so one stack serves them all.
     """
-    from agl_stream import stack
+    from agl_stream.local import stack
 
     settings = Settings(
         kafka_bootstrap=kafka_bootstrap,

@@ -17,13 +17,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from agl_stream import stack
 from agl_stream.cli.context import settings_of
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.kafka import admin, broker
 from agl_stream.kafka.offsets import wait_for_group
-from agl_stream.processes import start_role, stop_role
+from agl_stream.local import stack
+from agl_stream.local.processes import start_role, stop_role
 
 console = Console()
 

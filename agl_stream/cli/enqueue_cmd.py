@@ -63,9 +63,9 @@ from agl_stream.domain.ingress import (
 )
 from agl_stream.errors import AglError
 from agl_stream.kafka.io import make_producer
+from agl_stream.local.stack import local_stack_settings
 from agl_stream.logs import describe
 from agl_stream.models import TaskRequest
-from agl_stream.stack import local_stack_settings
 from agl_stream.store.readside import ReadSide, read_side_for
 from agl_stream.wire.codec import Codec
 

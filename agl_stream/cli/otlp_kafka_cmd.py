@@ -12,7 +12,7 @@ import typer
 
 from agl_stream import metrics
 from agl_stream.cli.context import settings_of
-from agl_stream.stack import local_stack_settings
+from agl_stream.local.stack import local_stack_settings
 
 
 def otlp_kafka(

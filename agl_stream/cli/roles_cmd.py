@@ -23,7 +23,7 @@ from agl_stream.cli.adapter_options import (
 )
 from agl_stream.cli.context import settings_of
 from agl_stream.config import Settings
-from agl_stream.processes import role_environment
+from agl_stream.local.processes import role_environment
 
 
 def sink(
@@ -80,7 +80,8 @@ def runner(
     command: Annotated[
         str | None,
         typer.Option(
-            help="Instead of --agent: a shell command run once per attempt, in any language (agl_stream.command_agent: "
+            help="Instead of --agent: a shell command run once per attempt, in any language "
+            "(agl_stream.agent.command_agent: "
             "the task in $AGL_TASK_FILE, the model at $OPENAI_BASE_URL through the LLM proxy, the reward as the "
             "last stdout line or in $AGL_REWARD_FILE).",
         ),
@@ -155,7 +156,7 @@ def runner(
         if agent_file is not None:
             loaded, hooks = runner.load_agent_file(agent_file)
         elif command is not None:
-            from agl_stream.command_agent import CommandAgent
+            from agl_stream.agent.command_agent import CommandAgent
 
             loaded, hooks = CommandAgent(command, timeout_s=command_timeout), []
         else:

@@ -11,10 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from agl_stream import stack
 from agl_stream.cli.context import settings_of
 from agl_stream.config import Settings
-from agl_stream.stack import local_stack_settings
+from agl_stream.local import stack
+from agl_stream.local.stack import local_stack_settings
 
 console = Console()
 
@@ -98,7 +98,7 @@ def _rate(value: float | None) -> str:
 
 
 def _show_metrics(settings: Settings, interval: float, lag: bool) -> None:
-    from agl_stream import monitor
+    from agl_stream.local import monitor
 
     seen = asyncio.run(monitor.observe(settings, interval_s=interval, lag=lag))
     lag_of = {g.group: g.lag for g in seen.lags}
@@ -142,7 +142,7 @@ def supervise(
 
     What runs is written to <data dir>/run/supervisor.json; `agl-stream status` shows it.
     """
-    from agl_stream import supervisor
+    from agl_stream.local import supervisor
 
     known = (*stack.ROLES, *stack.TRAINING_ROLES)
     unknown = [role for role in roles if role not in known]

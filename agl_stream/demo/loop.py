@@ -23,11 +23,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agl_stream import stack
 from agl_stream.config import Settings
 from agl_stream.demo.task import PROMPTS
+from agl_stream.local import stack
+from agl_stream.local.processes import RoleGroup
 from agl_stream.ports import free_ports
-from agl_stream.processes import RoleGroup
 from agl_stream.store.client import AglStore
 
 GROUP = 8  # samples per task: one GRPO group

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agl_stream.litagent import rollout
+from agl_stream.agent.litagent import rollout
 from agl_stream.models import LLM
 
 PROMPTS = ("write digits:", "numbers please:", "say a number:", "digits only:")

@@ -1094,7 +1094,7 @@ def connect(**settings: Any) -> _Connection:
     ``async with agl_stream.connect() as store: ...``. Keyword arguments are settings
     (``data_dir=...``, ``kafka_bootstrap=...``, ``gateway_url=...``; see the README).
     """
-    from agl_stream.stack import local_stack_settings
+    from agl_stream.local.stack import local_stack_settings
 
     return _Connection(local_stack_settings(load_settings(**settings)))
 

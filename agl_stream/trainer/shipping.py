@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agl_stream.agent.litagent import FunctionalLitAgent, Hook, LitAgent
 from agl_stream.errors import TrainerError
-from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent
 from agl_stream.logs import get_logger
 
 log = get_logger("agl.trainer")

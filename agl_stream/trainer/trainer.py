@@ -5,7 +5,7 @@ A run (``fit`` or ``dev``):
 
 1. attaches to the running cluster (a stack ``agl-stream up`` started for the data dir, or a
    deployed one named by AGL_GATEWAY_URL), or else starts the local stack (the broker too
-   unless AGL_KAFKA_BOOTSTRAP names one) and stops it at the end (:func:`agl_stream.stack.session_plan`);
+   unless AGL_KAFKA_BOOTSTRAP names one) and stops it at the end (:func:`agl_stream.local.stack.session_plan`);
 2. hands the algorithm its components and starts the processes it asks for
    (:meth:`Algorithm.roles`), then ``n_runners`` runner processes (``agl-stream runner``) with
    the agent (:mod:`agl_stream.trainer.shipping` says how it gets there, and its limits);
@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import ValidationError
 from rich.console import Console
 
-from agl_stream import stack
+from agl_stream.agent.litagent import Hook, LitAgent
 from agl_stream.algorithm.base import Algorithm, FastAlgorithm
 from agl_stream.algorithm.baseline import Baseline
 from agl_stream.algorithm.blocking import BlockingStore
@@ -45,9 +45,9 @@ from agl_stream.algorithm.report import ModeReport, rewards_by_mode
 from agl_stream.config import Settings, load_settings
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.errors import AlgorithmError, ConfigError, TrainerError
-from agl_stream.litagent import Hook, LitAgent
+from agl_stream.local import stack
+from agl_stream.local.processes import Progress, RoleGroup, log_tail
 from agl_stream.logs import get_logger
-from agl_stream.processes import Progress, RoleGroup, log_tail
 from agl_stream.store.client import AglStore
 from agl_stream.trainer.progress import FitResult, RunProgress, show_summary
 from agl_stream.trainer.run_store import RunStore
@@ -78,7 +78,7 @@ class Trainer:
         hooks: runner hooks (``Hook`` instances), run in every runner process.
         settings: the settings of the run (default: the environment, ``AGL_*``).
         cluster: "auto" (attach when a cluster runs, else start the local stack), "attach" or
-            "start" (see :func:`agl_stream.stack.session_plan`).
+            "start" (see :func:`agl_stream.local.stack.session_plan`).
         runner_concurrency: attempts one runner process runs at once (1, as the seed's runner).
         runner_grace_s: on stop, seconds live attempts may finish before they are released.
         progress: show the live line and the summary on ``console``.

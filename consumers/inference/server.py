@@ -56,10 +56,10 @@ from agl_stream.auth import listener_token
 from agl_stream.config import Settings
 from agl_stream.domain.checkpoints import choose_checkpoint, local_checkpoint_path
 from agl_stream.http_serving import QuietServer, allowed_hosts, guard, listen, server_config
+from agl_stream.local.processes import stop_on_signals
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ResourcesUpdate
 from agl_stream.policy import StepToken, build_model, build_tokenizer, load_checkpoint
-from agl_stream.processes import stop_on_signals
 from agl_stream.store.resources_cache import ResourcesCache
 from consumers.inference.engine import Engine, Policy, Sampling
 from consumers.inference.openai_api import (

@@ -88,8 +88,8 @@ from agl_stream.http_serving import (
     parse_json,
     server_config,
 )
+from agl_stream.local.processes import run_until_stopped
 from agl_stream.logs import configure_logging, describe, get_logger
-from agl_stream.processes import run_until_stopped
 from agl_stream.store.client import AglStore
 from producers.llm_proxy.agl_v1 import AglV1Options, install
 from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport

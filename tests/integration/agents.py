@@ -15,8 +15,8 @@ from typing import Any
 
 from opentelemetry import trace
 
-from agl_stream.emitters import emit_message
-from agl_stream.litagent import rollout
+from agl_stream.agent.emitters import emit_message
+from agl_stream.agent.litagent import rollout
 from agl_stream.models import LLM, Rollout
 
 
@@ -57,7 +57,7 @@ async def needs_llm(task: dict[str, Any], llm: LLM) -> float:
 @rollout
 async def llm_like(task: dict[str, Any]) -> None:
     """Two LLM-call spans shaped like the proxy's (token ids, response id), then a reward span."""
-    from agl_stream.emitters import emit_reward
+    from agl_stream.agent.emitters import emit_reward
 
     tracer = trace.get_tracer("tests.agents")
     base = int(task["i"]) * 10

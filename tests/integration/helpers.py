@@ -13,12 +13,12 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from clickhouse_connect.driver.client import Client
 
-from agl_stream import processes
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.local import processes
+from agl_stream.local.processes import stop_role
 from agl_stream.models import DlqRecord
-from agl_stream.processes import stop_role
 from agl_stream.wire.codec import Codec
 
 __all__ = [

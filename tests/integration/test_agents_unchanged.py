@@ -36,10 +36,11 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
+from agl_stream.agent.emitters import find_final_reward
 from agl_stream.config import Settings
-from agl_stream.emitters import find_final_reward
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.local import stack
 from agl_stream.models import ProxyLLM, Rollout, Span
 from agl_stream.policy import build_tokenizer
 from agl_stream.ports import free_ports

@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
+from agl_stream.local import stack
 from agl_stream.models import Span
 from consumers.gateway_agl import MAX_ITEMS
 

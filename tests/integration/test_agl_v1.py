@@ -31,9 +31,10 @@ from uuid import uuid4
 import httpx
 import pytest
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.local import stack
 from agl_stream.ports import free_ports
 from tests.integration.helpers import serve, stop_role
 from tests.integration.test_triplet_builder import _records_covering

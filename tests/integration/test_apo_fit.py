@@ -22,7 +22,7 @@ from rich.console import Console
 
 import agl_stream as agl
 from agl_stream.config import Settings
-from agl_stream.processes import role_alive
+from agl_stream.local.processes import role_alive
 from examples.apo_classify.classify_agent import (
     PROMPT_RESOURCE,
     SEED_PROMPT,

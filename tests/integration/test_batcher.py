@@ -19,8 +19,8 @@ from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.local.processes import role_environment, start_budget, stop_role
 from agl_stream.models import DlqRecord, Triplet, TripletBatch, TripletRecord
-from agl_stream.processes import role_environment, start_budget, stop_role
 from agl_stream.wire.codec import Codec
 from processors.batcher import group_id
 from tests.integration.helpers import read_to_end, read_topic

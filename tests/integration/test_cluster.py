@@ -29,10 +29,11 @@ from uuid import uuid4
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.local import stack
 from agl_stream.models import TripletBatch
 from agl_stream.ports import free_port_run
 from agl_stream.wire.codec import Codec

@@ -34,13 +34,14 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from agl_stream import connect, stack
+from agl_stream import connect
+from agl_stream.agent.litagent import rollout
 from agl_stream.auth import auth_headers, known_token
 from agl_stream.config import Settings
 from agl_stream.domain.batching import batch_id_of
 from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.kafka.offsets import fence_at_end
-from agl_stream.litagent import rollout
+from agl_stream.local import stack
 from agl_stream.models import LLM, PromptTemplate, ProxyLLM, TrainerStep, Triplet, TripletBatch, TripletRecord
 from agl_stream.ports import free_ports
 from consumers import dashboard_sql as dsql

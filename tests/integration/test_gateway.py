@@ -26,6 +26,7 @@ from agl_stream.errors import FenceTimeoutError, QueryError, ReadSideError
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import make_consumer, make_producer
 from agl_stream.kafka.offsets import end_offsets
+from agl_stream.local.processes import start_budget
 from agl_stream.models import (
     LLM,
     AglModel,
@@ -35,7 +36,6 @@ from agl_stream.models import (
     RolloutState,
     Worker,
 )
-from agl_stream.processes import start_budget
 from agl_stream.store.queries import (
     Query,
     StoreQueries,

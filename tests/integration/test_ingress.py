@@ -30,7 +30,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from agl_stream import AglStore, connect, monitor, stack
+from agl_stream import AglStore, connect
 from agl_stream.auth import auth_headers
 from agl_stream.config import Settings
 from agl_stream.domain.ingress import (
@@ -43,10 +43,11 @@ from agl_stream.domain.ingress import (
 )
 from agl_stream.kafka import admin
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.local import monitor, stack
+from agl_stream.local.processes import role_alive, role_environment, start_budget
+from agl_stream.local.supervisor import RoleStatus, read_status
 from agl_stream.models import LLM, DlqRecord, RolloutEnqueued, RolloutEvent, RolloutState, Worker
 from agl_stream.models.rollouts import Rollout
-from agl_stream.processes import role_alive, role_environment, start_budget
-from agl_stream.supervisor import RoleStatus, read_status
 from agl_stream.wire.codec import Codec
 from tests.integration.helpers import dlq_records, read_to_end, start_role, stop_role
 

@@ -26,11 +26,12 @@ from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed, Topi
 from aiokafka.protocol.admin import CreateAclsRequest
 from pydantic import SecretStr
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
 from agl_stream.errors import BrokerError, ConfigError
 from agl_stream.kafka import broker, jars
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.local import stack
 from agl_stream.models import Span
 from agl_stream.ports import free_ports
 from tests.integration.helpers import start_role, stop_role

@@ -28,9 +28,9 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionMessageT
 
 from agl_stream import AglStore, connect
 from agl_stream.config import Settings
+from agl_stream.local.processes import role_environment
 from agl_stream.models import ProxyLLM, Span
 from agl_stream.ports import free_port
-from agl_stream.processes import role_environment
 from agl_stream.wire import span_records
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.semconv import POLICY_VERSION, POLICY_VERSION_HEADER

@@ -14,11 +14,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agl_stream import connect, metrics, monitor
+from agl_stream import connect, metrics
 from agl_stream.auth import auth_headers
 from agl_stream.config import Settings
 from agl_stream.kafka.admin import group_positions
-from agl_stream.processes import role_alive, role_environment
+from agl_stream.local import monitor
+from agl_stream.local.processes import role_alive, role_environment
 from consumers.sink_specs import ROLLOUT_STATE
 
 pytestmark = pytest.mark.integration

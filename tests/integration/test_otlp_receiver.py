@@ -27,9 +27,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import end_offsets
+from agl_stream.local import stack
 from agl_stream.models import Span
 from agl_stream.trace_ingest import MAX_ATTEMPTS_PER_EXPORT
 from agl_stream.wire.otlp import PROTOBUF

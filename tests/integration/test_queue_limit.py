@@ -11,9 +11,10 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.domain.queue import QUEUE_FULL
+from agl_stream.local import stack
 from agl_stream.store.replies import QueueFullError, RejectedError
 
 pytestmark = pytest.mark.integration

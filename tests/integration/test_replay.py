@@ -12,13 +12,13 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import stack
 from agl_stream.config import Settings
 from agl_stream.domain.replay import ReplaySettings, Selection, batches_topic_of
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import end_offsets
+from agl_stream.local import stack
+from agl_stream.local.processes import role_environment
 from agl_stream.models import Span, TripletBatch, TripletRecord
-from agl_stream.processes import role_environment
 from agl_stream.wire.codec import Codec
 from producers.replay import replay
 from producers.replay_history import attempt_history, rollout_id_of, write_history

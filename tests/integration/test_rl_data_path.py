@@ -14,9 +14,10 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.local import stack
 from agl_stream.models import ProxyLLM
 from agl_stream.policy import build_tokenizer
 from agl_stream.ports import free_ports

@@ -16,9 +16,10 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import fence_at_end
+from agl_stream.local import stack
 from agl_stream.models import RolloutConfig
 from tests.integration.helpers import start_role, stop_role
 

@@ -14,10 +14,11 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
+from agl_stream.agent.litagent import FunctionalLitAgent
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import fence_at_end
-from agl_stream.litagent import FunctionalLitAgent
+from agl_stream.local import stack
 from agl_stream.models import Span
 from agl_stream.retry import Backoff
 from consumers.runner import Runner, RunnerOptions, RunnerStats

@@ -27,9 +27,10 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
+from agl_stream.agent.emitters import find_final_reward
 from agl_stream.config import Settings
-from agl_stream.emitters import find_final_reward
+from agl_stream.local import stack
 from agl_stream.models import LLM, Span
 from tests.seed_venv import SEED_CHILD_ENV
 

@@ -10,7 +10,7 @@ import pytest
 
 from agl_stream import connect
 from agl_stream.config import Settings
-from agl_stream.processes import role_environment
+from agl_stream.local.processes import role_environment
 
 pytestmark = pytest.mark.integration
 

@@ -27,14 +27,15 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from agl_stream import connect, stack
+from agl_stream import connect
+from agl_stream.agent.litagent import rollout
 from agl_stream.config import Settings
 from agl_stream.kafka.io import Outbox, make_producer
 from agl_stream.kafka.offsets import fence_at_end
-from agl_stream.litagent import rollout
+from agl_stream.local import stack
+from agl_stream.local.processes import role_environment
 from agl_stream.models import LLM, ProxyLLM, Rollout, RolloutConfig, TrainerStep
 from agl_stream.ports import free_ports
-from agl_stream.processes import role_environment
 from tests.integration.helpers import serve, start_role, stop_role
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # the first test also starts the pipeline

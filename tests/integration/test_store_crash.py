@@ -17,10 +17,11 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import AglStore, connect, stack
+from agl_stream import AglStore, connect
 from agl_stream.config import Settings
+from agl_stream.local import stack
+from agl_stream.local.supervisor import read_status
 from agl_stream.store.replies import RejectedError
-from agl_stream.supervisor import read_status
 
 pytestmark = pytest.mark.integration
 

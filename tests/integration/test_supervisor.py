@@ -14,10 +14,11 @@ from uuid import uuid4
 
 import pytest
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
-from agl_stream.processes import role_alive
-from agl_stream.supervisor import backoff, read_status
+from agl_stream.local import stack
+from agl_stream.local.processes import role_alive
+from agl_stream.local.supervisor import backoff, read_status
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from aiohttp import web
 from opentelemetry import trace
 
 from agl_stream import AglStore, connect
+from agl_stream.agent.tracing import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY, AttemptTracer
 from agl_stream.config import Settings
-from agl_stream.tracing import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, SEQUENCE_ID_KEY, AttemptTracer
 
 pytestmark = pytest.mark.integration
 

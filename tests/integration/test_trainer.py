@@ -16,9 +16,9 @@ import pytest
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import Outbox, make_producer
+from agl_stream.local.processes import role_environment
 from agl_stream.models import DlqRecord, ResourcesUpdate, TrainerStep, Triplet, TripletBatch, TripletRecord
 from agl_stream.policy import load_checkpoint
-from agl_stream.processes import role_environment
 from agl_stream.wire.codec import Codec
 from tests.integration.helpers import read_to_end, read_topic, start_role, stop_role
 

@@ -15,7 +15,7 @@ from rich.console import Console
 
 import agl_stream as agl
 from agl_stream.config import Settings
-from agl_stream.processes import role_alive
+from agl_stream.local.processes import role_alive
 from tests.integration.agents import scripted
 from tests.integration.helpers import REWARD_BY_MODE, clickhouse
 

@@ -14,14 +14,15 @@ from uuid import uuid4
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from agl_stream import connect, stack
+from agl_stream import connect
 from agl_stream.config import Settings
 from agl_stream.domain.fold import fold
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
+from agl_stream.local import stack
+from agl_stream.local.processes import start_budget
 from agl_stream.models import DlqRecord, RolloutState, TripletRecord
-from agl_stream.processes import start_budget
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import SPAN_BATCH
 from processors.triplets import TripletBuilder

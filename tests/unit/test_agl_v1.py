@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from agl_stream.agent.emitters import get_reward_value
 from agl_stream.domain import agl_v1
 from agl_stream.domain.agl_v1 import EventCreate, RolloutCreate, StatusPatch, TransitionConflict
 from agl_stream.domain.llm_calls import CHAT, LLMCall, build_span, error_of_status
-from agl_stream.emitters import get_reward_value
 
 
 def _created(**fields: Any) -> tuple[Any, dict[str, Any]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agl_stream.command_agent import (
+from agl_stream.agent.command_agent import (
     OUTPUT_TAIL_BYTES,
     TASK_ENV_LIMIT,
     CommandAgent,

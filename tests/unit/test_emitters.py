@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from agl_stream.emitters import (
+from agl_stream.agent.emitters import (
     TRACER_NAME,
     emit_annotation,
     emit_exception,
@@ -382,7 +382,7 @@ def test_exception_rejects_non_exceptions(exported: InMemorySpanExporter) -> Non
 
 
 def test_reward_decorator_emits_sync_and_async(monkeypatch: pytest.MonkeyPatch) -> None:
-    import agl_stream.emitters as emitters
+    import agl_stream.agent.emitters as emitters
 
     emitted: list[Any] = []
     monkeypatch.setattr(emitters, "emit_reward", lambda value: emitted.append(value))
@@ -522,7 +522,7 @@ def test_global_provider_and_no_provider_paths() -> None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-        from agl_stream.emitters import emit_exception, emit_message, emit_object, emit_reward
+        from agl_stream.agent.emitters import emit_exception, emit_message, emit_object, emit_reward
 
         # No provider installed: OTel's no-op, nothing raises, nothing records.
         spans = [emit_reward(1.0), emit_message("m"), emit_object({"a": 1}), emit_exception(ValueError("v"))]

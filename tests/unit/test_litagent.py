@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from agl_stream.litagent import FunctionalLitAgent, LitAgent, rollout
+from agl_stream.agent.litagent import FunctionalLitAgent, LitAgent, rollout
 from agl_stream.models import LLM, Attempt, PromptTemplate, ProxyLLM, Rollout
 from agl_stream.store.types import AttemptedRollout
 

@@ -12,9 +12,10 @@ from fastapi import APIRouter, FastAPI
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from starlette.testclient import TestClient
 
-from agl_stream import metrics, monitor
+from agl_stream import metrics
 from agl_stream.config import Settings
 from agl_stream.http_serving import allowed_hosts, guard
+from agl_stream.local import monitor
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "infra" / "grafana" / "agl-stream.json"

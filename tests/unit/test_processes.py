@@ -12,7 +12,7 @@ import pytest
 from pydantic import SecretStr
 
 from agl_stream.config import SECRETS_DIR_ENV, Settings
-from agl_stream.processes import role_environment
+from agl_stream.local.processes import role_environment
 
 PASSWORD = "ch-pass-4f1d"
 TOKEN = "api-token-9c2e"

@@ -16,8 +16,8 @@ from typing import Any, cast
 
 from opentelemetry import trace
 
+from agl_stream.agent.litagent import FunctionalLitAgent
 from agl_stream.config import Settings
-from agl_stream.litagent import FunctionalLitAgent
 from agl_stream.models import Attempt, Rollout, Span
 from agl_stream.models.base import AttemptStatus, RolloutStatus
 from agl_stream.retry import Backoff

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from agl_stream.litagent import FunctionalLitAgent, LitAgent
+from agl_stream.agent.litagent import FunctionalLitAgent, LitAgent
 from agl_stream.models import Span
 from consumers.runner import check_result, load_agent
 

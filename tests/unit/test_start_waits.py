@@ -11,8 +11,8 @@ import pytest
 
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
+from agl_stream.local.processes import RoleGroup, RoleStartError, start_budget, wait_started
 from agl_stream.ports import free_port
-from agl_stream.processes import RoleGroup, RoleStartError, start_budget, wait_started
 
 # A role that loads for a while (its heavy imports), saying so first, then serves /health.
 SLOW_SERVER = """

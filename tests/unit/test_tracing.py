@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 import pytest
 from opentelemetry import trace
 
-from agl_stream.models import Span, SpanBatch
-from agl_stream.tracing import (
+from agl_stream.agent.tracing import (
     ATTEMPT_ID_KEY,
     ROLLOUT_ID_KEY,
     SEQUENCE_ID_KEY,
@@ -20,6 +19,7 @@ from agl_stream.tracing import (
     ExportPolicy,
     Wait,
 )
+from agl_stream.models import Span, SpanBatch
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.semconv import POLICY_VERSION
 from agl_stream.wire.span_records import span_records

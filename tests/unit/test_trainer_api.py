@@ -18,14 +18,14 @@ import pytest
 from rich.console import Console
 
 import agl_stream as agl
-from agl_stream import stack
+from agl_stream.agent.litagent import FunctionalLitAgent, Hook, LitAgent, rollout
 from agl_stream.algorithm import Algorithm, Baseline, ModeReport
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.errors import AglError, AlgorithmError, ConfigError, DatasetError, TrainerError
-from agl_stream.litagent import FunctionalLitAgent, Hook, LitAgent, rollout
+from agl_stream.local import stack
+from agl_stream.local.processes import RoleGroup
 from agl_stream.models import Rollout
-from agl_stream.processes import RoleGroup
 from agl_stream.trainer.progress import FitResult, show_summary
 from agl_stream.trainer.shipping import as_agent, child_environment, importable_spec, ship
 from consumers.runner import load_agent_file

@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
+from agl_stream.agent.emitters import get_reward_value
 from agl_stream.domain.adapter.lean import LeanSpan
 from agl_stream.domain.adapter.trajectory import Aggregation, aggregate_triplets
 from agl_stream.domain.adapter.tree import TraceNode, agent_name_of, build_tree, node_key, repair_hierarchy
-from agl_stream.emitters import get_reward_value
 from agl_stream.models import Span, Triplet
 from agl_stream.wire.semconv import AGL_ANNOTATION, POLICY_VERSION
 

@@ -18,8 +18,8 @@ from typing import Protocol, TypeAlias
 
 from opentelemetry.sdk.trace import ReadableSpan
 
+from agl_stream.agent.tracing.export_policy import ExportPolicy
 from agl_stream.models import Span
-from agl_stream.tracing.export_policy import ExportPolicy
 from agl_stream.wire.semconv import (
     ATTEMPT_ID_KEY,
     POLICY_VERSION,

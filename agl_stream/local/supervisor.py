@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agl_stream.config import Settings
+from agl_stream.local.processes import start_role, stop_role
 from agl_stream.logs import get_logger
-from agl_stream.processes import start_role, stop_role
 from agl_stream.retry import RESTART
 
 log = get_logger("agl.supervisor")

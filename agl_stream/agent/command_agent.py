@@ -63,7 +63,7 @@ from urllib.parse import quote
 
 from opentelemetry import propagate
 
-from agl_stream.litagent import LitAgent, NamedResources
+from agl_stream.agent.litagent import LitAgent, NamedResources
 from agl_stream.models import LLM, ProxyLLM, Rollout
 from agl_stream.wire.semconv import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY
 

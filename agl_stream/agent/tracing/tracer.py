@@ -39,14 +39,14 @@ from typing import Protocol
 from aiokafka.errors import MessageSizeTooLargeError
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 
+from agl_stream.agent.tracing import instrumentation
+from agl_stream.agent.tracing.buffer import AttemptState, AttemptTrace, Item, Outcome, SpanBuffer, SpanKey
+from agl_stream.agent.tracing.export_policy import Cut, ExportPolicy
+from agl_stream.agent.tracing.processor import AttemptSpanProcessor, current_attempt, install
 from agl_stream.errors import AglError
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import Span
 from agl_stream.retry import FAILOVER, Backoff, retrying
-from agl_stream.tracing import instrumentation
-from agl_stream.tracing.buffer import AttemptState, AttemptTrace, Item, Outcome, SpanBuffer, SpanKey
-from agl_stream.tracing.export_policy import Cut, ExportPolicy
-from agl_stream.tracing.processor import AttemptSpanProcessor, current_attempt, install
 from agl_stream.wire.spans import span_from_otel
 
 log = get_logger("agl.tracing")

@@ -2,7 +2,7 @@
 gateway (sinks + query API), started as processes of their own and recorded in
 ``<data dir>/run/stack.json`` so ``status``, ``down`` and ``agl_stream.connect()`` find them.
 
-The roles run under a supervisor (``agl_stream.supervisor``, a process of its own) that starts
+The roles run under a supervisor (``agl_stream.local.supervisor``, a process of its own) that starts
 a role again when it exits; ``stack.json`` holds the pids they started with, the supervisor's
 ``supervisor.json`` the ones running now.
 """
@@ -29,9 +29,9 @@ from agl_stream.auth import ensure_token, known_token
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
 from agl_stream.kafka import admin, broker
+from agl_stream.local.processes import Progress, role_alive, start_role, wait_started
+from agl_stream.local.supervisor import STATUS_FILE, read_status
 from agl_stream.logs import get_logger
-from agl_stream.processes import Progress, role_alive, start_role, wait_started
-from agl_stream.supervisor import STATUS_FILE, read_status
 
 log = get_logger("agl.stack")
 

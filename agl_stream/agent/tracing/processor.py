@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.trace import SpanContext
 
+from agl_stream.agent.tracing.buffer import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, AttemptState, SpanKey
 from agl_stream.logs import get_logger
-from agl_stream.tracing.buffer import ATTEMPT_ID_KEY, ROLLOUT_ID_KEY, AttemptState, SpanKey
 
 log = get_logger("agl.tracing")
 

@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from agl_stream.auth import auth_headers
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
+from agl_stream.local.processes import role_alive
 from agl_stream.metrics import ENDPOINTS_DIR
-from agl_stream.processes import role_alive
 
 __all__ = [
     "Endpoint",
