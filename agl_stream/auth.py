@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 
 from agl_stream.config import Settings
 from agl_stream.errors import ConfigError
@@ -35,6 +36,15 @@ def ensure_token(settings: Settings) -> str:
     with os.fdopen(fd, "w") as out:
         out.write(token)
     return token
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to a file only its owner can read or write (0600, also when it was there
+    before): tokens, passwords, pickled agents."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(data.encode() if isinstance(data, str) else data)
 
 
 def known_token(settings: Settings) -> str | None:

@@ -10,16 +10,18 @@ import math
 import re
 import socket
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import h11
 import pydantic_core
 import uvicorn
+from fastapi import Depends
+from fastapi.routing import APIRoute
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -300,8 +302,68 @@ class MalformedBodyError(AglError):
     """A request body that is not the JSON its route takes (HTTP 400)."""
 
 
-def _refusal(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": kind, "message": message}, status_code=status)
+def error_json(
+    status: int, kind: str, message: str, *, headers: Mapping[str, str] | None = None, **extra: Any
+) -> JSONResponse:
+    """The listeners' error shape: ``{"error": kind, "message": message}`` plus ``extra`` keys."""
+    return JSONResponse(
+        {"error": kind, "message": message, **extra}, status_code=status, headers=dict(headers) if headers else None
+    )
+
+
+class Refusal(AglError):
+    """A request answered with an error instead of a result: raised by a route or one of its
+    dependencies, answered by the routes of :func:`answering` (``response()``)."""
+
+    def __init__(
+        self, status: int, kind: str, message: str, *, headers: Mapping[str, str] | None = None, **extra: Any
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.headers = headers
+        self.extra = extra
+
+    def response(self) -> JSONResponse:
+        return error_json(self.status, self.kind, self.message, headers=self.headers, **self.extra)
+
+
+def answering(errors: Callable[[Exception], Response | None] | None = None) -> type[APIRoute]:
+    """A route class (``APIRouter(route_class=...)``) whose routes answer a :class:`Refusal`, and
+    every exception ``errors`` maps to a response, in one place: FastAPI's per-router error
+    handling, so the routers of one app keep their own mappings. ``errors`` answers None for an
+    exception it does not know, which then propagates."""
+
+    class Answering(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def answer(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except Refusal as refusal:
+                    return refusal.response()
+                except Exception as exc:
+                    response = errors(exc) if errors is not None else None
+                    if response is None:
+                        raise
+                    return response
+
+            return answer
+
+    return Answering
+
+
+def refuse_while_stopping(request: Request) -> None:
+    """A dependency: 503 ``stopping`` (retry in a moment) while the app's ``state.stopping()``
+    says it shuts down."""
+    if request.app.state.stopping():
+        raise Refusal(503, "stopping", f"the {request.app.title} is shutting down", headers={"Retry-After": "2"})
+
+
+Serving = Annotated[None, Depends(refuse_while_stopping)]
+"""A route's parameter that refuses while its app stops, in order among its other dependencies."""
 
 
 class BodyPolicy:
@@ -328,7 +390,7 @@ class BodyPolicy:
         media_type = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
         allowed = JSON_TYPES | self.media_types.get(scope["path"], frozenset())
         if has_body and media_type not in allowed:
-            response = _refusal(
+            response = error_json(
                 415,
                 "unsupported_media_type",
                 f"the body must be {' or '.join(sorted(allowed))} (send `content-type: application/json`), "
@@ -365,7 +427,7 @@ class BodyPolicy:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"the request body is over {self.max_bytes:,} bytes: send less per request"
-        response = _refusal(413, "too_large", message)
+        response = error_json(413, "too_large", message)
         await response(scope, receive, send)
 
 

@@ -14,18 +14,20 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
 from clickhouse_connect.driver.exceptions import DatabaseError
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from agl_stream.config import Settings
 from agl_stream.errors import QueryError
+from agl_stream.http_serving import Refusal, answering, error_json, refuse_while_stopping
 from agl_stream.kafka.admin import admin_client
 from agl_stream.resources import resource_path
 from consumers import dashboard_sql as dsql
@@ -45,15 +47,6 @@ class Runs(Protocol):
     """The gateway's read-only query pool (consumers.gateway.QueryRunner)."""
 
     async def run(self, sql: str, parameters: Mapping[str, Any], *, checked: bool = True) -> bytes: ...
-
-
-def _error(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": kind, "message": message}, status_code=status)
-
-
-def _invalid(exc: ValidationError) -> JSONResponse:
-    parts = [f"{'.'.join(str(p) for p in e['loc']) or 'query'}: {e['msg']}" for e in exc.errors()]
-    return _error(400, "bad_request", "; ".join(parts))
 
 
 class DashboardQueries:
@@ -216,110 +209,142 @@ def _cookbook() -> list[dict[str, str]]:
         return []
 
 
-def dashboard_router(
-    runner: Runs, database: str, stopping: Callable[[], bool], backlog: Backlog | None = None
-) -> APIRouter:
-    """The page and its endpoints for a gateway whose query pool is ``runner``."""
-    router = APIRouter()
-    queries = DashboardQueries(runner, database)
-    cookbook = _cookbook()
+@dataclass(frozen=True)
+class Dashboard:
+    """What the dashboard's routes read (``app.state.dashboard``)."""
 
-    async def answer(work: Callable[[], Any], missing: str = "no such rollout") -> Response:
-        if stopping():
-            return _error(503, "stopping", "the gateway is shutting down")
-        try:
-            result = await work()
-        except SqlRefusedError as exc:
-            return _error(403, exc.kind, str(exc))
-        except (DatabaseError, QueryError) as exc:
-            return _error(400, "query_error", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
-        if result is None:
-            return _error(404, "not_found", missing)
-        return JSONResponse(result)
+    queries: DashboardQueries
+    backlog: Backlog | None
+    cookbook: list[dict[str, str]]
 
-    def parsed(model: type[BaseModel], request: Request) -> Any:
-        return model.model_validate(dict(request.query_params))
 
-    @router.get("/dashboard", include_in_schema=False)
-    async def page_redirect() -> Response:
-        return RedirectResponse("/dashboard/")
+def serve_dashboard(app: FastAPI, runner: Runs, database: str, backlog: Backlog | None = None) -> None:
+    """Serve the page and its endpoints on ``app`` (whose ``state.stopping()`` says when it shuts
+    down), from the query pool ``runner``."""
+    app.state.dashboard = Dashboard(DashboardQueries(runner, database), backlog, _cookbook())
+    app.include_router(pages)
+    app.include_router(data)
 
-    @router.get("/dashboard/", include_in_schema=False)
-    async def page() -> Response:
-        return _static("index.html")
 
-    @router.get("/dashboard/static/{name:path}", include_in_schema=False)
-    async def static(name: str) -> Response:
-        return _static(name)
+def _query_errors(exc: Exception) -> Response | None:
+    if isinstance(exc, ValidationError):
+        parts = [f"{'.'.join(str(p) for p in e['loc']) or 'query'}: {e['msg']}" for e in exc.errors()]
+        return error_json(400, "bad_request", "; ".join(parts))
+    if isinstance(exc, SqlRefusedError):
+        return error_json(403, exc.kind, str(exc))
+    if isinstance(exc, (DatabaseError, QueryError)):
+        text = str(exc).strip()
+        return error_json(400, "query_error", text.splitlines()[0] if text else repr(exc))
+    return None
 
-    @router.get("/v1/dashboard/overview")
-    async def overview(request: Request) -> Response:
-        try:
-            params = parsed(dsql.OverviewParams, request)
-        except ValidationError as exc:
-            return _invalid(exc)
-        return await answer(lambda: queries.overview(params.window))
 
-    @router.get("/v1/dashboard/rollouts")
-    async def rollouts(request: Request) -> Response:
-        try:
-            f = parsed(dsql.RolloutFilter, request)
-        except ValidationError as exc:
-            return _invalid(exc)
-        return await answer(lambda: queries.rollouts(f))
+def _board(request: Request) -> Dashboard:
+    board: Dashboard = request.app.state.dashboard
+    return board
 
-    @router.get("/v1/dashboard/rollouts/{rollout_id}")
-    async def rollout(rollout_id: str) -> Response:
-        return await answer(lambda: queries.rollout(rollout_id))
 
-    @router.get("/v1/dashboard/rollouts/{rollout_id}/attempts/{attempt_id}/spans")
-    async def spans(rollout_id: str, attempt_id: str) -> Response:
-        return await answer(lambda: queries.spans(rollout_id, attempt_id))
+Board = Annotated[Dashboard, Depends(_board)]
+M = TypeVar("M", bound=BaseModel)
 
-    @router.get("/v1/dashboard/versions/{version}")
-    async def version(version: str) -> Response:
-        try:
-            params = dsql.VersionParams.model_validate({"version": version})
-        except ValidationError as exc:
-            return _invalid(exc)
-        return await answer(
-            lambda: queries.version(params.version),
-            f"no trainer step made policy version {params.version} (version 0 is the starting model)",
-        )
 
-    @router.get("/v1/dashboard/resources")
-    async def resources() -> Response:
-        return await answer(lambda: queries.rows(dsql.resources(database)))
+def _params(shape: type[M]) -> Any:
+    """A dependency: the query string as ``shape`` (a 400 ``bad_request`` naming each mistake)."""
 
-    @router.get("/v1/dashboard/workers")
-    async def workers() -> Response:
-        return await answer(lambda: queries.rows(dsql.workers(database)))
+    def parse(request: Request) -> M:
+        return shape.model_validate(dict(request.query_params))
 
-    @router.get("/v1/dashboard/schema")
-    async def schema() -> Response:
-        return await answer(queries.schema)
+    return Depends(parse)
 
-    @router.get("/v1/dashboard/backlog")
-    async def backlog_rows() -> Response:
-        if backlog is None:
-            return _error(404, "not_found", "this gateway reads no Kafka backlog")
-        try:
-            return JSONResponse(await backlog.rows())
-        except (KafkaError, OSError, asyncio.TimeoutError) as exc:
-            return _error(503, "kafka_unavailable", f"the backlog could not be read from Kafka: {exc!r}")
 
-    @router.get("/v1/dashboard/cookbook")
-    async def cookbook_queries() -> Response:
-        return JSONResponse(cookbook)
+def _found(result: dict[str, Any] | None, missing: str = "no such rollout") -> Response:
+    if result is None:
+        raise Refusal(404, "not_found", missing)
+    return JSONResponse(result)
 
-    return router
+
+pages = APIRouter(include_in_schema=False)
+data = APIRouter(route_class=answering(_query_errors), dependencies=[Depends(refuse_while_stopping)])
+
+
+@pages.get("/dashboard")
+async def page_redirect() -> Response:
+    return RedirectResponse("/dashboard/")
+
+
+@pages.get("/dashboard/")
+async def page() -> Response:
+    return _static("index.html")
+
+
+@pages.get("/dashboard/static/{name:path}")
+async def static(name: str) -> Response:
+    return _static(name)
+
+
+@data.get("/v1/dashboard/overview")
+async def overview(params: Annotated[dsql.OverviewParams, _params(dsql.OverviewParams)], board: Board) -> Response:
+    return JSONResponse(await board.queries.overview(params.window))
+
+
+@data.get("/v1/dashboard/rollouts")
+async def rollouts(f: Annotated[dsql.RolloutFilter, _params(dsql.RolloutFilter)], board: Board) -> Response:
+    return JSONResponse(await board.queries.rollouts(f))
+
+
+@data.get("/v1/dashboard/rollouts/{rollout_id}")
+async def rollout(rollout_id: str, board: Board) -> Response:
+    return _found(await board.queries.rollout(rollout_id))
+
+
+@data.get("/v1/dashboard/rollouts/{rollout_id}/attempts/{attempt_id}/spans")
+async def spans(rollout_id: str, attempt_id: str, board: Board) -> Response:
+    return JSONResponse(await board.queries.spans(rollout_id, attempt_id))
+
+
+@data.get("/v1/dashboard/versions/{version}")
+async def version(version: str, board: Board) -> Response:
+    number = dsql.VersionParams.model_validate({"version": version}).version
+    return _found(
+        await board.queries.version(number),
+        f"no trainer step made policy version {number} (version 0 is the starting model)",
+    )
+
+
+@data.get("/v1/dashboard/resources")
+async def resources(board: Board) -> Response:
+    return JSONResponse(await board.queries.rows(dsql.resources(board.queries.database)))
+
+
+@data.get("/v1/dashboard/workers")
+async def workers(board: Board) -> Response:
+    return JSONResponse(await board.queries.rows(dsql.workers(board.queries.database)))
+
+
+@data.get("/v1/dashboard/schema")
+async def schema(board: Board) -> Response:
+    return JSONResponse(await board.queries.schema())
+
+
+@data.get("/v1/dashboard/backlog")
+async def backlog_rows(board: Board) -> Response:
+    if board.backlog is None:
+        raise Refusal(404, "not_found", "this gateway reads no Kafka backlog")
+    try:
+        return JSONResponse(await board.backlog.rows())
+    except (KafkaError, OSError, asyncio.TimeoutError) as exc:
+        raise Refusal(503, "kafka_unavailable", f"the backlog could not be read from Kafka: {exc!r}") from exc
+
+
+@data.get("/v1/dashboard/cookbook")
+async def cookbook_queries(board: Board) -> Response:
+    return JSONResponse(board.cookbook)
 
 
 def _static(name: str) -> Response:
     path = (STATIC / name).resolve()
     # Only files inside the static folder: `..` and absolute names end up outside and are 404.
     if not path.is_file() or STATIC not in path.parents:
-        return _error(404, "not_found", f"no dashboard file {name!r}")
+        return error_json(404, "not_found", f"no dashboard file {name!r}")
     media = _MEDIA.get(path.suffix, "application/octet-stream")
     headers = {"content-security-policy": _CSP, "x-content-type-options": "nosniff", "cache-control": "no-cache"}
     return FileResponse(path, media_type=media, headers=headers)

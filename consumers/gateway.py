@@ -47,12 +47,12 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationError
 
 from agl_stream import metrics
@@ -66,7 +66,10 @@ from agl_stream.http_serving import (
     MAX_BODY_BYTES,
     BodyTooLargeError,
     QuietServer,
+    Refusal,
     allowed_hosts,
+    answering,
+    error_json,
     guard,
     listen,
     read_body,
@@ -78,19 +81,21 @@ from agl_stream.store.readside import DEFAULT_TIMEOUT, GATEWAY_FILE, Fence, Quer
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from agl_stream.wire import otlp
 from consumers.clickhouse_sink import SinkGroup
-from consumers.dashboard import DASHBOARD_PAGES, Backlog, dashboard_router
+from consumers.dashboard import DASHBOARD_PAGES, Backlog, serve_dashboard
 from consumers.gateway_agl import serve_agl
 from consumers.gateway_sql import (
     FunctionPolicy,
     SqlLimits,
     SqlRefusedError,
+    SqlRunner,
     ast_refusal,
     jsonable,
     load_function_policy,
-    sql_router,
     within,
 )
-from consumers.gateway_tasks import TaskSubmitter, tasks_router
+from consumers.gateway_sql import router as sql_router
+from consumers.gateway_tasks import TaskSubmitter
+from consumers.gateway_tasks import router as tasks_router
 from consumers.sink_specs import SPECS, SinkSpec
 
 log = get_logger("agl.gateway")
@@ -340,11 +345,10 @@ class QueryRequest(BaseModel):
     timeout: float = Field(30.0, gt=0, le=3600, description="Seconds to wait for the fence.")
 
 
-def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": kind, "message": message, **extra}, status_code=status)
-
-
 def create_app(gateway: Gateway) -> FastAPI:
+    """The gateway's HTTP app: its own routes (health, offsets, ``/v1/query``, ``/v1/traces``,
+    ``/metrics``), ``/v1/tasks``, ``/v1/sql``, the seed's ``/v1/agl`` and the dashboard, every one
+    a module-level route reading what it needs from ``app.state``."""
     app = FastAPI(title="agl-stream gateway", docs_url=None, redoc_url=None)
     settings = gateway.settings
     guard(
@@ -355,98 +359,19 @@ def create_app(gateway: Gateway) -> FastAPI:
         media_types={"/v1/traces": frozenset({otlp.PROTOBUF})},
         public_pages=(DASHBOARD_PAGES,),
     )
-
+    app.state.gateway = gateway
+    app.state.stopping = lambda: gateway.stopping
+    app.state.tasks = gateway.tasks
+    app.state.sql = SqlRunner(settings)
     app.add_route("/metrics", metrics.metrics_endpoint, methods=["GET"])
-
-    @app.get("/v1/health")
-    async def health() -> dict[str, Any]:
-        return {
-            "status": "stopping" if gateway.stopping else "ok",
-            "pid": os.getpid(),
-            "sinks": [spec.name for spec in gateway.specs],
-            "uptime_s": round(time.monotonic() - gateway.started, 3),
-        }
-
-    @app.get("/v1/offsets")
-    async def offsets() -> dict[str, Any]:
-        applied = gateway.applied.snapshot()
-        sinks = {}
-        for spec in gateway.specs:
-            topic = gateway.settings.topic(spec.topic)
-            sinks[spec.name] = {"topic": topic, "applied": {str(p): o for p, o in applied.get(topic, {}).items()}}
-        return {"sinks": sinks}
-
-    @app.post("/v1/query")
-    async def query(http: Request) -> Response:
-        try:
-            request = QueryRequest.model_validate_json(await read_body(http, MAX_QUERY_BODY_BYTES))
-        except BodyTooLargeError as exc:
-            return _error(413, "too_large", str(exc))
-        except ValidationError as exc:
-            return _error(400, "bad_request", "; ".join(f"{e['loc']}: {e['msg']}" for e in exc.errors()))
-        try:
-            await gateway.fenced(request.fence, request.timeout)
-        except UnknownTopicError as exc:
-            return _error(400, "unknown_topic", str(exc))
-        except FenceTimeoutError as exc:
-            return _error(504, "fence_timeout", str(exc))
-        except GatewayClosingError as exc:
-            return _error(503, "stopping", str(exc))
-        try:
-            result = await gateway.queries.run(request.sql, request.parameters)
-        except SqlRefusedError as exc:
-            return _error(403, exc.kind, str(exc))
-        except DatabaseError as exc:
-            return _error(
-                400, "query_error", str(exc), code=getattr(exc, "code", None), name=getattr(exc, "name", None)
-            )
-        except (ValueError, TypeError, KeyError) as exc:  # parameters clickhouse-connect cannot bind
-            return _error(400, "query_error", f"{type(exc).__name__}: {exc}")
-        return Response(result, media_type="application/json")
-
-    @app.post("/v1/traces")
-    async def traces(request: Request) -> Response:
-        try:
-            encoding = otlp.content_encoding(request.headers.get("content-type"))
-        except otlp.UnsupportedOtlpContentError as exc:
-            return _error(415, "unsupported_media_type", str(exc))
-        if gateway.stopping:
-            return _otlp_error(encoding, 503, otlp.GRPC_UNAVAILABLE, "stopping", "the gateway is shutting down")
-        try:
-            body = await read_body(
-                request,
-                otlp.MAX_BODY_BYTES,
-                "export fewer spans per request (the SDK batch processor's max_export_batch_size)",
-            )
-            # Off the event loop: decoding a large batch would hold up the sinks sharing it.
-            decoded = await asyncio.to_thread(_decode_otlp, body, request.headers.get("content-encoding"), encoding)
-        except otlp.UnsupportedOtlpContentError as exc:
-            return _otlp_error(encoding, 415, otlp.GRPC_INVALID_ARGUMENT, "unsupported_media_type", str(exc))
-        except (otlp.OtlpTooLargeError, BodyTooLargeError) as exc:
-            return _otlp_error(encoding, 413, otlp.GRPC_RESOURCE_EXHAUSTED, "too_large", str(exc))
-        except otlp.MalformedOtlpError as exc:
-            return _otlp_error(encoding, 400, otlp.GRPC_INVALID_ARGUMENT, "malformed_otlp", str(exc))
-        try:
-            rejected, message = await gateway.traces.export(decoded)
-        except TracesUnavailableError as exc:
-            return _otlp_error(
-                encoding, 503, otlp.GRPC_UNAVAILABLE, "unavailable", str(exc), headers={"Retry-After": "2"}
-            )
-        except TracesWriteError as exc:
-            return _otlp_error(encoding, 500, otlp.GRPC_INTERNAL, "write_failed", str(exc))
-        media_type = otlp.PROTOBUF if encoding == "protobuf" else otlp.JSON
-        return Response(otlp.export_response(rejected, message, encoding), media_type=media_type)
-
-    app.include_router(tasks_router(gateway.tasks, lambda: gateway.stopping))
-    serve_agl(app, gateway.traces.store, lambda: gateway.stopping)
-
-    app.include_router(sql_router(settings, lambda: gateway.stopping))
+    app.include_router(router)
+    app.include_router(tasks_router)
+    app.include_router(sql_router)
+    serve_agl(app, gateway.traces.store)
     backlog = Backlog(
         settings, gateway.applied.snapshot, {spec.name: settings.topic(spec.topic) for spec in gateway.specs}
     )
-    app.include_router(
-        dashboard_router(gateway.queries, settings.clickhouse_database, lambda: gateway.stopping, backlog)
-    )
+    serve_dashboard(app, gateway.queries, settings.clickhouse_database, backlog)
     return app
 
 
@@ -462,7 +387,7 @@ def _otlp_error(
     reads as a JSON ``google.rpc.Status`` (code, message) to clients that ignore other keys."""
     if encoding == "protobuf":
         return Response(otlp.error_status(code, message), status_code=status, media_type=otlp.PROTOBUF, headers=headers)
-    return JSONResponse({"error": kind, "message": message, "code": code}, status_code=status, headers=headers)
+    return error_json(status, kind, message, headers=headers, code=code)
 
 
 class Gateway:
@@ -588,3 +513,95 @@ async def run_gateway(settings: Settings, **options: Any) -> None:
 def main(settings: Settings, **options: Any) -> None:
     """Run the gateway until SIGTERM/SIGINT (``agl-stream gateway``)."""
     asyncio.run(run_gateway(settings, **options))
+
+
+# -- the routes -----------------------------------------------------------------------------------
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+Gw = Annotated[Gateway, Depends(_gateway)]
+router = APIRouter(route_class=answering())
+
+
+@router.get("/v1/health")
+async def health(gateway: Gw) -> dict[str, Any]:
+    return {
+        "status": "stopping" if gateway.stopping else "ok",
+        "pid": os.getpid(),
+        "sinks": [spec.name for spec in gateway.specs],
+        "uptime_s": round(time.monotonic() - gateway.started, 3),
+    }
+
+
+@router.get("/v1/offsets")
+async def offsets(gateway: Gw) -> dict[str, Any]:
+    applied = gateway.applied.snapshot()
+    sinks = {}
+    for spec in gateway.specs:
+        topic = gateway.settings.topic(spec.topic)
+        sinks[spec.name] = {"topic": topic, "applied": {str(p): o for p, o in applied.get(topic, {}).items()}}
+    return {"sinks": sinks}
+
+
+@router.post("/v1/query")
+async def query(http: Request, gateway: Gw) -> Response:
+    try:
+        request = QueryRequest.model_validate_json(await read_body(http, MAX_QUERY_BODY_BYTES))
+    except BodyTooLargeError as exc:
+        raise Refusal(413, "too_large", str(exc)) from exc
+    except ValidationError as exc:
+        raise Refusal(400, "bad_request", "; ".join(f"{e['loc']}: {e['msg']}" for e in exc.errors())) from exc
+    try:
+        await gateway.fenced(request.fence, request.timeout)
+    except UnknownTopicError as exc:
+        raise Refusal(400, "unknown_topic", str(exc)) from exc
+    except FenceTimeoutError as exc:
+        raise Refusal(504, "fence_timeout", str(exc)) from exc
+    except GatewayClosingError as exc:
+        raise Refusal(503, "stopping", str(exc)) from exc
+    try:
+        result = await gateway.queries.run(request.sql, request.parameters)
+    except SqlRefusedError as exc:
+        raise Refusal(403, exc.kind, str(exc)) from exc
+    except DatabaseError as exc:
+        code, name = getattr(exc, "code", None), getattr(exc, "name", None)
+        raise Refusal(400, "query_error", str(exc), code=code, name=name) from exc
+    except (ValueError, TypeError, KeyError) as exc:  # parameters clickhouse-connect cannot bind
+        raise Refusal(400, "query_error", f"{type(exc).__name__}: {exc}") from exc
+    return Response(result, media_type="application/json")
+
+
+@router.post("/v1/traces")
+async def traces(request: Request, gateway: Gw) -> Response:
+    try:
+        encoding = otlp.content_encoding(request.headers.get("content-type"))
+    except otlp.UnsupportedOtlpContentError as exc:
+        raise Refusal(415, "unsupported_media_type", str(exc)) from exc
+    if gateway.stopping:
+        return _otlp_error(encoding, 503, otlp.GRPC_UNAVAILABLE, "stopping", "the gateway is shutting down")
+    try:
+        body = await read_body(
+            request,
+            otlp.MAX_BODY_BYTES,
+            "export fewer spans per request (the SDK batch processor's max_export_batch_size)",
+        )
+        # Off the event loop: decoding a large batch would hold up the sinks sharing it.
+        decoded = await asyncio.to_thread(_decode_otlp, body, request.headers.get("content-encoding"), encoding)
+    except otlp.UnsupportedOtlpContentError as exc:
+        return _otlp_error(encoding, 415, otlp.GRPC_INVALID_ARGUMENT, "unsupported_media_type", str(exc))
+    except (otlp.OtlpTooLargeError, BodyTooLargeError) as exc:
+        return _otlp_error(encoding, 413, otlp.GRPC_RESOURCE_EXHAUSTED, "too_large", str(exc))
+    except otlp.MalformedOtlpError as exc:
+        return _otlp_error(encoding, 400, otlp.GRPC_INVALID_ARGUMENT, "malformed_otlp", str(exc))
+    try:
+        rejected, message = await gateway.traces.export(decoded)
+    except TracesUnavailableError as exc:
+        return _otlp_error(encoding, 503, otlp.GRPC_UNAVAILABLE, "unavailable", str(exc), headers={"Retry-After": "2"})
+    except TracesWriteError as exc:
+        return _otlp_error(encoding, 500, otlp.GRPC_INTERNAL, "write_failed", str(exc))
+    media_type = otlp.PROTOBUF if encoding == "protobuf" else otlp.JSON
+    return Response(otlp.export_response(rejected, message, encoding), media_type=media_type)

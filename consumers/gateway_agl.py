@@ -67,13 +67,12 @@ Where this differs from the seed's server, deliberately:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Any, TypeVar
 
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from agl_stream.errors import AglError, CodecError
@@ -82,8 +81,10 @@ from agl_stream.http_serving import (
     BodyTooLargeError,
     FiniteJSONResponse,
     MalformedBodyError,
+    answering,
     parse_json,
     read_body,
+    refuse_while_stopping,
 )
 from agl_stream.logs import get_logger
 from agl_stream.models import Rollout
@@ -209,47 +210,32 @@ async def _paged(
 # -- the routes -----------------------------------------------------------------------------------
 
 
-def serve_agl(app: FastAPI, store: StoreGetter, stopping: Callable[[], bool]) -> None:
+def serve_agl(app: FastAPI, store: StoreGetter) -> None:
     """Serve the seed's REST API on ``app``, on the store client ``store()`` returns (started on
-    demand); while ``stopping()`` every route but health answers 503."""
+    demand); while the app's ``state.stopping()`` every route but health answers 503."""
     app.state.agl_store = store
-    app.state.agl_stopping = stopping
     app.include_router(health_router)
     app.include_router(router)
 
 
-class _AglRoute(APIRoute):
-    """A /v1/agl route: a stopping gateway, a refusal and every error of the store become the
-    gateway's error shape here, in one place (the seed's client retries 5xx, gives up on 4xx)."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def answer(request: Request) -> Response:
-            if request.app.state.agl_stopping():
-                return error_response(503, "stopping", "the gateway is shutting down", headers={"Retry-After": "2"})
-            try:
-                return await handler(request)
-            except Refusal as refusal:
-                return refusal.response()
-            except ValidationError as exc:  # a value the store's records refuse (checked after parsing)
-                return validation_refusal(exc, "body").response()
-            except CodecError as exc:  # a value the records' schema cannot hold: nothing was written
-                return error_response(422, "invalid_request", f"a value cannot be stored: {exc}")
-            except MessageSizeTooLargeError as exc:  # one record over the producer's limit: not sent
-                return error_response(413, "too_large", f"a record is too large to store: {exc}; send smaller values")
-            except QueueFullError as exc:  # back-pressure, not a mistake: 503, which the seed's client retries
-                return error_response(503, "queue_full", str(exc), headers={"Retry-After": "5"})
-            except ValueError as exc:  # the store's verdict (RejectedError included)
-                status, kind = store_refusal(exc)
-                return error_response(status, kind, str(exc))
-            except (AglError, KafkaError) as exc:  # not up, the processor silent, the broker down
-                return error_response(503, "unavailable", str(exc), headers={"Retry-After": "2"})
-            except Exception as exc:
-                log.exception("agl route failed", error=f"{type(exc).__name__}: {exc}")
-                return error_response(500, "internal", f"the gateway failed this request ({type(exc).__name__})")
-
-        return answer
+def _store_errors(exc: Exception) -> Response | None:
+    """Every error of the store as the gateway's error shape, in one place (the seed's client
+    retries 5xx, gives up on 4xx)."""
+    if isinstance(exc, ValidationError):  # a value the store's records refuse (checked after parsing)
+        return validation_refusal(exc, "body").response()
+    if isinstance(exc, CodecError):  # a value the records' schema cannot hold: nothing was written
+        return error_response(422, "invalid_request", f"a value cannot be stored: {exc}")
+    if isinstance(exc, MessageSizeTooLargeError):  # one record over the producer's limit: not sent
+        return error_response(413, "too_large", f"a record is too large to store: {exc}; send smaller values")
+    if isinstance(exc, QueueFullError):  # back-pressure, not a mistake: 503, which the seed's client retries
+        return error_response(503, "queue_full", str(exc), headers={"Retry-After": "5"})
+    if isinstance(exc, ValueError):  # the store's verdict (RejectedError included)
+        status, kind = store_refusal(exc)
+        return error_response(status, kind, str(exc))
+    if isinstance(exc, (AglError, KafkaError)):  # not up, the processor silent, the broker down
+        return error_response(503, "unavailable", str(exc), headers={"Retry-After": "2"})
+    log.exception("agl route failed", error=f"{type(exc).__name__}: {exc}")
+    return error_response(500, "internal", f"the gateway failed this request ({type(exc).__name__})")
 
 
 def _store_getter(request: Request) -> StoreGetter:
@@ -261,7 +247,7 @@ Store = Annotated[StoreGetter, Depends(_store_getter)]
 """The gateway's store client, started when a route first needs it."""
 
 health_router = APIRouter(prefix=PREFIX)
-router = APIRouter(prefix=PREFIX, route_class=_AglRoute)
+router = APIRouter(prefix=PREFIX, route_class=answering(_store_errors), dependencies=[Depends(refuse_while_stopping)])
 # Paged listings are served twice, as the seed serves them: ``GET path`` with the query in the
 # query string and ``POST path/search`` with it as a JSON body. Fixed paths are declared before
 # the parameterised ones beside them (``/rollouts/search`` before ``/rollouts/{rollout_id}``).
@@ -269,7 +255,7 @@ router = APIRouter(prefix=PREFIX, route_class=_AglRoute)
 
 @health_router.get("/health")
 async def health(request: Request) -> Response:
-    if request.app.state.agl_stopping():
+    if request.app.state.stopping():
         return JSONResponse({"status": "stopping"}, status_code=503)
     return JSONResponse({"status": "ok"})
 

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from starlette.datastructures import QueryParams
 
+from agl_stream import http_serving
 from agl_stream.models import Span
 from agl_stream.models.base import AttemptStatus, EpochSeconds, RolloutMode, RolloutStatus, WorkerStatus
 from agl_stream.models.resources import Resource
@@ -141,29 +142,20 @@ WORKER_NOT_NULL = frozenset({"heartbeat_stats"})
 # -- pure mapping ---------------------------------------------------------------------------------
 
 
-class Refusal(Exception):
-    """A request answered with an error before (or instead of) reaching the store."""
+class Refusal(http_serving.Refusal):
+    """A request answered with an error before (or instead of) reaching the store, with the
+    seed's ``detail`` (the message, or a JSON value)."""
 
     def __init__(self, status: int, kind: str, message: str, detail: Any = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.message = message
-        self.detail: Any = message if detail is None else detail  # the message, or a JSON value
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.kind, self.message, self.detail)
+        self.detail: Any = message if detail is None else detail
+        super().__init__(status, kind, message, detail=self.detail)
 
 
 def error_response(
     status: int, kind: str, message: str, detail: Any = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     """The gateway's error shape plus the seed's ``detail``."""
-    return JSONResponse(
-        {"error": kind, "message": message, "detail": message if detail is None else detail},
-        status_code=status,
-        headers=dict(headers) if headers else None,
-    )
+    return http_serving.error_json(status, kind, message, headers=headers, detail=message if detail is None else detail)
 
 
 def validation_refusal(error: ValidationError, where: str) -> Refusal:

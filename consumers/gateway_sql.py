@@ -51,16 +51,16 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from datetime import time as dtime
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationError
 from rich import box
 from rich.console import Console
@@ -70,7 +70,7 @@ from agl_stream.clickhouse.access import MAX_RANGE_ELEMENTS
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.errors import QueryError
-from agl_stream.http_serving import BodyTooLargeError, read_body
+from agl_stream.http_serving import BodyTooLargeError, Refusal, Serving, answering, error_json, read_body
 
 SqlFormat = Literal["json", "jsonl", "csv", "table"]
 
@@ -551,14 +551,16 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def error_response(exc: QueryError) -> JSONResponse:
-    """The HTTP answer for a refused or failed query."""
+def _sql_errors(exc: Exception) -> Response | None:
+    """The HTTP answer for a refused or failed query, or a request that names none."""
     if isinstance(exc, SqlRefusedError):
-        return JSONResponse({"error": exc.kind, "message": str(exc)}, status_code=403)
-    status, kind = _STATUS_BY_CODE.get(exc.code or 0, (400, "query_error"))
-    return JSONResponse(
-        {"error": kind, "message": _first_line(exc), "code": exc.code, "name": exc.name}, status_code=status
-    )
+        return error_json(403, exc.kind, str(exc))
+    if isinstance(exc, QueryError):
+        status, kind = _STATUS_BY_CODE.get(exc.code or 0, (400, "query_error"))
+        return error_json(status, kind, _first_line(exc), code=exc.code, name=exc.name)
+    if isinstance(exc, ValidationError):
+        return error_json(400, "bad_request", "; ".join(str(e["msg"]) for e in exc.errors()))
+    return None
 
 
 class SqlRequest(BaseModel):
@@ -567,42 +569,39 @@ class SqlRequest(BaseModel):
     timeout: float | None = Field(None, gt=0, le=3600, description="Seconds; capped by sql_time_limit_s.")
 
 
-def sql_router(settings: Settings, stopping: Callable[[], bool]) -> APIRouter:
-    """``/v1/sql`` for a gateway with these settings; ``stopping`` says when it shuts down."""
-    router = APIRouter()
-    runner = SqlRunner(settings)
+def _query_string(request: Request) -> SqlRequest:
+    return SqlRequest.model_validate(dict(request.query_params))
 
-    async def answer(request: SqlRequest) -> Response:
-        if stopping():
-            return JSONResponse({"error": "stopping", "message": "the gateway is shutting down"}, status_code=503)
-        try:
-            result = await runner.run(request.query, request.timeout)
-        except QueryError as exc:
-            return error_response(exc)
-        body, media_type = render(result, request.format)
-        return Response(body, media_type=media_type, headers={"x-agl-rows": str(len(result.rows))})
 
-    def invalid(exc: ValidationError) -> JSONResponse:
-        return JSONResponse(
-            {"error": "bad_request", "message": "; ".join(str(e["msg"]) for e in exc.errors())}, status_code=400
-        )
+async def _body(request: Request) -> SqlRequest:
+    try:
+        return SqlRequest.model_validate_json(await read_body(request, MAX_SQL_BODY_BYTES))
+    except BodyTooLargeError as exc:
+        raise Refusal(413, "too_large", str(exc)) from exc
 
-    @router.get("/v1/sql")
-    async def sql_get(request: Request) -> Response:
-        try:
-            parsed = SqlRequest.model_validate(dict(request.query_params))
-        except ValidationError as exc:
-            return invalid(exc)
-        return await answer(parsed)
 
-    @router.post("/v1/sql")
-    async def sql_post(request: Request) -> Response:
-        try:
-            parsed = SqlRequest.model_validate_json(await read_body(request, MAX_SQL_BODY_BYTES))
-        except BodyTooLargeError as exc:
-            return JSONResponse({"error": "too_large", "message": str(exc)}, status_code=413)
-        except ValidationError as exc:
-            return invalid(exc)
-        return await answer(parsed)
+async def _answer(request: SqlRequest, runner: SqlRunner) -> Response:
+    result = await runner.run(request.query, request.timeout)
+    body, media_type = render(result, request.format)
+    return Response(body, media_type=media_type, headers={"x-agl-rows": str(len(result.rows))})
 
-    return router
+
+def _runner(request: Request) -> SqlRunner:
+    runner: SqlRunner = request.app.state.sql
+    return runner
+
+
+Runner = Annotated[SqlRunner, Depends(_runner)]
+router = APIRouter(route_class=answering(_sql_errors))
+"""``/v1/sql`` on an app whose ``state.sql`` is its SqlRunner. A request is parsed before a
+stopping gateway refuses it (503)."""
+
+
+@router.get("/v1/sql")
+async def sql_get(request: Annotated[SqlRequest, Depends(_query_string)], _: Serving, runner: Runner) -> Response:
+    return await _answer(request, runner)
+
+
+@router.post("/v1/sql")
+async def sql_post(request: Annotated[SqlRequest, Depends(_body)], _: Serving, runner: Runner) -> Response:
+    return await _answer(request, runner)

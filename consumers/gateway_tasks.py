@@ -34,11 +34,11 @@ import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from agl_stream import metrics
@@ -55,8 +55,16 @@ from agl_stream.domain.ingress import (
     stored_for,
     stored_rollouts_query,
 )
-from agl_stream.errors import AglError
-from agl_stream.http_serving import MAX_BODY_BYTES, BodyTooLargeError, MalformedBodyError, parse_json, read_body
+from agl_stream.http_serving import (
+    MAX_BODY_BYTES,
+    BodyTooLargeError,
+    MalformedBodyError,
+    Refusal,
+    answering,
+    parse_json,
+    read_body,
+    refuse_while_stopping,
+)
 from agl_stream.kafka.io import make_producer
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import TaskRequest
@@ -75,8 +83,11 @@ Query = Callable[[str, Mapping[str, Any]], Awaitable[bytes]]
 """The gateway's read-only query runner: SQL and parameters -> ``{"columns", "rows"}`` as JSON."""
 
 
-class TasksUnavailableError(AglError):
-    """The gateway cannot produce right now (starting, stopping, broker unreachable): retry."""
+class TasksUnavailableError(Refusal):
+    """The gateway cannot produce right now (starting, stopping, broker unreachable): 503, retry."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, "unavailable", message, headers={"Retry-After": "2"})
 
 
 class TaskSubmitter:
@@ -141,16 +152,6 @@ class TaskSubmitter:
             raise TasksUnavailableError(f"producing to {self.topic} failed: {type(error).__name__}: {error}") from error
 
 
-def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": kind, "message": message, **extra}, status_code=status)
-
-
-def _unavailable(exc: TasksUnavailableError) -> JSONResponse:
-    response = _error(503, "unavailable", str(exc))
-    response.headers["Retry-After"] = "2"
-    return response
-
-
 def check_items(body: Any, limits: IngressLimits) -> tuple[list[TaskRequest], list[dict[str, Any]]]:
     """The requests of a body (one object or a list), and a reason per invalid item."""
     items = body if isinstance(body, list) else [body]
@@ -180,70 +181,66 @@ def check_items(body: Any, limits: IngressLimits) -> tuple[list[TaskRequest], li
     return requests, problems
 
 
-def tasks_router(submitter: TaskSubmitter, stopping: Callable[[], bool]) -> APIRouter:
-    router = APIRouter()
+def _submitter(request: Request) -> TaskSubmitter:
+    submitter: TaskSubmitter = request.app.state.tasks
+    return submitter
 
-    @router.post("/v1/tasks", status_code=202)
-    async def post_tasks(request: Request) -> JSONResponse:
-        if stopping():
-            return _error(503, "stopping", "the gateway is shutting down")
-        try:
-            parsed = parse_json(await read_body(request, MAX_BODY_BYTES, "send fewer tasks per request"))
-        except BodyTooLargeError as exc:
-            return _error(413, "too_large", str(exc))
-        except MalformedBodyError as exc:
-            return _error(400, "malformed_json", str(exc))
-        if isinstance(parsed, list) and not parsed:
-            return _error(422, "invalid_task_requests", "the list of tasks is empty", items=[])
-        if isinstance(parsed, list) and len(parsed) > MAX_ITEMS:
-            return _error(413, "too_large", f"{len(parsed):,} tasks in one request, over the limit of {MAX_ITEMS:,}")
-        requests, problems = check_items(parsed, submitter.limits)
-        if problems:
-            return _error(
-                422,
-                "invalid_task_requests",
-                f"{len(problems)} of {len(requests) + len(problems)} task requests are invalid; nothing was sent",
-                items=problems,
-            )
-        try:
-            await submitter.producer()  # nothing can be sent: 503 at once, before asking ClickHouse
-        except TasksUnavailableError as exc:
-            return _unavailable(exc)
-        stored = await submitter.stored(requests)
-        accepted: list[dict[str, Any]] = []
-        conflicts: list[dict[str, Any]] = []
-        new: list[TaskRequest] = []
-        for index, item in enumerate(requests):
-            try:
-                answer = classify(item, stored_for(stored, item.request_id))
-            except TaskRequestError as error:
-                conflicts.append(
-                    {"index": index, "request_id": item.request_id, "error": type(error).__name__, "reason": str(error)}
-                )
-                continue
-            if answer is not None:
-                accepted.append({"request_id": item.request_id, "rollout_id": answer.rollout_id, "outcome": ALREADY})
-            else:
-                new.append(item)
-                accepted.append(
-                    {"request_id": item.request_id, "rollout_id": rollout_id_for(item.request_id), "outcome": QUEUED}
-                )
-        if conflicts:
-            return _error(
-                409,
-                "conflicting_task_requests",
-                f"{len(conflicts)} of {len(requests)} task requests name rollouts that hold other requests; "
-                "nothing was sent",
-                items=conflicts,
-            )
-        if new:
-            try:
-                await submitter.submit(new)
-            except TasksUnavailableError as exc:
-                return _unavailable(exc)
-        return JSONResponse({"accepted": accepted}, status_code=202)
 
-    return router
+router = APIRouter(route_class=answering(), dependencies=[Depends(refuse_while_stopping)])
+"""``POST /v1/tasks`` on an app whose ``state.tasks`` is the gateway's TaskSubmitter."""
+
+
+@router.post("/v1/tasks", status_code=202)
+async def post_tasks(request: Request, submitter: Annotated[TaskSubmitter, Depends(_submitter)]) -> JSONResponse:
+    try:
+        parsed = parse_json(await read_body(request, MAX_BODY_BYTES, "send fewer tasks per request"))
+    except BodyTooLargeError as exc:
+        raise Refusal(413, "too_large", str(exc)) from exc
+    except MalformedBodyError as exc:
+        raise Refusal(400, "malformed_json", str(exc)) from exc
+    if isinstance(parsed, list) and not parsed:
+        raise Refusal(422, "invalid_task_requests", "the list of tasks is empty", items=[])
+    if isinstance(parsed, list) and len(parsed) > MAX_ITEMS:
+        raise Refusal(413, "too_large", f"{len(parsed):,} tasks in one request, over the limit of {MAX_ITEMS:,}")
+    requests, problems = check_items(parsed, submitter.limits)
+    if problems:
+        raise Refusal(
+            422,
+            "invalid_task_requests",
+            f"{len(problems)} of {len(requests) + len(problems)} task requests are invalid; nothing was sent",
+            items=problems,
+        )
+    await submitter.producer()  # nothing can be sent: 503 at once, before asking ClickHouse
+    stored = await submitter.stored(requests)
+    accepted: list[dict[str, Any]] = []
+    conflicts: list[dict[str, Any]] = []
+    new: list[TaskRequest] = []
+    for index, item in enumerate(requests):
+        try:
+            answer = classify(item, stored_for(stored, item.request_id))
+        except TaskRequestError as error:
+            conflicts.append(
+                {"index": index, "request_id": item.request_id, "error": type(error).__name__, "reason": str(error)}
+            )
+            continue
+        if answer is not None:
+            accepted.append({"request_id": item.request_id, "rollout_id": answer.rollout_id, "outcome": ALREADY})
+        else:
+            new.append(item)
+            accepted.append(
+                {"request_id": item.request_id, "rollout_id": rollout_id_for(item.request_id), "outcome": QUEUED}
+            )
+    if conflicts:
+        raise Refusal(
+            409,
+            "conflicting_task_requests",
+            f"{len(conflicts)} of {len(requests)} task requests name rollouts that hold other requests; "
+            "nothing was sent",
+            items=conflicts,
+        )
+    if new:
+        await submitter.submit(new)
+    return JSONResponse({"accepted": accepted}, status_code=202)
 
 
 async def _stop_producer(producer: AIOKafkaProducer) -> None:

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import httpx
 
+from agl_stream.auth import write_private
 from agl_stream.config import Settings
 from agl_stream.domain.checkpoints import choose_checkpoint, local_checkpoint_path
 from agl_stream.http_serving import QuietServer, bind, listen, server_config
@@ -121,10 +122,7 @@ def api_key_options(token: str) -> str:
 def write_api_key_options(directory: Path, token: str) -> Path:
     """Write :func:`api_key_options` to ``directory`` (0600); returns the file's path."""
     path = directory / API_KEY_FILE
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(descriptor, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        file.write(api_key_options(token))
+    write_private(path, api_key_options(token))
     return path
 
 

@@ -34,7 +34,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from agl_stream.domain.llm_calls import INPUT_MESSAGES_KEY, OUTPUT_MESSAGES_KEY, SCOPE_NAME, new_span_id, new_trace_id
+from agl_stream.domain.llm_calls.spans import (
+    INPUT_MESSAGES_KEY,
+    OUTPUT_MESSAGES_KEY,
+    SCOPE_NAME,
+    new_span_id,
+    new_trace_id,
+)
 from agl_stream.models import Rollout, Span
 from agl_stream.models.base import AttemptStatus, RolloutStatus
 from agl_stream.models.rollouts import RolloutConfig

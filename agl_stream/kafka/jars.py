@@ -45,7 +45,8 @@ class Toolchain:
     mvn: Path | None
 
 
-def _tail(text: str, lines: int = _TAIL_LINES) -> str:
+def tail(text: str, lines: int = _TAIL_LINES) -> str:
+    """The last ``lines`` lines of a tool's output or log, for an error message."""
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
@@ -168,7 +169,7 @@ def ensure_jars(settings: Settings) -> Path:
             raise BrokerError(
                 f"Maven could not resolve the Kafka jars (exit {result.returncode}); is Maven "
                 f"Central reachable (or a mirror in ~/.m2/settings.xml)? Last lines:\n"
-                f"{_tail(result.stdout + result.stderr)}"
+                f"{tail(result.stdout + result.stderr)}"
             )
         jars = sorted(p.name for p in staging.glob("*.jar"))
         if not any(name.startswith("kafka_2.13-") for name in jars):

@@ -30,6 +30,7 @@ from typing import TypeVar
 
 import httpx
 
+from agl_stream.auth import write_private
 from agl_stream.config import SECRETS_DIR_ENV, Settings
 from agl_stream.errors import AglError
 
@@ -60,11 +61,7 @@ def write_secrets(settings: Settings) -> Path | None:
         if stale.name not in secrets:
             stale.unlink()
     for name, value in secrets.items():
-        path = directory / name
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(descriptor, 0o600)  # also when the file was there before
-        with os.fdopen(descriptor, "w") as file:
-            file.write(value)
+        write_private(directory / name, value)
     return directory
 
 

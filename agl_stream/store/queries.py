@@ -156,12 +156,12 @@ def _page(limit: int, offset: int, parameters: dict[str, Any]) -> str:
     return " ".join(clauses)
 
 
-def _combine(conditions: Sequence[str], filter_logic: FilterLogic) -> str | None:
+def _combine(filter_logic: FilterLogic, *conditions: str | None) -> str | None:
+    """The filters given (not None) combined with ``filter_logic``; None when none is."""
     if filter_logic not in ("and", "or"):
         raise ValueError(f"filter_logic must be 'and' or 'or', not {filter_logic!r}")
-    if not conditions:
-        return None
-    return "(" + f" {filter_logic.upper()} ".join(conditions) + ")"
+    present = [c for c in conditions if c]
+    return "(" + f" {filter_logic.upper()} ".join(present) + ")" if present else None
 
 
 def _where(*conditions: str | None) -> str:
@@ -220,23 +220,19 @@ class StoreQueries:
     ) -> Query:
         """query_rollouts; the deprecated ``status``/``rollout_ids`` are the caller's to map."""
         p: dict[str, Any] = {}
-        filters = [
-            c
-            for c in (
-                _in("status", "status_in", status_in, p),
-                _in("rollout_id", "rollout_id_in", rollout_id_in, p),
-                _contains("rollout_id", "rollout_id_contains", rollout_id_contains, p),
-            )
-            if c
-        ]
-        where = _where(_combine(filters, filter_logic))
+        filters = _combine(
+            filter_logic,
+            _in("status", "status_in", status_in, p),
+            _in("rollout_id", "rollout_id_in", rollout_id_in, p),
+            _contains("rollout_id", "rollout_id_contains", rollout_id_contains, p),
+        )
         column = None if sort_by is None else _sort_column(Rollout, sort_by)
         # Default: enqueue order, the order the contract's in-memory store returns.
         order = _order_by(column, sort_order, ("rollout_id",) if column else ("start_time", "rollout_id"))
         return Query(
             _sql(
                 f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM {self.db}.rollouts FINAL",
-                where,
+                _where(filters),
                 order,
                 _page(limit, offset, p),
             ),
@@ -373,25 +369,22 @@ class StoreQueries:
             )
         else:
             attempt = _equals("AttemptId", "attempt_id", attempt_id, p) or ""
-        filters = [
-            c
-            for c in (
-                _equals("TraceId", "trace_id", trace_id, p),
-                _contains("TraceId", "trace_id_contains", trace_id_contains, p),
-                _equals("SpanId", "span_id", span_id, p),
-                _contains("SpanId", "span_id_contains", span_id_contains, p),
-                _equals("ParentSpanId", "parent_id", parent_id, p),
-                _contains("ParentSpanId", "parent_id_contains", parent_id_contains, p),
-                _equals("SpanName", "name", name, p),
-                _contains("SpanName", "name_contains", name_contains, p),
-            )
-            if c
-        ]
+        filters = _combine(
+            filter_logic,
+            _equals("TraceId", "trace_id", trace_id, p),
+            _contains("TraceId", "trace_id_contains", trace_id_contains, p),
+            _equals("SpanId", "span_id", span_id, p),
+            _contains("SpanId", "span_id_contains", span_id_contains, p),
+            _equals("ParentSpanId", "parent_id", parent_id, p),
+            _contains("ParentSpanId", "parent_id_contains", parent_id_contains, p),
+            _equals("SpanName", "name", name, p),
+            _contains("SpanName", "name_contains", name_contains, p),
+        )
         column = _SPAN_SORT_COLUMNS[_sort_column(Span, sort_by or "sequence_id")]
         return Query(
             _sql(
                 f"SELECT SpanJson FROM {self.db}.otel_traces FINAL",
-                _where("RolloutId = {rollout_id:String}", attempt, _combine(filters, filter_logic)),
+                _where("RolloutId = {rollout_id:String}", attempt, filters),
                 _order_by(column, sort_order, ("AttemptId", "SequenceId", "SpanId")),
                 _page(limit, offset, p),
             ),
@@ -534,19 +527,16 @@ FROM (
     ) -> Query:
         p: dict[str, Any] = {}
         derived = self._workers_derived(None, p)
-        filters = [
-            c
-            for c in (
-                _in("status", "status_in", status_in, p),
-                _contains("worker_id", "worker_id_contains", worker_id_contains, p),
-            )
-            if c
-        ]
+        filters = _combine(
+            filter_logic,
+            _in("status", "status_in", status_in, p),
+            _contains("worker_id", "worker_id_contains", worker_id_contains, p),
+        )
         column = None if sort_by is None else _sort_column(Worker, sort_by)
         return Query(
             _sql(
                 f"SELECT {', '.join(WORKER_COLUMNS)} FROM ({derived}\n)",
-                _where(_combine(filters, filter_logic)),
+                _where(filters),
                 _order_by(column, sort_order, ("worker_id",)),
                 _page(limit, offset, p),
             ),

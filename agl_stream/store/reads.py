@@ -2,12 +2,13 @@
 
 Each query carries the client's fence for the topics its tables come from, so a client reads
 its own writes: rollouts and attempts wait for the states this client was answered with,
-spans for the spans it wrote, and so on.
+spans for the spans it wrote, and so on. The write half raises the fence (``_note``).
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -25,20 +26,25 @@ from agl_stream.store.queries import (
     total_from_row,
     worker_from_row,
 )
-from agl_stream.store.readside import ReadSide, read_side_for
+from agl_stream.store.readside import KeyFences, ReadSide, read_side_for
 from agl_stream.store.types import AttemptedRollout, StoreStatistics
 
 T = TypeVar("T")
 
+_KEY_FENCES_MEMORY = 20_000
+"""Rollouts whose own read fence a client remembers (older ones are read behind its oldest)."""
+
 
 class StoreReads:
-    """Queries with this client's fence; ``fence`` is shared with (and grown by) the write half."""
+    """Queries behind this client's fence, which its write half raises (``_note``)."""
 
-    def __init__(
-        self, settings: Settings, fence: Mapping[str, Mapping[int, int]], read_side: ReadSide | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, read_side: ReadSide | None = None) -> None:
         self.settings = settings
-        self.fence = fence
+        # topic -> partition -> newest offset written or answered: the fence of our reads.
+        self.fence: dict[str, dict[int, int]] = defaultdict(dict)
+        # The same per rollout, for reads of one rollout (its spans, its attempts): they wait for
+        # this client's writes about that rollout only, not for every write it made since.
+        self._key_fences = KeyFences(_KEY_FENCES_MEMORY)
         self.sql = StoreQueries(settings.clickhouse_database)
         self.side: ReadSide | None = None
         self._given_side = read_side  # the process's own read side (the gateway's), used as is
@@ -56,9 +62,20 @@ class StoreReads:
         """Before a read from ``sources`` (of rollout ``key`` only, when given): make sure the
         fence covers every write so far."""
 
+    def _note(self, topic: str, partition: int, offset: int, key: str | None = None) -> None:
+        """Raise the fence to a record written or answered; ``key`` (the rollout id of a span
+        batch or a state record) also raises that rollout's own fence."""
+        fence = self.fence[topic]
+        if offset > fence.get(partition, -1):
+            fence[partition] = offset
+        self._key_fences.note(topic, key, partition, offset)
+
     def _fence_for(self, sources: Sequence[str], key: str | None) -> dict[str, dict[int, int]]:
         """The fence of a read from ``sources``; ``key``: the read is of that rollout only."""
-        return {self.topics[s]: dict(self.fence[self.topics[s]]) for s in sources if self.fence.get(self.topics[s])}
+        topics = [self.topics[s] for s in sources]
+        if key is None:
+            return {t: dict(self.fence[t]) for t in topics if self.fence.get(t)}
+        return {t: f for t in topics if (f := self._key_fences.of(t, key))}
 
     async def _rows(self, query: Query, *sources: str, key: str | None = None) -> list[dict[str, Any]]:
         assert self.side is not None, "the store is not started"

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -148,7 +148,6 @@ class ReplyChannel:
         self._keepalive: asyncio.Task[None] | None = None
         self.send_keepalive: Callable[[str, bytes], Awaitable[object]] | None = None
         """How the client writes to its own topic (set by the store client)."""
-        self.received = 0
 
     async def start(self) -> None:
         admin = admin_client(self.settings)
@@ -223,6 +222,18 @@ class ReplyChannel:
         future.add_done_callback(lambda done: self._forget(request_id, done))
         return future
 
+    @contextlib.contextmanager
+    def expecting(self, request_ids: Iterable[str]) -> Iterator[list[asyncio.Future[Reply]]]:
+        """:meth:`expect` each request; the futures still unanswered on leaving are cancelled
+        (their caller stopped waiting)."""
+        futures = [self.expect(request_id) for request_id in request_ids]
+        try:
+            yield futures
+        finally:
+            for future in futures:
+                if not future.done():
+                    future.cancel()
+
     def _forget(self, request_id: str, future: asyncio.Future[Reply]) -> None:
         # Only this future: the same request may be expected again (a claim sent anew).
         if self._pending.get(request_id) is future:
@@ -248,7 +259,6 @@ class ReplyChannel:
         except CodecError as error:
             log.warning("undecodable reply", error=describe(error))
             return
-        self.received += 1
         if reply.state is not None and self.on_state is not None:
             self.on_state(reply)
         if self.on_queue is not None and reply.state is None and reply.covered_partitions:

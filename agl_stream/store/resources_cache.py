@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -43,8 +45,8 @@ class ResourcesCache:
         # (up to fetch_max_wait_ms, 500 ms: every enqueue that pinned "no resources" paid it).
         self._ends: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
+        self._starting = asyncio.Lock()
         self.on_update: list[Callable[[ResourcesUpdate], None]] = []
-        self.undecodable = 0
 
     async def start(self) -> None:
         consumer = AIOKafkaConsumer(
@@ -70,6 +72,13 @@ class ResourcesCache:
             raise
         self._task = asyncio.create_task(self._follow(), name="agl-resources-cache")
         await self.catch_up()
+
+    async def started(self) -> ResourcesCache:
+        """Start it on first use (callers at once wait for the one start)."""
+        async with self._starting:
+            if self._task is None:
+                await self.start()
+        return self
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -135,7 +144,6 @@ class ResourcesCache:
         try:
             update = self.codec.decode(value, ResourcesUpdate)
         except AglError as error:  # the sink dead-letters it; here it is only skipped
-            self.undecodable += 1
             log.warning("undecodable resources snapshot", partition=partition, offset=offset, error=describe(error))
             return
         self.by_id[update.resources_id] = update
@@ -143,3 +151,18 @@ class ResourcesCache:
             self.latest, self._latest_position = update, (partition, offset)
         for callback in self.on_update:
             callback(update)
+
+
+def snapshot(
+    resources_id: str, resources: Mapping[str, Any], current: ResourcesUpdate | None = None
+) -> ResourcesUpdate:
+    """A snapshot of ``resources`` to publish under ``resources_id``: version 1, or the version
+    after ``current``."""
+    now = time.time()
+    return ResourcesUpdate(
+        resources_id=resources_id,
+        create_time=now if current is None else current.create_time,
+        update_time=now,
+        version=1 if current is None else current.version + 1,
+        resources=dict(resources),
+    )

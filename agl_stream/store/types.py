@@ -1,4 +1,4 @@
-"""Types of the store API that are not wire records: UNSET, AttemptedRollout, capabilities."""
+"""Types of the store API that are not wire records: UNSET (and ``given``), AttemptedRollout, capabilities."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ class Unset(Enum):
 
 
 UNSET: Final = Unset.UNSET
+
+
+def given(**arguments: Any) -> dict[str, Any]:
+    """The arguments that were given: those not :data:`UNSET`."""
+    return {name: value for name, value in arguments.items() if value is not UNSET}
 
 
 TaskInput = Any

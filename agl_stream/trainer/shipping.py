@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agl_stream.agent.litagent import FunctionalLitAgent, Hook, LitAgent
+from agl_stream.auth import write_private
 from agl_stream.errors import TrainerError
 from agl_stream.logs import get_logger
 
@@ -102,14 +103,6 @@ def _dumps(payload: dict[str, Any]) -> bytes:
     return data
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(descriptor, 0o600)  # also when the file was there before
-    with os.fdopen(descriptor, "wb") as file:
-        file.write(data)
-
-
 def ship(agent: LitAgent[Any] | str, hooks: Sequence[Hook], directory: Path) -> list[str]:
     """The ``agl-stream runner`` arguments that give a runner this agent and these hooks.
 
@@ -140,7 +133,8 @@ def ship(agent: LitAgent[Any] | str, hooks: Sequence[Hook], directory: Path) -> 
             if data is None:
                 raise TrainerError(f"the runner hooks cannot be pickled for the runner processes: {why}")
     path = directory / AGENT_FILE
-    _write_private(path, data)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_private(path, data)
     return ["--agent-file", str(path)]
 
 

@@ -63,7 +63,6 @@ remove-padding from the position ids, so both give the same log-probs).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -72,34 +71,25 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict  # type: ignore[import-untyped]
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from verl import DataProto
-from verl.trainer.config import AlgoConfig, CheckpointConfig
+from verl.trainer.config import AlgoConfig
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import Metric
-from verl.workers.config import (
-    FSDPActorConfig,
-    FSDPEngineConfig,
-    FSDPOptimizerConfig,
-    HFModelConfig,
-    PolicyLossConfig,
-)
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
 from agl_stream.policy import save_checkpoint
 from agl_stream.policy.model import _fsync_tree
-from agl_stream.rl_options import ROLLOUT_MEAN, RLOptions
+from agl_stream.rl_options import ROLLOUT_MEAN
 from agl_stream.training.backend import (
-    check_common_options,
     compute_advantages,
     off_policy_metrics,
     old_log_probs_and_weights,
@@ -108,46 +98,16 @@ from agl_stream.training.backend import (
     step_metrics,
 )
 from agl_stream.training.data import InvalidBatchError
-from agl_stream.training.levels import (
-    policy_loss_mode,
-    rollout_index,
-    rollout_mean_weights,
-    verl_loss_agg_mode,
-)
-from agl_stream.training.verl_cpu import use_cpu_platform
+from agl_stream.training.levels import policy_loss_mode, rollout_index, rollout_mean_weights
+from agl_stream.training.verl_engine import VerlBackendOptions, build_engine, check_options
+from agl_stream.training.verl_ranks import Device, Ranks, broadcast_object, init_distributed, resolve_device
 
 VERL_STATE_FILE = "verl_state.json"
 ENGINE_DIR = "verl_engine"
-Device = Literal["auto", "cuda", "cpu"]
-Strategy = Literal["fsdp2", "fsdp"]
 
 # What the engine reads of a batch; left_right_2_no_padding turns the first four into nested rows.
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "prompts", "responses")
 _TRAIN_KEYS = (*_MODEL_KEYS, "old_log_probs", "advantages")
-_FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerlBackendOptions(RLOptions):
-    """The hyperparameters of a :class:`VerlFSDPBackend` (saved with its checkpoints).
-
-    The shared :class:`~agl_stream.rl_options.RLOptions` and this engine's own.
-    Engine fields: ``max_token_len_per_gpu`` is VERL's ``ppo_max_token_len_per_gpu`` (micro-batches
-    are packed up to this many tokens per GPU: dynamic batch size); ``mixed_precision`` None is
-    VERL's default on GPUs (bf16 compute, fp32 master weights and reduction) and fp32 on the CPU;
-    ``attn_implementation`` None is ``flash_attention_2`` when ``flash_attn`` is installed, else
-    ``sdpa``; ``use_torch_compile`` compiles VERL's entropy kernel (VERL's default; off here: the first
-    step would pay the compilation, and it needs triton).
-    """
-
-    max_token_len_per_gpu: int = 16384
-    recompute_old_log_probs: bool = True
-    strategy: Strategy = "fsdp2"
-    mixed_precision: bool | None = None
-    use_remove_padding: bool = True
-    attn_implementation: str | None = None
-    gradient_checkpointing: bool = False
-    use_torch_compile: bool = False
 
 
 class VerlFSDPBackend:
@@ -160,20 +120,13 @@ class VerlFSDPBackend:
     """
 
     def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        device: Device = "auto",
-        policy_version: int = 0,
-        **options: Any,
+        self, model_dir: str | Path, *, device: Device = "auto", policy_version: int = 0, **options: Any
     ) -> None:
         opts = VerlBackendOptions(**options)
-        _validate(opts)
+        check_options(opts)
         self.options = opts
-        self.device = _resolve_device(device)
-        self._rank, self._world_size = init_distributed(self.device)
-        # Object broadcasts (commands, batches) go over gloo whatever the tensor backend is.
-        self._cpu_group = _object_group() if self._world_size > 1 else None
+        self.device = resolve_device(device)
+        self._ranks = Ranks(self.device)
         self._policy_version = policy_version
         self._steps = 0
         self.extra_state: dict[str, Any] = {}  # what the last save() was given, after load()
@@ -181,68 +134,7 @@ class VerlFSDPBackend:
         self._algo_config = AlgoConfig(
             adv_estimator=opts.estimator, gamma=opts.gamma, norm_adv_by_std_in_grpo=opts.norm_adv_by_std_in_grpo
         )
-        on_gpu = self.device == "cuda"
-        attn = opts.attn_implementation or (
-            "flash_attention_2" if on_gpu and importlib.util.find_spec("flash_attn") else "sdpa"
-        )
-        mixed = on_gpu if opts.mixed_precision is None else opts.mixed_precision
-        self.model_config = HFModelConfig(
-            path=str(Path(model_dir).resolve()),
-            override_config={"attn_implementation": attn},
-            use_remove_padding=opts.use_remove_padding,
-            enable_gradient_checkpointing=opts.gradient_checkpointing,
-        )
-        optimizer_config = FSDPOptimizerConfig(
-            lr=opts.lr,
-            weight_decay=opts.weight_decay,
-            betas=opts.betas,
-            clip_grad=opts.max_grad_norm,
-            lr_scheduler_type="constant",
-        )
-        checkpoint_config = CheckpointConfig()
-        self.actor_config = FSDPActorConfig(
-            strategy=opts.strategy,
-            rollout_n=1,
-            ppo_mini_batch_size=opts.mini_batch_size or 1,
-            use_dynamic_bsz=True,
-            ppo_max_token_len_per_gpu=opts.max_token_len_per_gpu,
-            ppo_infer_max_token_len_per_gpu=opts.max_token_len_per_gpu,
-            clip_ratio=opts.clip_ratio,
-            clip_ratio_low=opts.clip_ratio if opts.clip_ratio_low is None else opts.clip_ratio_low,
-            clip_ratio_high=opts.clip_ratio if opts.clip_ratio_high is None else opts.clip_ratio_high,
-            clip_ratio_c=opts.clip_ratio_c,
-            # rollout-mean rides on token-sum with per-token weights in rollout_is_weights (levels.py).
-            loss_agg_mode=verl_loss_agg_mode(opts.loss_agg_mode),
-            entropy_coeff=opts.entropy_coeff,
-            ppo_epochs=opts.ppo_epochs,
-            shuffle=opts.shuffle,
-            data_loader_seed=opts.seed,
-            use_torch_compile=opts.use_torch_compile,
-            use_remove_padding=opts.use_remove_padding,
-            policy_loss=PolicyLossConfig(loss_mode=opts.loss_mode),
-            optim=optimizer_config,
-            checkpoint=checkpoint_config,
-            fsdp_config=FSDPEngineConfig(
-                strategy=opts.strategy,
-                model_dtype="fp32",
-                mixed_precision=None if mixed else _FP32,
-                use_torch_compile=opts.use_torch_compile,
-                seed=opts.seed,
-            ),
-            model_config=self.model_config,
-        )
-        # As ActorRolloutRefWorker.init_model fills the engine config from the actor's
-        # (FSDPActorConfig makes fsdp_config its engine config).
-        engine_config = self.actor_config.fsdp_config
-        engine_config.use_dynamic_bsz = True
-        engine_config.max_token_len_per_gpu = opts.max_token_len_per_gpu
-        engine_config.infer_max_token_len_per_gpu = opts.max_token_len_per_gpu
-        engine_config.use_remove_padding = opts.use_remove_padding
-        self._engine_config = engine_config
-        self.engine = _new_engine(
-            self.device, opts.strategy, self.model_config, engine_config, optimizer_config, checkpoint_config
-        )
-        self.engine.initialize()
+        self.model_config, self.actor_config, self.engine = build_engine(model_dir, opts, self.device)
         # Saved policies carry the folder's own config, not the engine's overrides (an
         # attn_implementation of flash_attention_2 would break loading where flash_attn is missing).
         self._export_config = AutoConfig.from_pretrained(str(self.model_config.local_hf_config_path))
@@ -261,11 +153,11 @@ class VerlFSDPBackend:
 
     @property
     def rank(self) -> int:
-        return self._rank
+        return self._ranks.rank
 
     @property
     def world_size(self) -> int:
-        return self._world_size
+        return self._ranks.size
 
     # -- the calls rank 0 makes and the other ranks replay ---------------------------------
 
@@ -294,10 +186,10 @@ class VerlFSDPBackend:
 
     def follow(self) -> None:
         """On ranks other than 0: replay the lead's calls until it calls :meth:`close`."""
-        if self._rank == 0:
+        if self._ranks.rank == 0:
             raise RuntimeError("follow() is for ranks other than 0; rank 0 calls step/save and then close()")
         while True:
-            command = self._receive()
+            command = broadcast_object(None)
             kind = command[0]
             if kind == "stop":
                 return
@@ -316,22 +208,16 @@ class VerlFSDPBackend:
         self._lead("stop")
 
     def _lead(self, *command: Any) -> None:
-        if self._world_size > 1 and self._rank == 0:
-            dist.broadcast_object_list([command], src=0, group=self._cpu_group)
-
-    def _receive(self) -> tuple[Any, ...]:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self._cpu_group)
-        command: tuple[Any, ...] = box[0]
-        return command
+        if self._ranks.rank == 0:
+            broadcast_object(command)
 
     # -- training ---------------------------------------------------------------------------
 
     def _checked(self, data: DataProto) -> dict[str, torch.Tensor]:
         batch = prepare_batch(data)
         rows = batch["input_ids"].shape[0]
-        if rows < self._world_size:
-            raise InvalidBatchError(f"a batch of {rows} rows cannot be split over {self._world_size} ranks")
+        if rows < self._ranks.size:
+            raise InvalidBatchError(f"a batch of {rows} rows cannot be split over {self._ranks.size} ranks")
         return batch
 
     def _inputs(self, data: DataProto) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -366,7 +252,7 @@ class VerlFSDPBackend:
         updates = skipped = 0
         for _epoch in range(options.ppo_epochs):
             order = torch.randperm(rows, generator=self._generator) if options.shuffle else torch.arange(rows)
-            for indices in _mini_batches(order, options.mini_batch_size or rows, self._world_size):
+            for indices in _mini_batches(order, options.mini_batch_size or rows, self._ranks.size):
                 mini_tokens = int(response_mask[indices].sum())
                 if mini_tokens == 0:
                     continue  # no token of this mini-batch is in the loss (all ranks see the same)
@@ -396,7 +282,7 @@ class VerlFSDPBackend:
             recomputed=recompute,
             lr=lr,
             policy_version=self._policy_version,
-            world_size=float(self._world_size),
+            world_size=float(self._ranks.size),
             **off_policy_metrics(row_versions(data), version_before, rollouts, correction),
         )
 
@@ -420,7 +306,7 @@ class VerlFSDPBackend:
     def _update(self, tensors: dict[str, torch.Tensor], indices: torch.Tensor, mini_rows: int) -> dict[str, float]:
         """One optimizer step on the mini-batch ``indices``; this rank trains on its share of it."""
         keys = (*_TRAIN_KEYS, "rollout_is_weights") if "rollout_is_weights" in tensors else _TRAIN_KEYS
-        share = self._share(indices)
+        share = self._ranks.share(indices)
         td = self._engine_input(tensors, share, keys, infer=False)
         # ray_trainer._update_actor's settings; global_batch_size counts the rows in the loss (as the
         # torch backend does), so seq-mean losses weigh the same rows.
@@ -433,7 +319,7 @@ class VerlFSDPBackend:
         entropy = values.get("actor/entropy_loss", 0.0)
         if self.options.loss_agg_mode == ROLLOUT_MEAN:
             # VERL aggregated the entropy as token-sum (the carrier mode, times dp_size): report its token mean.
-            entropy /= self._world_size * max(1.0, float(tensors["response_mask"][share].sum()))
+            entropy /= self._ranks.size * max(1.0, float(tensors["response_mask"][share].sum()))
         local = {
             # The micro-batch losses are scaled to the global mini-batch: they add up (TrainingWorker sums them).
             "loss": float(sum(output["loss"])),
@@ -443,22 +329,17 @@ class VerlFSDPBackend:
             "ppo_kl": values.get("actor/ppo_kl", 0.0),
             "entropy": entropy,
         }
-        result = self._mean_over_ranks(local)
+        result = self._ranks.mean(local)
         result["grad_norm"] = grad_norm  # already global: FSDP clips over all shards
         return result
 
     def _log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         rows = batch["input_ids"].shape[0]
-        td = self._engine_input(batch, self._share(torch.arange(rows)), _MODEL_KEYS, infer=True)
+        td = self._engine_input(batch, self._ranks.share(torch.arange(rows)), _MODEL_KEYS, infer=True)
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
         with self.engine.eval_mode():
             output = self.engine.infer_batch(td, loss_function=None)
-        mine = no_padding_2_padding(output["model_output"]["log_probs"], td).float().cpu()
-        if self._world_size == 1:
-            return mine
-        shares: list[Any] = [None] * self._world_size
-        dist.all_gather_object(shares, mine, group=self._cpu_group)
-        return torch.cat(shares, dim=0)
+        return self._ranks.gather(no_padding_2_padding(output["model_output"]["log_probs"], td).float().cpu())
 
     def _engine_input(
         self, tensors: dict[str, torch.Tensor], rows: torch.Tensor, keys: tuple[str, ...], *, infer: bool
@@ -466,7 +347,7 @@ class VerlFSDPBackend:
         """The rows ``rows`` as the engine's padding-free TensorDict (ray_trainer's conversion)."""
         selected = DataProto.from_dict(tensors={key: tensors[key][rows] for key in keys})
         td = left_right_2_no_padding(selected.to_tensordict())
-        config = self._engine_config
+        config = self.actor_config.fsdp_config
         # What TrainingWorker.train_batch / infer_batch inject from the engine config.
         tu.assign_non_tensor(
             td,
@@ -479,35 +360,21 @@ class VerlFSDPBackend:
         )
         return td
 
-    def _share(self, indices: torch.Tensor) -> torch.Tensor:
-        return indices.tensor_split(self._world_size)[self._rank]
-
-    def _mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
-        if self._world_size == 1:
-            return values
-        keys = sorted(values)
-        stacked = torch.tensor([values[key] for key in keys], dtype=torch.float64)
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=self._cpu_group)  # gloo has no AVG
-        return {key: float(value) / self._world_size for key, value in zip(keys, stacked.tolist(), strict=True)}
-
     # -- checkpoints ------------------------------------------------------------------------
 
     def _save(self, target: Path, optimizer: bool, extra_state: dict[str, Any]) -> None:
         state_dict = self._full_state_dict()  # every rank takes part in the gather
-        if self._rank == 0:
+        if self._ranks.rank == 0:
             save_checkpoint(self._hf_model(state_dict), self.tokenizer, target)  # type: ignore[arg-type]
         del state_dict
-        self._barrier()
+        self._ranks.barrier()
         if not optimizer:
             return
-        box: list[Any] = [f".{ENGINE_DIR}.tmp-{uuid.uuid4().hex[:8]}"]
-        if self._world_size > 1:
-            dist.broadcast_object_list(box, src=0, group=self._cpu_group)  # one folder for all ranks' shards
-        staging = target / box[0]
+        staging = target / broadcast_object(f".{ENGINE_DIR}.tmp-{uuid.uuid4().hex[:8]}")  # one for all ranks' shards
         try:
             self.engine.save_checkpoint(str(staging), global_step=self._steps)
-            self._barrier()
-            if self._rank == 0:
+            self._ranks.barrier()
+            if self._ranks.rank == 0:
                 _fsync_tree(staging)
                 final = target / ENGINE_DIR
                 if final.exists():
@@ -518,23 +385,23 @@ class VerlFSDPBackend:
                     "backend": "verl",
                     "policy_version": self._policy_version,
                     "steps": self._steps,
-                    "world_size": self._world_size,
+                    "world_size": self._ranks.size,
                     "options": asdict(self.options),
                     "generator": self._generator.get_state().numpy().tobytes().hex(),
                     "extra_state": extra_state,
                 }
                 _write_atomic(target / VERL_STATE_FILE, json.dumps(state, indent=2) + "\n")
         finally:
-            if self._rank == 0 and staging.exists():
+            if self._ranks.rank == 0 and staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
-        self._barrier()
+        self._ranks.barrier()
 
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full HF-named weights on rank 0's CPU (empty on other ranks)."""
         params, _peft = self.engine.get_per_tensor_param()
         state: dict[str, torch.Tensor] = {}
         for name, tensor in params:
-            if self._rank == 0:
+            if self._ranks.rank == 0:
                 state[name] = tensor.detach().to("cpu", dtype=torch.float32).clone()
         return state
 
@@ -549,10 +416,6 @@ class VerlFSDPBackend:
         if missing or unexpected:
             raise RuntimeError(f"the engine's weights do not fit the HF model: missing {missing}, extra {unexpected}")
         return model
-
-    def _barrier(self) -> None:
-        if self._world_size > 1:
-            dist.barrier(group=self._cpu_group)
 
     @classmethod
     def load(cls, directory: str | Path, *, device: Device = "auto", **overrides: Any) -> VerlFSDPBackend:
@@ -594,26 +457,6 @@ def open_tiny_verl_backend(*, seed: int = 0, device: Device = "auto", **options:
         return VerlFSDPBackend(Path(folder) / "policy", device=device, seed=seed, **options)
 
 
-def init_distributed(device: Device = "auto") -> tuple[int, int]:
-    """Join torchrun's process group (or make a one-process one, on the CPU behind VERL's CPU
-    platform shim); (rank, world size). The backend calls it; a trainer calls it first when it must
-    tell the other ranks something before they build the backend (see :func:`broadcast_object`)."""
-    resolved = _resolve_device(device)
-    if resolved == "cpu":
-        use_cpu_platform()
-    return _join_process_group(resolved)
-
-
-def broadcast_object(value: Any, *, src: int = 0) -> Any:
-    """Rank ``src``'s ``value`` on every rank (the others pass anything, e.g. None): how a trainer gives
-    the other ranks what only rank 0 read, such as the checkpoint to resume. Picklable values only."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box: list[Any] = [value]
-    dist.broadcast_object_list(box, src=src, group=_object_group())
-    return box[0]
-
-
 def _mini_batches(order: torch.Tensor, size: int, ranks: int) -> Iterator[torch.Tensor]:
     """``order`` in chunks of ``size`` rows; a last chunk too small to give every rank a row joins
     the one before it (every rank must run the same number of engine steps)."""
@@ -621,92 +464,6 @@ def _mini_batches(order: torch.Tensor, size: int, ranks: int) -> Iterator[torch.
     if len(chunks) > 1 and len(chunks[-1]) < ranks:
         chunks[-2:] = [torch.cat(chunks[-2:])]
     yield from chunks
-
-
-def _validate(options: VerlBackendOptions) -> None:
-    check_common_options(options)
-    if options.loss_agg_mode == ROLLOUT_MEAN and options.entropy_coeff != 0.0:
-        raise ValueError(
-            "loss_agg_mode 'rollout-mean' with an entropy bonus is not supported by the verl backend: VERL's "
-            "ppo_loss aggregates the entropy with its own mode (token-sum carries rollout-mean here), not the "
-            "rollout weights; set entropy_coeff 0 or use the torch backend"
-        )
-    if options.max_token_len_per_gpu < 1:
-        raise ValueError("max_token_len_per_gpu must be at least 1")
-    if options.strategy not in ("fsdp2", "fsdp"):
-        raise ValueError(f"strategy must be 'fsdp2' or 'fsdp', not {options.strategy!r}")
-
-
-def _resolve_device(device: Device) -> Literal["cuda", "cpu"]:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' asked for, but torch sees no CUDA device")
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', not {device!r}")
-    return device
-
-
-def _join_process_group(device: str) -> tuple[int, int]:
-    """Join torchrun's process group, or make a one-process one; (rank, world size)."""
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    # As VERL's initialize_global_process_group: gloo for CPU tensors, NCCL for CUDA ones.
-    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend=backend)  # torchrun's env:// rendezvous
-    else:
-        # One process: an in-memory store, so no port is opened.
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _new_engine(
-    device: str,
-    strategy: str,
-    model_config: HFModelConfig,
-    engine_config: FSDPEngineConfig,
-    optimizer_config: FSDPOptimizerConfig,
-    checkpoint_config: CheckpointConfig,
-) -> Any:
-    # Imported here: the engine module reads VERL's platform when it is imported (after the CPU shim).
-    from verl.workers.engine import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-    if device == "cpu":
-        # VERL registers the engine for cuda/npu only; on the CPU the class itself is the engine.
-        return FSDPEngineWithLMHead(
-            model_config=model_config,
-            engine_config=engine_config,
-            optimizer_config=optimizer_config,
-            checkpoint_config=checkpoint_config,
-        )
-    return EngineRegistry.new(
-        model_type="language_model",
-        backend=strategy,
-        model_config=model_config,
-        engine_config=engine_config,
-        optimizer_config=optimizer_config,
-        checkpoint_config=checkpoint_config,
-    )
-
-
-_OBJECT_GROUPS: dict[int, dist.ProcessGroup] = {}
-
-
-def _object_group() -> dist.ProcessGroup:
-    """A gloo group of all ranks for pickled objects, made once per process (every rank makes it at
-    the same point: creating a group is collective)."""
-    world = dist.group.WORLD
-    key = id(world)
-    if key not in _OBJECT_GROUPS:
-        group = dist.new_group(backend="gloo")
-        if not isinstance(group, dist.ProcessGroup):
-            raise RuntimeError("this rank is not in the gloo group of all ranks")
-        _OBJECT_GROUPS[key] = group
-    return _OBJECT_GROUPS[key]
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -43,10 +43,10 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers.utils import logging as hf_logging
@@ -386,93 +386,120 @@ async def _stream(
 
 
 def create_app(server: InferenceServer) -> FastAPI:
-    app = FastAPI(title="agl-stream inference", docs_url=None, redoc_url=None)
+    """The OpenAI-compatible app of ``server``: module-level routes reading it from ``app.state``,
+    errors in OpenAI's shape."""
+    app = FastAPI(
+        title="agl-stream inference",
+        docs_url=None,
+        redoc_url=None,
+        exception_handlers={ApiError: _api_error, StarletteHTTPException: _http_error, Exception: _server_error},
+    )
     extra = server.settings.extra_hosts if server.settings is not None else []
     guard(app, allowed_hosts(server.options.host, extra), listener_token(server.settings, server.options.host))
     app.add_route("/metrics", metrics.metrics_endpoint, methods=["GET"])
-    request_seconds = metrics.INFERENCE_REQUEST_SECONDS.labels(metrics.role())
+    app.state.server = server
 
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, error: ApiError) -> JSONResponse:
-        return error_response(error.status, error.message, error.param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail))
-
-    @app.exception_handler(Exception)
-    async def server_error(_request: Request, error: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return error_response(500, f"internal error: {type(error).__name__}: {error}")
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        policy = server.policy
-        return {
-            "status": "stopping" if server.stopping else "ok",
-            "model": server.options.model_name,
-            "policy_version": policy.version,
-            "source": policy.source,
-            "following": server.options.follow,
-        }
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        policy = server.policy
-        card = {
-            "id": server.options.model_name,
-            "object": "model",
-            "created": server.created,
-            "owned_by": "agl-stream",
-            "root": policy.source,
-            "parent": None,
-            "max_model_len": policy.max_model_len,
-            "permission": [],
-            "policy_version": policy.version,
-        }
-        return {"object": "list", "data": [card]}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request) -> Response:
-        started = time.monotonic()
-        request: ChatRequest = parse(ChatRequest, await json_body(raw))
-        policy = server.policy
-        if request.top_logprobs and not request.logprobs:
-            raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt = chat_prompt(policy, request)
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        prepared = _prepare(server, request, [prompt], max_tokens)
-        if request.stream:
-            return await _stream(server, "chat", request, prepared)
-        job = server.engine.submit(prepared.job())
-        used = await job.started
-        results = await job.done
-        body = chat_response(request, prepared, used, results, server.options.model_name)
-        request_seconds.observe(time.monotonic() - started)  # streams are not timed: they end in the client
-        return JSONResponse(body, headers={VERSION_HEADER: str(used.version)})
-
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        started = time.monotonic()
-        request: CompletionRequest = parse(CompletionRequest, await json_body(raw))
-        if request.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        if request.suffix:
-            raise ApiError(400, "suffix is not supported", param="suffix")
-        prompts = completion_prompts(server.policy, request)
-        # Completions may ask for top-k via logprobs (an int); generation needs the larger of both.
-        request.top_logprobs = max(request.top_logprobs or 0, request.logprobs or 0)
-        prepared = _prepare(server, request, prompts, request.max_tokens)
-        if request.stream:
-            return await _stream(server, "completion", request, prepared)
-        job = server.engine.submit(prepared.job())
-        used = await job.started
-        results = await job.done
-        body = completion_response(request, prepared, used, results, server.options.model_name)
-        request_seconds.observe(time.monotonic() - started)  # streams are not timed: they end in the client
-        return JSONResponse(body, headers={VERSION_HEADER: str(used.version)})
-
+    app.include_router(router)
     return app
+
+
+async def _api_error(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, ApiError)
+    return error_response(error.status, error.message, error.param)
+
+
+async def _http_error(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, StarletteHTTPException)
+    return error_response(error.status_code, str(error.detail))
+
+
+async def _server_error(_request: Request, error: Exception) -> JSONResponse:
+    log.exception("request failed")
+    return error_response(500, f"internal error: {type(error).__name__}: {error}")
+
+
+def _server(request: Request) -> InferenceServer:
+    server: InferenceServer = request.app.state.server
+    return server
+
+
+def _request_seconds() -> Any:
+    return metrics.INFERENCE_REQUEST_SECONDS.labels(metrics.role())
+
+
+Server = Annotated[InferenceServer, Depends(_server)]
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(server: Server) -> dict[str, Any]:
+    policy = server.policy
+    return {
+        "status": "stopping" if server.stopping else "ok",
+        "model": server.options.model_name,
+        "policy_version": policy.version,
+        "source": policy.source,
+        "following": server.options.follow,
+    }
+
+
+@router.get("/v1/models")
+async def models(server: Server) -> dict[str, Any]:
+    policy = server.policy
+    card = {
+        "id": server.options.model_name,
+        "object": "model",
+        "created": server.created,
+        "owned_by": "agl-stream",
+        "root": policy.source,
+        "parent": None,
+        "max_model_len": policy.max_model_len,
+        "permission": [],
+        "policy_version": policy.version,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(raw: Request, server: Server) -> Response:
+    started = time.monotonic()
+    request: ChatRequest = parse(ChatRequest, await json_body(raw))
+    policy = server.policy
+    if request.top_logprobs and not request.logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    prompt = chat_prompt(policy, request)
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    prepared = _prepare(server, request, [prompt], max_tokens)
+    if request.stream:
+        return await _stream(server, "chat", request, prepared)
+    job = server.engine.submit(prepared.job())
+    used = await job.started
+    results = await job.done
+    body = chat_response(request, prepared, used, results, server.options.model_name)
+    _request_seconds().observe(time.monotonic() - started)  # streams are not timed: they end in the client
+    return JSONResponse(body, headers={VERSION_HEADER: str(used.version)})
+
+
+@router.post("/v1/completions")
+async def completions(raw: Request, server: Server) -> Response:
+    started = time.monotonic()
+    request: CompletionRequest = parse(CompletionRequest, await json_body(raw))
+    if request.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    if request.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    prompts = completion_prompts(server.policy, request)
+    # Completions may ask for top-k via logprobs (an int); generation needs the larger of both.
+    request.top_logprobs = max(request.top_logprobs or 0, request.logprobs or 0)
+    prepared = _prepare(server, request, prompts, request.max_tokens)
+    if request.stream:
+        return await _stream(server, "completion", request, prepared)
+    job = server.engine.submit(prepared.job())
+    used = await job.started
+    results = await job.done
+    body = completion_response(request, prepared, used, results, server.options.model_name)
+    _request_seconds().observe(time.monotonic() - started)  # streams are not timed: they end in the client
+    return JSONResponse(body, headers={VERSION_HEADER: str(used.version)})
 
 
 # -- entry points -----------------------------------------------------------------------------

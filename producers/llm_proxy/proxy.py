@@ -5,7 +5,8 @@ Agents reach it on a per-attempt base URL, ``http://host:port/rollout/<rollout_i
 (streamed or not). The proxy forwards each call through a LiteLLM Router to the model's
 OpenAI-compatible backends (vLLM; several per model are load-balanced), asking for token ids
 and logprobs (``agl_stream.domain.llm_calls.backend_request``), and records the call as one span of the
-attempt before the agent gets the answer. This module is the I/O edge; the rules are in
+attempt before the agent gets the answer. This module is the I/O edge (its routes and processes:
+``server.py``; its backends as LiteLLM's model list: ``backends.py``); the rules are in
 ``agl_stream.domain.llm_calls``.
 
 - **Raw responses.** LiteLLM 1.110 keeps vLLM's token ids in non-streamed answers, but drops
@@ -44,22 +45,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import multiprocessing
-import os
-import signal
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
 from aiokafka.errors import MessageSizeTooLargeError
-from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agl_stream import metrics
-from agl_stream.auth import listener_token
 from agl_stream.config import Settings
 from agl_stream.domain.llm_calls import (
     CHAT,
@@ -77,21 +72,10 @@ from agl_stream.domain.llm_calls import (
     slim,
     trace_parent,
 )
-from agl_stream.errors import AglError, ConfigError
-from agl_stream.http_serving import (
-    MalformedBodyError,
-    QuietServer,
-    allowed_hosts,
-    bind,
-    guard,
-    listen,
-    parse_json,
-    server_config,
-)
-from agl_stream.local.processes import run_until_stopped
-from agl_stream.logs import configure_logging, describe, get_logger
+from agl_stream.logs import describe, get_logger
 from agl_stream.store.client import AglStore
-from producers.llm_proxy.agl_v1 import AglV1Options, install
+from producers.llm_proxy.agl_v1 import AglV1Options
+from producers.llm_proxy.backends import import_litellm, new_inner_transport, priced
 from producers.llm_proxy.capture import CALL_HEADER, Capture, CaptureTransport
 from producers.llm_proxy.sequence_ids import SequenceBlocks, SpanStore
 
@@ -146,84 +130,6 @@ class ProxyStats:
     """Spans written without their text attributes because they were over the message size."""
 
 
-# -- configuration ----------------------------------------------------------------------------
-
-ZERO_PRICES = {
-    "input_cost_per_token": 0.0,
-    "output_cost_per_token": 0.0,
-    "cache_creation_input_token_cost": 0.0,
-    "cache_read_input_token_cost": 0.0,
-}
-"""Our own models cost nothing per token. LiteLLM prices every call; with an explicit price it
-skips looking the model up in its price map, ~1.6 ms of CPU per call here (measured, a third of
-LiteLLM's time), and the proxy never reads the price."""
-
-
-def backend_url(url: str) -> str:
-    """A backend's OpenAI base URL: ``http://host:8000`` and ``http://host:8000/v1`` both give ``.../v1``."""
-    url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"backend URL {url!r} must start with http:// or https://")
-    return url if url.endswith("/v1") else f"{url}/v1"
-
-
-def model_list_of(backends: Sequence[str], *, api_key: str | None = None) -> list[dict[str, Any]]:
-    """A LiteLLM Router ``model_list`` from ``MODEL=URL`` pairs (a model named twice is load-balanced).
-
-    Every backend is LiteLLM's ``openai/`` provider: the proxy reads raw responses through the
-    client that provider uses (see the module docstring). The backend is asked for the model by
-    the same name the agent used.
-    """
-    model_list = []
-    for spec in backends:
-        name, sep, url = spec.partition("=")
-        if not sep or not name.strip() or not url.strip():
-            raise ValueError(f"a backend is MODEL=URL (e.g. Qwen/Qwen2.5-7B=http://127.0.0.1:8000/v1), got {spec!r}")
-        name = name.strip()
-        model_list.append(
-            {
-                "model_name": name,
-                "litellm_params": {
-                    "model": f"openai/{name}",
-                    "api_base": backend_url(url),
-                    "api_key": api_key or "none",
-                    **ZERO_PRICES,
-                },
-            }
-        )
-    return model_list
-
-
-# -- the proxy --------------------------------------------------------------------------------
-
-
-def _import_litellm() -> Any:
-    # Without it, importing litellm fetches a price map over the network (5 s timeout) and
-    # starts a retry thread; the proxy never prices calls.
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    litellm.suppress_debug_info = True  # else every exception also prints help text to stdout
-    litellm.drop_params = False
-    for name in ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy"):
-        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
-    return litellm
-
-
-def _new_inner_transport(litellm: Any) -> httpx.AsyncBaseTransport:
-    """LiteLLM's own transport (aiohttp-based: measured faster here), else httpx's."""
-    try:
-        from litellm.llms.custom_httpx.http_handler import AsyncHTTPHandler
-
-        transport = AsyncHTTPHandler.create_async_transport()
-    except Exception as error:  # LiteLLM internals move fast; httpx's transport works everywhere
-        log.info("using httpx's transport for backends", reason=f"{type(error).__name__}: {error}")
-        transport = None
-    if isinstance(transport, httpx.AsyncBaseTransport):
-        return transport
-    return httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
-
-
 @dataclass(frozen=True)
 class _Attribution:
     rollout_id: str
@@ -256,7 +162,7 @@ class LLMProxy:
         self._last_log: dict[str, float] = {}
 
     def _set_model_list(self, model_list: Sequence[Mapping[str, Any]]) -> None:
-        self.model_list = [_priced(entry) for entry in model_list]
+        self.model_list = [priced(entry) for entry in model_list]
         self.models = sorted({str(entry["model_name"]) for entry in self.model_list})
         for entry in self.model_list:
             provider = str(entry.get("litellm_params", {}).get("model", "")).split("/", 1)[0]
@@ -275,8 +181,8 @@ class LLMProxy:
             self.router.set_model_list(self.model_list)
 
     async def start(self) -> LLMProxy:
-        litellm = self._litellm = await asyncio.to_thread(_import_litellm)  # ~3 s of imports
-        self.transport = CaptureTransport(_new_inner_transport(litellm))
+        litellm = self._litellm = await asyncio.to_thread(import_litellm)  # ~3 s of imports
+        self.transport = CaptureTransport(new_inner_transport(litellm))
         self._previous_session = litellm.aclient_session
         litellm.aclient_session = httpx.AsyncClient(transport=self.transport, timeout=self.options.timeout_s)
         self.router = litellm.Router(
@@ -312,11 +218,12 @@ class LLMProxy:
         assert self.blocks is not None, "the proxy is not started"
         return await self.blocks.next_id(rollout_id, attempt_id)
 
-    def _log_limited(self, kind: str, message: str, **fields: Any) -> None:
+    def _log_limited(self, kind: str, message: str, where: _Attribution, error: BaseException) -> None:
+        """Log a call that went unrecorded, at most once per ``kind`` every _LOG_EVERY_S seconds."""
         now = time.monotonic()
         if now - self._last_log.get(kind, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._last_log[kind] = now
-            log.error(message, **fields)
+            log.error(message, rollout_id=where.rollout_id, attempt_id=where.attempt_id, error=describe(error))
 
     # -- one call ------------------------------------------------------------------------------
 
@@ -349,18 +256,7 @@ class LLMProxy:
                 result = await self._forward(kind, body, call_id, stream, route)
             except Exception as error:
                 failure = self._call_error(error, capture, str(body["model"]))
-                backend = _base_of(capture.url)
-                call = LLMCall(
-                    kind,
-                    body,
-                    start,
-                    time.time(),
-                    error=failure,
-                    stream=stream,
-                    backend=backend,
-                    policy_version=capture.policy_version,
-                )
-                await self._record(call, where)
+                await self._record(_answered(kind, body, start, capture, error=failure, stream=stream), where)
                 return self._error_response(failure)
             if stream:
                 # The capture must outlive this function: the stream is read by the response.
@@ -370,15 +266,7 @@ class LLMProxy:
             answer = result.model_dump_json()
             raw = capture.json() if capture.status is not None and capture.status < 400 else None
             response = raw if isinstance(raw, dict) else json.loads(answer)
-            call = LLMCall(
-                kind,
-                body,
-                start,
-                time.time(),
-                response=response,
-                backend=_base_of(capture.url),
-                policy_version=capture.policy_version,
-            )
+            call = _answered(kind, body, start, capture, response=response)
         await self._record(call, where)
         return Response(answer, media_type="application/json")
 
@@ -480,18 +368,7 @@ class LLMProxy:
             code = raw_error.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
             failure = backend_error(status, {"error": raw_error}, failure.message if failure else "the backend failed")
-        backend = _base_of(capture.url)
-        return LLMCall(
-            kind,
-            body,
-            start,
-            time.time(),
-            response=response,
-            error=failure,
-            stream=True,
-            backend=backend,
-            policy_version=capture.policy_version,
-        )
+        return _answered(kind, body, start, capture, response=response, error=failure, stream=True)
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """A task the proxy waits for when it closes."""
@@ -546,35 +423,25 @@ class LLMProxy:
             self.stats.unattributed += 1
             return
         assert self.store is not None
-        rollout_id, attempt_id = where.rollout_id, where.attempt_id
         try:
             sequence_id = await where.sequence_id
         except Exception as error:
             self.stats.store_errors += 1
-            self._log_limited(
-                "reserve",
-                "cannot reserve sequence ids, LLM calls go unrecorded: is the rollout processor running?",
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                error=f"{type(error).__name__}: {error}",
-            )
+            message = "cannot reserve sequence ids, LLM calls go unrecorded: is the rollout processor running?"
+            self._log_limited("reserve", message, where, error)
             return
         if sequence_id is None:
             self.stats.unknown_attempts += 1
             return
         try:
+            rollout_id, attempt_id = where.rollout_id, where.attempt_id
             span = build_span(
                 call, rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=sequence_id, parent=where.parent
             )
         except ValueError as error:  # pydantic's ValidationError: a value no span attribute can hold
             self.stats.span_write_failures += 1
-            self._log_limited(
-                "build",
-                "an LLM call could not become a span (a proxy bug: please report it with this error)",
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                error=describe(error),
-            )
+            message = "an LLM call could not become a span (a proxy bug: please report it with this error)"
+            self._log_limited("build", message, where, error)
             return
         timeout = self.options.span_write_timeout_s
         try:
@@ -586,180 +453,18 @@ class LLMProxy:
         except Exception as error:
             self.stats.span_write_failures += 1
             self._log_limited(
-                "write",
-                "cannot write LLM call spans: is the broker up (`agl-stream status`)?",
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                error=f"{type(error).__name__}: {error}" if str(error) else type(error).__name__,
+                "write", "cannot write LLM call spans: is the broker up (`agl-stream status`)?", where, error
             )
             return
         self.stats.recorded += 1
 
 
-def _priced(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """A model_list entry with zero prices unless it names prices of its own."""
-    params = dict(entry.get("litellm_params") or {})
-    if not any(key in params for key in ZERO_PRICES):
-        params.update(ZERO_PRICES)
-    return {**entry, "litellm_params": params}
-
-
-def _base_of(url: str | None) -> str | None:
-    """The backend's base URL from the URL of a request to it."""
-    if url is None:
-        return None
+def _answered(kind: CallKind, body: Mapping[str, Any], start: float, capture: Capture, **fields: Any) -> LLMCall:
+    """The call, ending now, as the backend answered it: the backend's base URL (from the URL of the
+    request to it) and the policy version it reported come from the capture."""
+    backend = capture.url
     for suffix in ("/chat/completions", "/completions"):
-        if url.endswith(suffix):
-            return url[: -len(suffix)]
-    return url
-
-
-# -- HTTP -------------------------------------------------------------------------------------
-
-
-async def _json_body(request: Request) -> Any:
-    try:
-        return parse_json(await request.body())
-    except MalformedBodyError:
-        return None
-
-
-def create_app(proxy: LLMProxy) -> FastAPI:
-    app = FastAPI(title="agl-stream LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
-    guard(app, allowed_hosts(proxy.options.host, proxy.settings.extra_hosts), proxy_token(proxy))
-    app.add_route("/metrics", metrics.metrics_endpoint, methods=["GET"])
-
-    def models() -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": proxy.started, "owned_by": "agl-stream"} for m in proxy.models]
-        return {"object": "list", "data": data}
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return proxy.health()
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return models()
-
-    @app.get("/rollout/{rollout_id}/attempt/{attempt_id}/v1/models")
-    async def list_attempt_models(rollout_id: str, attempt_id: str) -> dict[str, Any]:
-        return models()
-
-    @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/chat/completions")
-    async def attempt_chat(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await proxy.handle(CHAT, await _json_body(request), rollout_id, attempt_id, request.headers)
-
-    @app.post("/rollout/{rollout_id}/attempt/{attempt_id}/v1/completions")
-    async def attempt_completion(rollout_id: str, attempt_id: str, request: Request) -> Response:
-        return await proxy.handle(COMPLETION, await _json_body(request), rollout_id, attempt_id, request.headers)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.handle(CHAT, await _json_body(request), None, None)
-
-    @app.post("/v1/completions")
-    async def completion(request: Request) -> Response:
-        return await proxy.handle(COMPLETION, await _json_body(request), None, None)
-
-    if proxy.options.agl_v1 is not None:
-        install(app, proxy, proxy.options.agl_v1)
-    return app
-
-
-def proxy_token(proxy: LLMProxy) -> str | None:
-    """The token the listener requires: the stack's (``listener_token``) or the 1.0 key given
-    for Agent Lightning 1.0's clients, which send it as theirs. Both given must agree."""
-    token = listener_token(proxy.settings, proxy.options.host)
-    key = proxy.options.agl_v1_key
-    if key and token is not None and key != token:
-        raise ConfigError(
-            "--agl-v1-key differs from the API token this listener requires (AGL_API_TOKEN): give 1.0's "
-            "clients that token as their key, and leave --agl-v1-key unset"
-        )
-    return key or token
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions | None = None
-) -> AsyncIterator[LLMProxy]:
-    """Run the proxy on ``options.host:port`` (0: a free port) until the block exits; ``proxy.url`` is its URL."""
-    options = options or ProxyOptions()
-    proxy = LLMProxy(settings, model_list, options)
-    sock = listen(options.host, options.port, reuse_port=options.reuse_port)  # a taken port fails fast
-    try:
-        await proxy.start()
-    except BaseException:
-        sock.close()
-        raise
-    host, port = sock.getsockname()[:2]
-    url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    proxy.url = f"http://[{url_host}]:{port}" if ":" in url_host else f"http://{url_host}:{port}"
-    server = QuietServer(server_config(create_app(proxy)))
-    task = asyncio.create_task(server.serve(sockets=[sock]), name="llm-proxy:http")
-    try:
-        # The socket already listens: clients connecting now queue until uvicorn accepts them.
-        yield proxy
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await task
-        sock.close()
-        await proxy.close()
-
-
-async def run(
-    settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions, stop: asyncio.Event
-) -> None:
-    async with serving(settings, model_list, options) as proxy:
-        attempt_url = f"{proxy.url}/rollout/<rollout_id>/attempt/<attempt_id>/v1"
-        log.info("LLM proxy started", url=proxy.url, models=proxy.models, attempt_url=attempt_url)
-        # Workers sharing one port (SO_REUSEPORT) would each answer a scrape of it at random:
-        # each serves its own metrics on a port of its own instead.
-        if options.reuse_port:
-            endpoint: contextlib.AbstractContextManager[Any] = metrics.expose(settings, metrics.role())
-        else:
-            endpoint = metrics.advertised(settings, metrics.role(), f"{proxy.url}/metrics")
-        with endpoint:
-            await stop.wait()
-        log.info("LLM proxy stopping", **asdict(proxy.stats))
-
-
-def main(settings: Settings, model_list: Sequence[Mapping[str, Any]], options: ProxyOptions) -> None:
-    """Run the proxy until SIGTERM or Ctrl-C (``agl-stream llm-proxy``)."""
-    if options.workers <= 1:
-        run_until_stopped(lambda stop: run(settings, model_list, options, stop))
-        return
-    # The parent holds the port (bound, never listening, so the kernel hands it no connection):
-    # port 0 resolves once and every worker joins the same SO_REUSEPORT group.
-    holder = bind(options.host, options.port, reuse_port=True)
-    child = replace(options, port=holder.getsockname()[1], workers=1, reuse_port=True)
-    context = multiprocessing.get_context("spawn")
-    children = [
-        context.Process(target=_worker, args=(settings, list(model_list), child), name=f"llm-proxy-{i}")
-        for i in range(options.workers)
-    ]
-    for process in children:
-        process.start()
-
-    def forward(signum: int, _frame: object) -> None:
-        for process in children:
-            if process.pid is not None and process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    for process in children:
-        process.join()
-    holder.close()
-    failed = [p.exitcode for p in children if p.exitcode]
-    if failed:
-        raise AglError(
-            f"{len(failed)} of {len(children)} LLM proxy workers failed (exit codes {failed}); see their logs"
-        )
-
-
-def _worker(settings: Settings, model_list: list[dict[str, Any]], options: ProxyOptions) -> None:
-    configure_logging(settings.log_level, settings.log_format)  # a spawned process starts bare
-    metrics.set_role("llm-proxy")
-    run_until_stopped(lambda stop: run(settings, model_list, options, stop))
+        if backend is not None and backend.endswith(suffix):
+            backend = backend[: -len(suffix)]
+            break
+    return LLMCall(kind, body, start, time.time(), backend=backend, policy_version=capture.policy_version, **fields)

@@ -19,7 +19,7 @@ from agl_stream.config import Settings
 from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.ids import new_event_id
 from agl_stream.models import LLM, Reply, RolloutConfig, Span, StoreRequest
-from agl_stream.store import client as client_module
+from agl_stream.store import writes as client_module
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError
 from agl_stream.wire.codec import Codec
 

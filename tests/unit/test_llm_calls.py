@@ -23,20 +23,15 @@ from agl_stream.domain.llm_calls import (
     backend_request,
     build_span,
     error_of_status,
-    input_messages,
-    logprobs_content,
     merge_chunks,
-    messages_json,
-    new_span_id,
-    new_trace_id,
-    output_messages,
     parse_sse,
     policy_version_of_header,
     slim,
-    span_attributes,
-    token_ids,
     trace_parent,
 )
+from agl_stream.domain.llm_calls.backend import logprobs_content, token_ids
+from agl_stream.domain.llm_calls.messages import input_messages, messages_json, output_messages
+from agl_stream.domain.llm_calls.spans import new_span_id, new_trace_id, span_attributes
 from agl_stream.models import Span
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.semconv import POLICY_VERSION

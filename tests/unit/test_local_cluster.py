@@ -9,7 +9,7 @@ import pytest
 
 from agl_stream.config import Settings
 from agl_stream.errors import ConfigError
-from agl_stream.kafka import broker
+from agl_stream.kafka import broker, layout
 
 
 def _settings(tmp_path: Path, **values: object) -> Settings:
@@ -23,19 +23,19 @@ def _properties(text: str) -> dict[str, str]:
 
 def test_node_i_listens_two_ports_above_the_last(tmp_path: Path) -> None:
     settings = _settings(tmp_path, kafka_brokers=3, kafka_port=19092, kafka_controller_port=19093)
-    assert broker.cluster_nodes(settings) == [
-        broker.Node(1, 19092, 19093),
-        broker.Node(2, 19094, 19095),
-        broker.Node(3, 19096, 19097),
+    assert layout.cluster_nodes(settings) == [
+        layout.Node(1, 19092, 19093),
+        layout.Node(2, 19094, 19095),
+        layout.Node(3, 19096, 19097),
     ]
     assert settings.bootstrap_servers == "127.0.0.1:19092,127.0.0.1:19094,127.0.0.1:19096"
 
 
 def test_one_broker_keeps_its_ports_and_layout(tmp_path: Path) -> None:
     settings = _settings(tmp_path, kafka_port=19092, kafka_controller_port=19093)
-    assert broker.cluster_nodes(settings) == [broker.Node(1, 19092, 19093)]
+    assert layout.cluster_nodes(settings) == [layout.Node(1, 19092, 19093)]
     assert settings.bootstrap_servers == "127.0.0.1:19092"
-    paths = broker._Paths.of(settings)
+    paths = layout.NodePaths.of(settings)
     assert paths.config == (tmp_path / "kafka" / "server.properties").resolve()
 
 
@@ -43,13 +43,13 @@ def test_one_broker_keeps_its_ports_and_layout(tmp_path: Path) -> None:
 def test_ports_that_collide_or_overflow_are_refused(tmp_path: Path, port: int, controller: int) -> None:
     settings = _settings(tmp_path, kafka_brokers=3, kafka_port=port, kafka_controller_port=controller)
     with pytest.raises(ConfigError, match="need the ports"):
-        broker.cluster_nodes(settings)
+        layout.cluster_nodes(settings)
 
 
 def test_each_node_is_a_voter_of_one_quorum_with_replicated_internal_topics(tmp_path: Path) -> None:
     settings = _settings(tmp_path, kafka_brokers=3, kafka_port=19092, kafka_controller_port=19093)
-    nodes = broker.cluster_nodes(settings)
-    texts = [broker._server_properties(settings, broker._Paths.of(settings, n.node_id), n, nodes) for n in nodes]
+    nodes = layout.cluster_nodes(settings)
+    texts = [layout.server_properties(settings, layout.NodePaths.of(settings, n.node_id), n, nodes) for n in nodes]
     props = [_properties(text) for text in texts]
     assert [p["node.id"] for p in props] == ["1", "2", "3"]
     voters = "1@127.0.0.1:19093,2@127.0.0.1:19095,3@127.0.0.1:19097"
@@ -63,8 +63,8 @@ def test_each_node_is_a_voter_of_one_quorum_with_replicated_internal_topics(tmp_
 
 def test_a_single_broker_replicates_internal_topics_once(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
-    [node] = broker.cluster_nodes(settings)
-    props = _properties(broker._server_properties(settings, broker._Paths.of(settings), node, [node]))
+    [node] = layout.cluster_nodes(settings)
+    props = _properties(layout.server_properties(settings, layout.NodePaths.of(settings), node, [node]))
     assert props["offsets.topic.replication.factor"] == "1"
     assert props["transaction.state.log.min.isr"] == "1"
     assert props["controller.quorum.voters"] == f"1@127.0.0.1:{settings.kafka_controller_port}"
@@ -72,14 +72,14 @@ def test_a_single_broker_replicates_internal_topics_once(tmp_path: Path) -> None
 
 def test_a_data_dir_remembers_its_cluster_size(tmp_path: Path) -> None:
     settings = _settings(tmp_path)
-    assert broker.with_local_layout(settings).kafka_brokers == 1
+    assert layout.with_local_layout(settings).kafka_brokers == 1
     (tmp_path / "kafka").mkdir()
     (tmp_path / "kafka" / "brokers").write_text("3\n")
-    assert broker.with_local_layout(settings).kafka_brokers == 3
+    assert layout.with_local_layout(settings).kafka_brokers == 3
     # Said explicitly (or an external cluster) wins over what the data dir remembers.
-    assert broker.with_local_layout(settings.model_copy(update={"kafka_brokers": 5})).kafka_brokers == 5
+    assert layout.with_local_layout(settings.model_copy(update={"kafka_brokers": 5})).kafka_brokers == 5
     external = settings.model_copy(update={"kafka_bootstrap": "elsewhere:9092"})
-    assert broker.with_local_layout(external).kafka_brokers == 1
+    assert layout.with_local_layout(external).kafka_brokers == 1
 
 
 def test_a_single_brokers_data_dir_does_not_become_a_cluster(tmp_path: Path) -> None:

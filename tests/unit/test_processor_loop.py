@@ -1,0 +1,124 @@
+"""The processor skeleton's start-over (agl_stream/kafka/processor.py ``_Loop``): after a broker
+error in ``handle`` or ``tick`` the handler forgets its partitions, rebuilds them, and the
+records are read again from the committed offsets. The loop logic is pure bookkeeping over the
+consumer's surface; a stand-in for that surface (assignment, commits, seeks) is enough here.
+The real broker version of the same path is tests/integration/test_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaConnectionError
+from aiokafka.structs import OffsetAndMetadata
+
+from agl_stream.kafka.processor import Batch, _Loop
+
+TP = TopicPartition("agl.events", 0)
+
+
+class Consumer:
+    """The part of AIOKafkaConsumer the loop uses, over one partition with ``records``."""
+
+    def __init__(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        self.records = records
+        self.at = 0
+        self.committed_offset: int | None = None
+        self.seeks: list[int] = []
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TP}
+
+    async def getmany(self, *, timeout_ms: int, max_records: int) -> Batch:
+        fetched = self.records[self.at : self.at + max_records]
+        self.at += len(fetched)
+        return {TP: fetched} if fetched else {}
+
+    async def commit(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        self.committed_offset = offsets[TP].offset
+
+    async def committed(self, tp: TopicPartition) -> int | None:
+        return self.committed_offset
+
+    async def beginning_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(tps, 0)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.seeks.append(offset)
+        self.at = offset
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self.at
+
+    def highwater(self, tp: TopicPartition) -> int:
+        return len(self.records)
+
+
+class Handler:
+    """Counts what it is asked; its tick fails with a broker error ``tick_failures`` times."""
+
+    def __init__(self, tick_failures: int) -> None:
+        self.tick_failures = tick_failures
+        self.handled: list[int] = []
+        self.calls: list[str] = []
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        self.calls.append("assigned")
+
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        self.calls.append("revoked")
+
+    async def handle(self, batch: Batch) -> None:
+        self.handled.extend(r.offset for r in batch[TP])
+
+    async def tick(self) -> None:
+        if self.tick_failures:
+            self.tick_failures -= 1
+            raise KafkaConnectionError("the broker went away")
+
+    def poll_timeout(self) -> float:
+        return 0.01
+
+
+def _records(n: int) -> list[ConsumerRecord[bytes, bytes]]:
+    return [ConsumerRecord(TP.topic, 0, i, 0, 0, b"k", b"v", None, 1, 1, []) for i in range(n)]
+
+
+def _loop(consumer: Consumer, handler: Handler, **options: Any) -> _Loop:
+    return _Loop(consumer, handler, max_records=2, commit_interval_s=3600.0, **options)  # type: ignore[arg-type]
+
+
+async def test_a_failed_tick_starts_the_handler_over_and_the_records_are_read_again() -> None:
+    consumer, handler = Consumer(_records(4)), Handler(tick_failures=1)
+    loop = _loop(consumer, handler)
+    stop = asyncio.Event()
+    await loop.step(stop)  # records 0-1 handled, then the tick fails: start over
+    assert handler.calls == ["revoked", "assigned"]
+    # What was handled before the failure was committed first; the fetch resumes from there.
+    assert consumer.committed_offset == 2 and consumer.seeks == [2]
+    assert loop.failures == 1
+    await loop.step(stop)
+    await loop.step(stop)
+    assert handler.handled == [0, 1, 2, 3]
+    assert loop.failures == 0  # a tick that passed resets the backoff
+
+
+async def test_a_stop_cuts_the_backoff_of_a_failing_start_over_short() -> None:
+    consumer, handler = Consumer(_records(2)), Handler(tick_failures=1)
+    loop = _loop(consumer, handler)
+
+    rebuilding = asyncio.Event()
+
+    async def assigned_fails(partitions: set[TopicPartition]) -> None:
+        rebuilding.set()
+        raise KafkaConnectionError("still down")
+
+    handler.assigned = assigned_fails  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    step = asyncio.create_task(loop.step(stop))
+    await asyncio.wait_for(rebuilding.wait(), 60)  # the first rebuild fails too: a longer backoff
+    assert loop.failures == 2 and not step.done()
+    stop.set()
+    await asyncio.wait_for(step, 60)  # returns at once instead of retrying for ever
+    assert loop.failures >= 2
