@@ -14,8 +14,6 @@ import secrets
 import uuid
 
 ROLLOUT_ID_RE = re.compile(r"ro-(?:[0-9a-f]{12}|[0-9a-f]{32})")
-ATTEMPT_ID_RE = re.compile(r"at-[0-9a-f]{8}")
-RESOURCES_ID_RE = re.compile(r"rs-[0-9a-f]{12}")
 
 
 def new_rollout_id() -> str:
@@ -41,13 +39,3 @@ def new_event_id() -> str:
 def is_rollout_id(value: str) -> bool:
     """Whether ``value`` has the shape of a generated rollout id (12 or 32 hex after ``ro-``)."""
     return ROLLOUT_ID_RE.fullmatch(value) is not None
-
-
-def is_attempt_id(value: str) -> bool:
-    """Whether ``value`` has the shape of a generated attempt id."""
-    return ATTEMPT_ID_RE.fullmatch(value) is not None
-
-
-def is_resources_id(value: str) -> bool:
-    """Whether ``value`` has the shape of a generated resources id."""
-    return RESOURCES_ID_RE.fullmatch(value) is not None

@@ -63,7 +63,7 @@ class TopicSpec(BaseModel):
 
 
 class ActualTopic(BaseModel):
-    """What the cluster says about an existing topic."""
+    """What the cluster says about an existing topic (or will, for one `topics apply` creates)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -85,21 +85,12 @@ class Drift(BaseModel):
         return f"{self.topic}: {self.setting} is {self.actual}, declared {self.declared}"
 
 
-class CreateTopic(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    partitions: int
-    replication: int
-    configs: dict[str, str]
-
-
 class TopicPlan(BaseModel):
     """What `topics apply` will do (create) and what it reports but leaves alone (drift)."""
 
     model_config = ConfigDict(frozen=True)
 
-    create: tuple[CreateTopic, ...] = ()
+    create: tuple[ActualTopic, ...] = ()
     drift: tuple[Drift, ...] = ()
     unchanged: tuple[str, ...] = ()
 
@@ -180,7 +171,7 @@ def plan_topics(
     replication_override: int | None = None,
 ) -> TopicPlan:
     """Compare declarations with the cluster: topics to create, and drift to report."""
-    create: list[CreateTopic] = []
+    create: list[ActualTopic] = []
     drift: list[Drift] = []
     unchanged: list[str] = []
     for spec in specs:
@@ -189,7 +180,7 @@ def plan_topics(
         configs = spec.configs_for(replication)
         existing = actual.get(name)
         if existing is None:
-            create.append(CreateTopic(name=name, partitions=spec.partitions, replication=replication, configs=configs))
+            create.append(ActualTopic(name=name, partitions=spec.partitions, replication=replication, configs=configs))
             continue
         found = _drift_of(name, spec.partitions, replication, configs, existing)
         drift.extend(found)

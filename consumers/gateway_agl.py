@@ -192,18 +192,28 @@ def _json(value: Any, status: int = 200) -> JSONResponse:
 
 
 async def _paged(
-    query: _Paging,
+    request: Request,
+    shape: type[_Paging],
     store: StoreGetter,
-    fetch: Callable[[AglStore, int, int], Awaitable[Sequence[BaseModel]]],
-    count: Callable[[AglStore], Awaitable[int]],
+    fetch: Callable[..., Awaitable[Sequence[BaseModel]]],
+    count: Callable[..., Awaitable[int]],
+    **where: Any,
 ) -> JSONResponse:
-    """A page and its total: told by the page itself, or else counted (one COUNT query)."""
+    """A page of a listing and its total: told by the page itself, or else counted (one COUNT
+    query). The query is the query string of ``GET path`` or the JSON body of ``POST
+    path/search`` (which may be left out unless the query has a required field); ``fetch`` and
+    ``count`` are the store's ``query_*`` and ``count_*``, given ``where`` and the query's fields."""
+    if request.method == "GET":
+        query = _query(request, shape)
+    else:
+        optional = not any(field.is_required() for field in shape.model_fields.values())
+        query = await _body(request, shape, optional=optional)
     check_paging(query)
     client = await store()
-    items = await fetch(client, query.limit, query.offset)
+    items = await fetch(client, **where, **query.model_dump())
     total = known_total(query.limit, query.offset, len(items))
     if total is None:
-        total = await count(client)
+        total = await count(client, **where, **query.where())
     return FiniteJSONResponse(page_body(items, query.limit, query.offset, total))
 
 
@@ -249,8 +259,9 @@ Store = Annotated[StoreGetter, Depends(_store_getter)]
 health_router = APIRouter(prefix=PREFIX)
 router = APIRouter(prefix=PREFIX, route_class=answering(_store_errors), dependencies=[Depends(refuse_while_stopping)])
 # Paged listings are served twice, as the seed serves them: ``GET path`` with the query in the
-# query string and ``POST path/search`` with it as a JSON body. Fixed paths are declared before
-# the parameterised ones beside them (``/rollouts/search`` before ``/rollouts/{rollout_id}``).
+# query string and ``POST path/search`` with it as a JSON body (one function, see _paged). Fixed
+# paths are declared before the parameterised ones beside them (``/rollouts/search`` before
+# ``/rollouts/{rollout_id}``).
 
 
 @health_router.get("/health")
@@ -299,42 +310,13 @@ async def dequeue(request: Request, store: Store) -> Response:
 @router.post("/rollouts")
 async def start_rollout(request: Request, store: Store) -> Response:
     body = await _body(request, StartRolloutBody)
-    started = await (await store()).start_rollout(
-        input=body.input,
-        mode=body.mode,
-        resources_id=body.resources_id,
-        config=body.config,
-        metadata=body.metadata,
-        worker_id=body.worker_id,
-    )
-    return _json(started, 201)
+    return _json(await (await store()).start_rollout(**dict(body)), 201)
 
 
 @router.get("/rollouts")
-async def query_rollouts(request: Request, store: Store) -> Response:
-    return await _rollouts(_query(request, RolloutsQuery), store)
-
-
 @router.post("/rollouts/search")
-async def search_rollouts(request: Request, store: Store) -> Response:
-    return await _rollouts(await _body(request, RolloutsQuery, optional=True), store)
-
-
-async def _rollouts(query: RolloutsQuery, store: StoreGetter) -> Response:
-    where: dict[str, Any] = {
-        "status_in": query.status_in,
-        "rollout_id_in": query.rollout_id_in,
-        "rollout_id_contains": query.rollout_id_contains,
-        "filter_logic": query.filter_logic,
-    }
-    return await _paged(
-        query,
-        store,
-        lambda client, limit, offset: client.query_rollouts(
-            **where, sort_by=query.sort_by, sort_order=query.sort_order, limit=limit, offset=offset
-        ),
-        lambda client: client.count_rollouts(**where),
-    )
+async def query_rollouts(request: Request, store: Store) -> Response:
+    return await _paged(request, RolloutsQuery, store, AglStore.query_rollouts, AglStore.count_rollouts)
 
 
 @router.get("/rollouts/{rollout_id}")
@@ -358,24 +340,10 @@ async def start_attempt(rollout_id: str, request: Request, store: Store) -> Resp
 
 
 @router.get("/rollouts/{rollout_id}/attempts")
-async def query_attempts(rollout_id: str, request: Request, store: Store) -> Response:
-    return await _attempts(rollout_id, _query(request, AttemptsQuery), store)
-
-
 @router.post("/rollouts/{rollout_id}/attempts/search")
-async def search_attempts(rollout_id: str, request: Request, store: Store) -> Response:
-    return await _attempts(rollout_id, await _body(request, AttemptsQuery, optional=True), store)
-
-
-async def _attempts(rollout_id: str, query: AttemptsQuery, store: StoreGetter) -> Response:
-    return await _paged(
-        query,
-        store,
-        lambda client, limit, offset: client.query_attempts(
-            rollout_id, sort_by=query.sort_by, sort_order=query.sort_order, limit=limit, offset=offset
-        ),
-        lambda client: client.count_attempts(rollout_id),
-    )
+async def query_attempts(rollout_id: str, request: Request, store: Store) -> Response:
+    fetch, count = AglStore.query_attempts, AglStore.count_attempts
+    return await _paged(request, AttemptsQuery, store, fetch, count, rollout_id=rollout_id)
 
 
 @router.get("/rollouts/{rollout_id}/attempts/latest")
@@ -393,29 +361,9 @@ async def update_attempt(rollout_id: str, attempt_id: str, request: Request, sto
 
 
 @router.get("/workers")
-async def query_workers(request: Request, store: Store) -> Response:
-    return await _workers(_query(request, WorkersQuery), store)
-
-
 @router.post("/workers/search")
-async def search_workers(request: Request, store: Store) -> Response:
-    return await _workers(await _body(request, WorkersQuery, optional=True), store)
-
-
-async def _workers(query: WorkersQuery, store: StoreGetter) -> Response:
-    where: dict[str, Any] = {
-        "status_in": query.status_in,
-        "worker_id_contains": query.worker_id_contains,
-        "filter_logic": query.filter_logic,
-    }
-    return await _paged(
-        query,
-        store,
-        lambda client, limit, offset: client.query_workers(
-            **where, sort_by=query.sort_by, sort_order=query.sort_order, limit=limit, offset=offset
-        ),
-        lambda client: client.count_workers(**where),
-    )
+async def query_workers(request: Request, store: Store) -> Response:
+    return await _paged(request, WorkersQuery, store, AglStore.query_workers, AglStore.count_workers)
 
 
 @router.get("/workers/{worker_id}")
@@ -441,16 +389,7 @@ async def _named_resources(request: Request) -> dict[str, Any]:
 
 @router.get("/resources")
 async def query_resources(request: Request, store: Store) -> Response:
-    query = _query(request, ResourcesQuery)
-    where: dict[str, Any] = {"resources_id": query.resources_id, "resources_id_contains": query.resources_id_contains}
-    return await _paged(
-        query,
-        store,
-        lambda client, limit, offset: client.query_resources(
-            **where, sort_by=query.sort_by, sort_order=query.sort_order, limit=limit, offset=offset
-        ),
-        lambda client: client.count_resources(**where),
-    )
+    return await _paged(request, ResourcesQuery, store, AglStore.query_resources, AglStore.count_resources)
 
 
 @router.post("/resources")
@@ -489,24 +428,9 @@ async def add_span(request: Request, store: Store) -> Response:
 
 
 @router.get("/spans")
-async def query_spans(request: Request, store: Store) -> Response:
-    return await _spans(_query(request, SpansQuery), store)
-
-
 @router.post("/spans/search")
-async def search_spans(request: Request, store: Store) -> Response:
-    return await _spans(await _body(request, SpansQuery), store)
-
-
-async def _spans(query: SpansQuery, store: StoreGetter) -> Response:
-    return await _paged(
-        query,
-        store,
-        lambda client, limit, offset: client.query_spans(
-            query.rollout_id, query.attempt_id, **{**query.filters(), "limit": limit, "offset": offset}
-        ),
-        lambda client: client.count_spans(query.rollout_id, query.attempt_id, **query.filters()),
-    )
+async def query_spans(request: Request, store: Store) -> Response:
+    return await _paged(request, SpansQuery, store, AglStore.query_spans, AglStore.count_spans)
 
 
 @router.post("/spans/next")

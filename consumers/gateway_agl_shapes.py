@@ -36,6 +36,10 @@ class _Paging(_Shape):
     sort_by: str | None = None
     sort_order: Literal["asc", "desc"] = "asc"
 
+    def where(self) -> dict[str, Any]:
+        """The filters, as the store's ``count_*`` take them (its ``query_*`` take every field)."""
+        return self.model_dump(exclude={"limit", "offset", "sort_by", "sort_order"})
+
 
 class RolloutsQuery(_Paging):
     status_in: list[RolloutStatus] | None = None
@@ -72,10 +76,6 @@ class SpansQuery(_Paging):
     name_contains: str | None = None
     filter_logic: Literal["and", "or"] = "and"
     sort_by: str | None = "sequence_id"
-
-    def filters(self) -> dict[str, Any]:
-        """The span filters as query_spans takes them (paging included)."""
-        return self.model_dump(exclude={"rollout_id", "attempt_id"})
 
 
 class EnqueueBody(_Shape):

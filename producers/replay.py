@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -33,7 +33,6 @@ from agl_stream.domain.replay import (
     HEADER_SETTINGS,
     OutRecord,
     PartitionReplay,
-    Problems,
     ReplayError,
     ReplaySettings,
     Selection,
@@ -65,22 +64,16 @@ _FETCH_OPTIONS: dict[str, Any] = {
 _PARALLEL_MIN_SPANS = 20_000  # by default, below this starting worker processes costs more than it saves
 
 
-@dataclass
-class ReplaySummary:
+@dataclass(kw_only=True)
+class ReplaySummary(Tally):
+    """The whole replay: the partitions' tallies (absorbed) and what it wrote."""
+
     topic: str
     settings_digest: str
     ranges: dict[int, tuple[int, int]]
-    spans: int = 0
-    attempts: int = 0
     records: int = 0
     written: int = 0
     already_present: int = 0
-    incomplete: int = 0
-    incomplete_skipped: int = 0
-    unfinished_attempts: int = 0
-    malformed_spans: Problems = field(default_factory=Problems)  # records of agl.spans (a batch counts once)
-    bad_events: Problems = field(default_factory=Problems)
-    reward_errors: Problems = field(default_factory=Problems)
     digest: str = ""
     read_s: float = 0.0
     elapsed_s: float = 0.0
@@ -88,14 +81,6 @@ class ReplaySummary:
     @property
     def spans_per_s(self) -> float:
         return self.spans / self.read_s if self.read_s > 0 else 0.0
-
-    def absorb(self, part: Tally) -> None:
-        """Add what one partition's derivation counted."""
-        for name in ("spans", "attempts", "incomplete", "incomplete_skipped", "unfinished_attempts"):
-            setattr(self, name, getattr(self, name) + getattr(part, name))
-        self.malformed_spans.absorb(part.malformed_spans)
-        self.bad_events.absorb(part.bad_events)
-        self.reward_errors.absorb(part.reward_errors)
 
 
 Progress = Callable[[int, int], None]
@@ -140,7 +125,7 @@ async def replay(
             selected, rollout_ids = await _select_rollouts(settings, selection.sql, span_ends)
             keys = {r.encode() for r in rollout_ids}
         ranges = await _ranges(consumer, selection, beginnings, span_ends, selected)
-        summary = ReplaySummary(out_topic, replay_settings.digest(), ranges)
+        summary = ReplaySummary(topic=out_topic, settings_digest=replay_settings.digest(), ranges=ranges)
         total = sum(hi - lo for lo, hi in ranges.values())
         resources = await _resources(consumer, settings, codec)
         read_started = time.perf_counter()

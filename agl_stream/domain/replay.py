@@ -13,7 +13,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any, Literal, cast
 
@@ -354,6 +354,15 @@ class Tally:
     malformed_spans: Problems = field(default_factory=Problems)  # records of agl.spans (a batch counts once)
     bad_events: Problems = field(default_factory=Problems)
     reward_errors: Problems = field(default_factory=Problems)
+
+    def absorb(self, other: Tally) -> None:
+        """Add what ``other`` counted (one partition's derivation into a whole replay's)."""
+        for name in (f.name for f in fields(Tally)):
+            mine = getattr(self, name)
+            if isinstance(mine, Problems):
+                mine.absorb(getattr(other, name))
+            else:
+                setattr(self, name, mine + getattr(other, name))
 
 
 class PartitionReplay:

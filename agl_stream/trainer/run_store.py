@@ -8,10 +8,10 @@ Concurrency model: as ``AglStore``, one event loop; the id set only grows.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from agl_stream.config import Settings
-from agl_stream.models import Rollout, RolloutConfig
+from agl_stream.models import Rollout
 from agl_stream.store.client import AglStore
 from agl_stream.store.types import AttemptedRollout, EnqueueRolloutRequest
 
@@ -26,18 +26,7 @@ class RunStore(AglStore):
         """The rollouts this store created, oldest first."""
         return list(self._run_rollouts)
 
-    async def enqueue_rollout(
-        self,
-        input: Any,
-        mode: Literal["train", "val", "test"] | None = None,
-        resources_id: str | None = None,
-        config: RolloutConfig | None = None,
-        metadata: dict[str, Any] | None = None,
-    ) -> Rollout:
-        rollout = await super().enqueue_rollout(input, mode, resources_id, config, metadata)
-        self._run_rollouts[rollout.rollout_id] = None
-        return rollout
-
+    # Every create goes through these two (enqueue_rollout and start_rollout included).
     async def enqueue_many_rollouts(
         self, requests: Sequence[Mapping[str, Any] | EnqueueRolloutRequest]
     ) -> list[Rollout]:
@@ -45,15 +34,9 @@ class RunStore(AglStore):
         self._run_rollouts.update(dict.fromkeys(r.rollout_id for r in rollouts))
         return rollouts
 
-    async def start_rollout(
-        self,
-        input: Any,
-        mode: Literal["train", "val", "test"] | None = None,
-        resources_id: str | None = None,
-        config: RolloutConfig | None = None,
-        metadata: dict[str, Any] | None = None,
-        worker_id: str | None = None,
-    ) -> AttemptedRollout:
-        rollout = await super().start_rollout(input, mode, resources_id, config, metadata, worker_id)
-        self._run_rollouts[rollout.rollout_id] = None
-        return rollout
+    async def start_rollouts(
+        self, rollouts: Sequence[Rollout], *, attempt_id: str | None = None, worker_id: str | None = None
+    ) -> list[AttemptedRollout]:
+        started = await super().start_rollouts(rollouts, attempt_id=attempt_id, worker_id=worker_id)
+        self._run_rollouts.update(dict.fromkeys(r.rollout_id for r in started))
+        return started

@@ -34,10 +34,11 @@ import torch
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+from verl.workers.config import PolicyLossConfig
 
 from agl_stream.rl_options import RLOptions, resolve_estimator
 from agl_stream.training.data import InvalidBatchError
-from agl_stream.training.levels import check_levels, rollout_advantages
+from agl_stream.training.levels import check_levels, rollout_advantages, verl_loss_agg_mode
 from agl_stream.training.off_policy import check_correction, importance_correction, staleness_histogram
 
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -129,6 +130,43 @@ def compute_advantages(
         groups = uid if uid is not None else np.full(len(rollouts), None, dtype=object)
         return rollout_advantages(rewards, batch["response_mask"], groups, rollouts, estimate)
     return estimate(rewards, batch["response_mask"], uid)
+
+
+def actor_options(options: RLOptions) -> dict[str, Any]:
+    """The fields of VERL's actor config that ``options`` sets, as every backend sets them."""
+    clip_low, clip_high = options.clip_ratio_low, options.clip_ratio_high
+    return {
+        "rollout_n": 1,
+        "ppo_mini_batch_size": options.mini_batch_size or 1,
+        "clip_ratio": options.clip_ratio,
+        "clip_ratio_low": options.clip_ratio if clip_low is None else clip_low,
+        "clip_ratio_high": options.clip_ratio if clip_high is None else clip_high,
+        "clip_ratio_c": options.clip_ratio_c,
+        # VERL's policy loss aggregates rollout-mean as token-sum of weighted losses (levels.py).
+        "loss_agg_mode": verl_loss_agg_mode(options.loss_agg_mode),
+        "entropy_coeff": options.entropy_coeff,
+        "ppo_epochs": options.ppo_epochs,
+        "shuffle": options.shuffle,
+        "policy_loss": PolicyLossConfig(loss_mode=options.loss_mode),
+    }
+
+
+def advantages_for(
+    data: DataProto, batch: dict[str, torch.Tensor], options: RLOptions, rollouts: torch.Tensor
+) -> torch.Tensor:
+    """:func:`compute_advantages` with the estimator settings of ``options`` (what every backend trains on)."""
+    algo_config = AlgoConfig(
+        adv_estimator=options.estimator, gamma=options.gamma, norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo
+    )
+    return compute_advantages(
+        data,
+        batch,
+        estimator=options.estimator,
+        algo_config=algo_config,
+        norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo,
+        advantage_level=options.advantage_level,
+        rollouts=rollouts,
+    )
 
 
 def step_metrics(

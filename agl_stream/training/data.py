@@ -47,19 +47,6 @@ from agl_stream.models.training import Triplet, TripletBatch, TripletRecord
 
 RewardMode = Literal["final", "triplet"]
 
-# Keys of DataProto.batch that batch_to_dataproto always writes.
-TENSOR_KEYS = (
-    "prompts",
-    "responses",
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "response_mask",
-    "token_level_scores",
-    "token_level_rewards",
-)
-NON_TENSOR_KEYS = ("uid", "rollout_id", "attempt_id", "triplet_index", "policy_version", "resources_id")
-
 
 class InvalidBatchError(AglError, ValueError):
     """A batch cannot be trained on; ``reason`` says why. Dead-letter the batch, don't retry it."""

@@ -16,16 +16,16 @@ import torch
 import verl.utils.torch_functional as verl_F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verl import DataProto
-from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
-from verl.workers.config import ActorConfig, PolicyLossConfig
+from verl.workers.config import ActorConfig
 
 from agl_stream.policy import load_checkpoint, save_checkpoint
 from agl_stream.rl_options import ROLLOUT_MEAN, RLOptions
 from agl_stream.training.backend import (
     TRAINER_STATE_FILE,
+    actor_options,
+    advantages_for,
     check_common_options,
-    compute_advantages,
     off_policy_metrics,
     old_log_probs_and_weights,
     prepare_batch,
@@ -37,7 +37,6 @@ from agl_stream.training.levels import (
     policy_loss_mode,
     rollout_index,
     rollout_mean_weights,
-    verl_loss_agg_mode,
 )
 
 
@@ -88,27 +87,11 @@ class TorchPolicyBackend:
         self._steps = 0
         self.extra_state: dict[str, Any] = {}  # what the last save() was given, after load()
         self._loss_fn = get_policy_loss_fn(options.loss_mode)
-        self._algo_config = AlgoConfig(
-            adv_estimator=options.estimator,
-            gamma=options.gamma,
-            norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo,
-        )
         self._actor_config = ActorConfig(
             strategy="fsdp",  # required by the dataclass; nothing here reads it
-            rollout_n=1,
-            ppo_mini_batch_size=options.mini_batch_size or 1,
             ppo_micro_batch_size_per_gpu=options.micro_batch_size,
-            clip_ratio=options.clip_ratio,
-            clip_ratio_low=options.clip_ratio if options.clip_ratio_low is None else options.clip_ratio_low,
-            clip_ratio_high=options.clip_ratio if options.clip_ratio_high is None else options.clip_ratio_high,
-            clip_ratio_c=options.clip_ratio_c,
-            # VERL's policy loss aggregates rollout-mean as token-sum of weighted losses (levels.py).
-            loss_agg_mode=verl_loss_agg_mode(options.loss_agg_mode),
-            entropy_coeff=options.entropy_coeff,
-            ppo_epochs=options.ppo_epochs,
-            shuffle=options.shuffle,
             use_torch_compile=False,
-            policy_loss=PolicyLossConfig(loss_mode=options.loss_mode),
+            **actor_options(options),
         )
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -152,9 +135,9 @@ class TorchPolicyBackend:
         """
         started = time.perf_counter()
         options = self.options
-        batch = self._prepare(data)
+        batch = prepare_batch(data)
         rollouts = rollout_index(data)
-        advantages = self._advantages(data, batch, rollouts)
+        advantages = advantages_for(data, batch, options, rollouts)
         version_before = self._policy_version
         old_log_probs, is_weights, correction, recompute = old_log_probs_and_weights(
             batch, options, self._compute_log_probs
@@ -203,21 +186,7 @@ class TorchPolicyBackend:
     @torch.no_grad()
     def log_probs(self, data: DataProto) -> torch.Tensor:
         """The current policy's log-probs of ``data``'s responses, (B, R) on the CPU, 0 at padding."""
-        return self._compute_log_probs(self._prepare(data))
-
-    def _prepare(self, data: DataProto) -> dict[str, torch.Tensor]:
-        return prepare_batch(data)
-
-    def _advantages(self, data: DataProto, batch: dict[str, torch.Tensor], rollouts: torch.Tensor) -> torch.Tensor:
-        return compute_advantages(
-            data,
-            batch,
-            estimator=self.options.estimator,
-            algo_config=self._algo_config,
-            norm_adv_by_std_in_grpo=self.options.norm_adv_by_std_in_grpo,
-            advantage_level=self.options.advantage_level,
-            rollouts=rollouts,
-        )
+        return self._compute_log_probs(prepare_batch(data))
 
     def _micro(self, batch: dict[str, torch.Tensor], indices: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
         """The rows ``indices``, without the pad columns none of them needs (left of the prompts, right of

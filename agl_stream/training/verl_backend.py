@@ -80,7 +80,6 @@ import torch
 from tensordict import TensorDict  # type: ignore[import-untyped]
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from verl import DataProto
-from verl.trainer.config import AlgoConfig
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import Metric
 from verl.workers.utils.losses import ppo_loss
@@ -90,7 +89,7 @@ from agl_stream.policy import save_checkpoint
 from agl_stream.policy.model import _fsync_tree
 from agl_stream.rl_options import ROLLOUT_MEAN
 from agl_stream.training.backend import (
-    compute_advantages,
+    advantages_for,
     off_policy_metrics,
     old_log_probs_and_weights,
     prepare_batch,
@@ -131,9 +130,6 @@ class VerlFSDPBackend:
         self._steps = 0
         self.extra_state: dict[str, Any] = {}  # what the last save() was given, after load()
         self._generator = torch.Generator().manual_seed(opts.seed)
-        self._algo_config = AlgoConfig(
-            adv_estimator=opts.estimator, gamma=opts.gamma, norm_adv_by_std_in_grpo=opts.norm_adv_by_std_in_grpo
-        )
         self.model_config, self.actor_config, self.engine = build_engine(model_dir, opts, self.device)
         # Saved policies carry the folder's own config, not the engine's overrides (an
         # attn_implementation of flash_attention_2 would break loading where flash_attn is missing).
@@ -224,18 +220,8 @@ class VerlFSDPBackend:
         """The checked tensors, their advantages and rollout index (all that can reject a batch);
         every rank computes the same advantages over the whole batch before it is split."""
         batch = self._checked(data)
-        options = self.options
         rollouts = rollout_index(data)
-        advantages = compute_advantages(
-            data,
-            batch,
-            estimator=options.estimator,
-            algo_config=self._algo_config,
-            norm_adv_by_std_in_grpo=options.norm_adv_by_std_in_grpo,
-            advantage_level=options.advantage_level,
-            rollouts=rollouts,
-        )
-        return batch, advantages, rollouts
+        return batch, advantages_for(data, batch, self.options, rollouts), rollouts
 
     def _train(
         self, data: DataProto, batch: dict[str, torch.Tensor], advantages: torch.Tensor, rollouts: torch.Tensor

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from verl.trainer.config import CheckpointConfig
-from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, PolicyLossConfig
+from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
 from agl_stream.rl_options import ROLLOUT_MEAN, RLOptions
-from agl_stream.training.backend import check_common_options
-from agl_stream.training.levels import verl_loss_agg_mode
+from agl_stream.training.backend import actor_options, check_common_options
 
 Strategy = Literal["fsdp2", "fsdp"]
 
@@ -86,24 +85,14 @@ def build_engine(
     checkpoint_config = CheckpointConfig()
     actor_config = FSDPActorConfig(
         strategy=opts.strategy,
-        rollout_n=1,
-        ppo_mini_batch_size=opts.mini_batch_size or 1,
         use_dynamic_bsz=True,
         ppo_max_token_len_per_gpu=opts.max_token_len_per_gpu,
         ppo_infer_max_token_len_per_gpu=opts.max_token_len_per_gpu,
-        clip_ratio=opts.clip_ratio,
-        clip_ratio_low=opts.clip_ratio if opts.clip_ratio_low is None else opts.clip_ratio_low,
-        clip_ratio_high=opts.clip_ratio if opts.clip_ratio_high is None else opts.clip_ratio_high,
-        clip_ratio_c=opts.clip_ratio_c,
-        # rollout-mean rides on token-sum with per-token weights in rollout_is_weights (levels.py).
-        loss_agg_mode=verl_loss_agg_mode(opts.loss_agg_mode),
-        entropy_coeff=opts.entropy_coeff,
-        ppo_epochs=opts.ppo_epochs,
-        shuffle=opts.shuffle,
         data_loader_seed=opts.seed,
         use_torch_compile=opts.use_torch_compile,
         use_remove_padding=opts.use_remove_padding,
-        policy_loss=PolicyLossConfig(loss_mode=opts.loss_mode),
+        # rollout-mean rides on token-sum with per-token weights in rollout_is_weights (levels.py).
+        **actor_options(opts),
         optim=optimizer_config,
         checkpoint=checkpoint_config,
         fsdp_config=FSDPEngineConfig(

@@ -9,9 +9,9 @@ new data.
 Two ways in and out:
 
 - pydantic models: :meth:`Codec.encode` / :meth:`Codec.decode` (validated, convenient);
-- plain dicts for hot loops: :meth:`Codec.encode_dict` / :meth:`Codec.decode_dict` /
-  :meth:`Codec.decode_many_dicts` (no pydantic; the dict form is fastavro's: JSON fields as
-  Python objects, and a record inside a union of several records carries ``"-type"``).
+- plain dicts for hot loops: :meth:`Codec.encode_dict` / :meth:`Codec.decode_dict` (no
+  pydantic; the dict form is fastavro's: JSON fields as Python objects, and a record inside a
+  union of several records carries ``"-type"``).
 
 Fields declared ``{"type": "string", "logicalType": "json"}`` hold JSON text on the wire and
 Python objects in memory; importing this module registers that logical type with fastavro
@@ -24,9 +24,9 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from io import BytesIO
-from typing import Any, Literal, TypeVar, cast, overload
+from typing import Any, Literal, TypeVar, cast
 
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
 from fastavro.read import LOGICAL_READERS
@@ -468,17 +468,6 @@ class Codec:
         self._writer(avro_name)
         return self.contract.current[avro_name].fingerprint
 
-    def knows(self, fingerprint: int) -> bool:
-        """Whether data written with this fingerprint can be decoded."""
-        return fingerprint in self._readers
-
-    @staticmethod
-    def peek_fingerprint(data: bytes) -> int:
-        """The writer fingerprint of a message, without decoding it."""
-        if len(data) < HEADER_SIZE or data[:2] != MAGIC:
-            raise NotSingleObjectEncodedError(_not_single_object(data))
-        return int.from_bytes(data[2:HEADER_SIZE], "little")
-
     def _writer(self, avro_name: str) -> _Writer:
         writer = self._writers.get(avro_name)
         if writer is None:
@@ -538,33 +527,6 @@ class Codec:
             )
         return reader.name, datum
 
-    @overload
-    def decode_many_dicts(
-        self, messages: Iterable[bytes], *, errors: Literal["raise"] = "raise"
-    ) -> list[tuple[str, dict[str, Any]]]: ...
-
-    @overload
-    def decode_many_dicts(
-        self, messages: Iterable[bytes], *, errors: Literal["return"]
-    ) -> list[tuple[str, dict[str, Any]] | CodecError]: ...
-
-    def decode_many_dicts(
-        self, messages: Iterable[bytes], *, errors: Literal["raise", "return"] = "raise"
-    ) -> list[tuple[str, dict[str, Any]]] | list[tuple[str, dict[str, Any]] | CodecError]:
-        """Decode a batch. ``errors="return"`` puts each failure's CodecError in its place
-        instead of raising, so one bad message does not cost the batch."""
-        decode = self.decode_dict
-        if errors == "raise":
-            return [decode(m) for m in messages]
-        out: list[tuple[str, dict[str, Any]] | CodecError] = []
-        append = out.append
-        for message in messages:
-            try:
-                append(decode(message))
-            except CodecError as exc:
-                append(exc)
-        return out
-
     # -- models ----------------------------------------------------------------------------
 
     def encode(self, record: AglModel) -> bytes:
@@ -580,17 +542,6 @@ class Codec:
             raise RecordTypeError(f"expected a {expected.avro_name}, got a {name}")
         try:
             return expected.model_validate(datum)
-        except ValidationError as exc:
-            raise MalformedRecordError(f"{name} does not validate: {exc}") from exc
-
-    def decode_any(self, data: bytes) -> AglModel:
-        """Decode a message into the model registered for its record name."""
-        name, datum = self.decode_dict(data)
-        model = self.models.get(name)
-        if model is None:
-            raise RecordTypeError(f"no model for record {name}")
-        try:
-            return model.model_validate(datum)
         except ValidationError as exc:
             raise MalformedRecordError(f"{name} does not validate: {exc}") from exc
 

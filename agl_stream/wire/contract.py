@@ -603,18 +603,6 @@ def _resolve(writer: dict[str, Any], reader: dict[str, Any]) -> None:
     _Resolver(writer, reader).check(writer, None, reader, None, path)
 
 
-def check_readable(writer: NamedSchema | Mapping[str, Any], reader: NamedSchema | Mapping[str, Any]) -> None:
-    """Raise SchemaCompatibilityError unless data written with ``writer`` resolves to ``reader``."""
-    w, wlabel = _as_schema(writer)
-    r, rlabel = _as_schema(reader)
-    try:
-        _resolve(w, r)
-    except _Incompatible as exc:
-        raise SchemaCompatibilityError(
-            f"a reader with {rlabel} cannot read data written with {wlabel}: {exc}"
-        ) from None
-
-
 def check_compatible(
     old: NamedSchema | Mapping[str, Any],
     new: NamedSchema | Mapping[str, Any],

@@ -28,8 +28,6 @@ from agl_stream.wire.span_avro import WRITTEN_FOR, span_body
 
 SPAN = "agl.Span"
 SPAN_BATCH = "agl.SpanBatch"
-SPAN_RECORD_TYPES = (SPAN, SPAN_BATCH)
-"""What agl.spans carries."""
 
 
 SpanRecord = tuple[str, bytes]

