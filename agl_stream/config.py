@@ -128,6 +128,12 @@ class Settings(BaseSettings):
     clickhouse_reader_password: SecretStr | None = Field(None, description="Password of the reader user.")
     clickhouse_verify_tls: bool = Field(True, description="Verify the server certificate on https.")
     clickhouse_ca_cert: Path | None = Field(None, description="CA bundle for the ClickHouse server certificate.")
+    clickhouse_ttl_days: int = Field(
+        0,
+        ge=0,
+        description="Days ClickHouse keeps spans, rollouts and attempts before deleting them (0: forever); "
+        "applied by the migration step (docs/retention.md).",
+    )
 
     # -- gateway (read side) -----------------------------------------------------------------
     gateway_host: str = Field("127.0.0.1", description="Address the gateway (sink + query API) binds to.")

@@ -12,8 +12,11 @@ one, with prometheus_client's process and GC collectors) and its own endpoint. T
 origin and token rules as every other path (Prometheus sends ``authorization: Bearer``); the
 others start prometheus_client's server on ``AGL_METRICS_HOST:AGL_METRICS_PORT`` (loopback by
 default: it checks no token). Either way the process writes where it serves to
-``<run dir>/metrics/<role>-<pid>.json``, removed on a clean exit, which is how ``agl-stream
-status`` (and a file-based Prometheus service discovery) finds every instance.
+``<run dir>/metrics/<role>-<host>-<pid>.json``, removed on a clean exit: a file in Prometheus's
+``file_sd`` format (one target group; see :func:`target_groups`), so Prometheus's
+``file_sd_configs`` reads the folder as it is, and ``agl-stream status`` reads the same files
+(:func:`read_endpoints`). The host in the name keeps processes of several containers sharing
+the folder apart (each is pid 1 there).
 
 Counters move once per batch or call, never once per record: an increment takes a lock, and the
 processors handle tens of thousands of records a second (the skeleton adds ``len(records)`` per
@@ -26,11 +29,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 from collections import Counter as Tally
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -69,14 +75,19 @@ __all__ = [
     "SINK_FLUSH_SECONDS",
     "SINK_RECORDS",
     "TRAINER_STEP_SECONDS",
+    "Endpoint",
     "advertised",
     "count_dlq",
     "count_out",
     "expose",
     "exposed_names",
     "metrics_endpoint",
+    "parse_target_groups",
+    "reachable_host",
+    "read_endpoints",
     "role",
     "set_role",
+    "target_groups",
     "topic_label",
 ]
 
@@ -87,7 +98,16 @@ log = get_logger("agl.metrics")
 disable_created_metrics()
 
 ENDPOINTS_DIR = "metrics"
-"""Under the run dir: one ``<role>-<pid>.json`` per process that serves metrics."""
+"""Under the run dir: one ``<role>-<host>-<pid>.json`` per process that serves metrics."""
+
+AUTH_LABEL = "__meta_agl_auth"
+"""Target label: ``bearer`` for the HTTP roles (their /metrics takes the API token where they
+require it), ``none`` for prometheus_client's server (no token). Prometheus drops ``__``
+labels after relabelling: a scrape job keeps or drops targets by it, nothing stores it."""
+STARTED_LABEL = "__meta_agl_started"
+"""Target label: when the process started serving (Unix seconds)."""
+HOST_LABEL = "__meta_agl_host"
+"""Target label: the host name of the process (its pid means something there only)."""
 
 # Latency buckets from a millisecond (a fold of a small batch) to a minute (a slow trainer step
 # or an LLM call that ran long).
@@ -263,27 +283,115 @@ async def metrics_endpoint(_request: Request) -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """One process's metrics endpoint, as its file under ``<run dir>/metrics/`` says."""
+
+    role: str
+    pid: int
+    url: str
+    path: Path
+    host: str = ""
+    """The host name the process ran on ("": unknown); its pid means something there only."""
+    token: bool = False
+    """Whether the endpoint takes the API token (an HTTP role's /metrics)."""
+
+
+def target_groups(name: str, pid: int, url: str, *, host: str, started: float, token: bool) -> list[dict[str, Any]]:
+    """The endpoint file's content: Prometheus ``file_sd`` target groups (one) for ``url``.
+
+    ``role`` and ``pid`` become labels of every series scraped from it; the ``__`` labels steer
+    the scrape (path, scheme) or tell the readers here (auth, start, host) and are dropped after
+    relabelling. Label values are strings, as ``file_sd`` requires."""
+    parts = urlsplit(url)
+    if not parts.scheme or not parts.netloc:
+        raise ValueError(f"metrics URL {url!r} has no scheme or host: give http://host:port/metrics")
+    return [
+        {
+            "targets": [parts.netloc],
+            "labels": {
+                "role": name,
+                "pid": str(pid),
+                "__metrics_path__": parts.path or "/metrics",
+                "__scheme__": parts.scheme,
+                AUTH_LABEL: "bearer" if token else "none",
+                STARTED_LABEL: f"{started:.3f}",
+                HOST_LABEL: host,
+            },
+        }
+    ]
+
+
+def parse_target_groups(data: object, path: Path) -> list[Endpoint]:
+    """The endpoints a ``file_sd`` file (read from ``path``) lists; a target group that is not
+    one of ours (no role or pid label) is skipped, a malformed file raises ``ValueError``."""
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: not a file_sd list of target groups")
+    found = []
+    for group in data:
+        if not isinstance(group, dict) or not isinstance(group.get("labels"), dict):
+            raise ValueError(f"{path}: a target group without labels")
+        labels: dict[str, Any] = group["labels"]
+        if "role" not in labels or "pid" not in labels:
+            continue
+        scheme, metrics_path = str(labels.get("__scheme__", "http")), str(labels.get("__metrics_path__", "/metrics"))
+        for target in group.get("targets") or []:
+            found.append(
+                Endpoint(
+                    str(labels["role"]),
+                    int(labels["pid"]),
+                    f"{scheme}://{target}{metrics_path}",
+                    path,
+                    host=str(labels.get(HOST_LABEL, "")),
+                    token=labels.get(AUTH_LABEL) == "bearer",
+                )
+            )
+    return found
+
+
+def read_endpoints(settings: Settings) -> list[Endpoint]:
+    """Every endpoint file of the run dir (a half-written or foreign file is skipped)."""
+    found: list[Endpoint] = []
+    for path in sorted((settings.run_dir / ENDPOINTS_DIR).glob("*.json")):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found.extend(parse_target_groups(json.loads(path.read_text()), path))
+    return found
+
+
 def _endpoint_file(settings: Settings, name: str) -> Path:
-    return settings.run_dir / ENDPOINTS_DIR / f"{name}-{os.getpid()}.json"
+    return settings.run_dir / ENDPOINTS_DIR / f"{name}-{socket.gethostname()}-{os.getpid()}.json"
 
 
-def _write_endpoint(path: Path, name: str, url: str) -> None:
+def _write_endpoint(path: Path, name: str, url: str, *, token: bool) -> None:
+    groups = target_groups(name, os.getpid(), url, host=socket.gethostname(), started=time.time(), token=token)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"role": name, "pid": os.getpid(), "url": url, "started": time.time()}))
+    tmp = path.with_suffix(".tmp")  # not *.json: neither Prometheus nor status reads it half-written
+    tmp.write_text(json.dumps(groups))
     tmp.replace(path)  # atomic: a reader sees no file or the whole one
 
 
 @contextlib.contextmanager
-def advertised(settings: Settings, name: str, url: str) -> Iterator[Path]:
-    """Record that this process (role ``name``) serves its metrics at ``url`` while inside."""
+def advertised(settings: Settings, name: str, url: str, *, token: bool = True) -> Iterator[Path]:
+    """Record that this process (role ``name``) serves its metrics at ``url`` while inside;
+    ``token``: the endpoint takes the API token (an HTTP role's /metrics, behind its guard)."""
     set_role(name)
     path = _endpoint_file(settings, name)
-    _write_endpoint(path, name, url)
+    _write_endpoint(path, name, url, token=token)
     try:
         yield path
     finally:
         path.unlink(missing_ok=True)
+
+
+def reachable_host(bound: str, resolve: Callable[[str], str] = socket.gethostbyname) -> str:
+    """The address others reach a listener bound to ``bound`` at: a wildcard bind is advertised
+    as this host's own address (in a container, its address on the container network)."""
+    if bound not in ("0.0.0.0", "::", ""):
+        return bound
+    try:
+        return resolve(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
 
 
 @contextlib.contextmanager
@@ -295,10 +403,11 @@ def expose(settings: Settings, name: str) -> Iterator[str | None]:
         yield None
         return
     server, _thread = _serve(settings.metrics_host, settings.metrics_port)
-    host, port = server.server_address[:2]
-    url = f"http://[{host}]:{port}/metrics" if ":" in str(host) else f"http://{host}:{port}/metrics"
+    bound, port = server.server_address[:2]
+    host = reachable_host(str(bound))
+    url = f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
     try:
-        with advertised(settings, name, url):
+        with advertised(settings, name, url, token=False):
             log.info("metrics served", url=url)
             yield url
     finally:

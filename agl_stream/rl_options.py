@@ -57,6 +57,19 @@ OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "truncate", "mask")
 ImportanceLevel = Literal["token", "sequence"]
 IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
 
+TRACKERS: tuple[str, ...] = ("tensorboard", "wandb", "mlflow")
+"""The experiment trackers the trainer can record to (agl_stream.training.tracking)."""
+
+
+def parse_trackers(text: str | None) -> tuple[str, ...]:
+    """The tracker names in a comma-separated ``text`` ("tensorboard,wandb"), in order, once each;
+    ValueError naming an unknown one."""
+    names = tuple(dict.fromkeys(part.strip().lower() for part in (text or "").split(",") if part.strip()))
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise ValueError(f"unknown tracker(s) {', '.join(unknown)}: choose from {', '.join(TRACKERS)}")
+    return names
+
 
 def resolve_estimator(algorithm: str, adv_estimator: str | None) -> str:
     """The VERL advantage estimator for ``algorithm`` ("grpo" | "ppo") or the explicit one; ValueError
@@ -143,6 +156,10 @@ class TrainerOptions:
     off_policy_correction: OffPolicyCorrection | None = None  # with the engine's log-probs
     rollout_is: ImportanceLevel | None = None
     rollout_is_threshold: float | None = None  # the importance weights' cap
+    track: str | None = None  # comma-separated TRACKERS: agl_stream.training.tracking
+    track_dir: Path | None = None  # None: <checkpoints>/tracking
+    track_project: str = "agl-stream"  # W&B project, MLflow experiment, TensorBoard folder
+    track_run: str | None = None  # None: the checkpoints folder's name
 
     def backend_options(self) -> dict[str, Any]:
         """The :class:`RLOptions` fields set here: what a new policy backend is given."""

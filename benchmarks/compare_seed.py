@@ -571,13 +571,15 @@ def scrape_counts(metrics_dir: Path | None) -> dict[str, dict[str, float]]:
     """Every stack role's counters of :data:`COUNTED`, summed by the listed labels: {kind: {labels: value}}."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from agl_stream import metrics
+
     counts: dict[str, dict[str, float]] = {kind: {} for kind, _ in COUNTED.values()}
     if metrics_dir is None or not metrics_dir.is_dir():
         return counts
     for endpoint in metrics_dir.glob("*.json"):
         try:
-            url = json.loads(endpoint.read_text())["url"]
-            text = httpx.get(url, timeout=10).text
+            [found] = metrics.parse_target_groups(json.loads(endpoint.read_text()), endpoint)
+            text = httpx.get(found.url, timeout=10).text
         except (OSError, ValueError, KeyError, httpx.HTTPError):
             continue  # a role that left meanwhile
         for family in text_string_to_metric_families(text):

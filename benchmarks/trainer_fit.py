@@ -38,6 +38,7 @@ from rich.console import Console
 
 import agl_stream as agl
 from agl_stream.clickhouse.client import get_client
+from agl_stream.clickhouse.times import seconds as seconds_of
 from agl_stream.config import Settings
 from agl_stream.demo.task import PROMPTS, digits
 from agl_stream.local.processes import RoleGroup
@@ -81,11 +82,13 @@ def first_update(tasks: int, samples: int) -> dict[str, Any]:
         started = time.time()
         result = trainer.fit(digits, train)
         ended = time.time()
-        (rollout_start,) = _query(settings, "SELECT min(start_time) FROM {db}.rollouts FINAL")
-        (finished,) = _query(settings, "SELECT min(finish_time) FROM {db}.triplet_records FINAL")
-        (batch,) = _query(settings, "SELECT min(created_time) FROM {db}.batches FINAL")
+        (rollout_start,) = _query(settings, f"SELECT {seconds_of('min(start_time)')} FROM {{db}}.rollouts FINAL")
+        (finished,) = _query(settings, f"SELECT {seconds_of('min(finish_time)')} FROM {{db}}.triplet_records FINAL")
+        (batch,) = _query(settings, f"SELECT {seconds_of('min(created_time)')} FROM {{db}}.batches FINAL")
         step, seconds, steps = _query(
-            settings, "SELECT min(step_time), argMin(step_seconds, step_time), count() FROM {db}.trainer_steps FINAL"
+            settings,
+            f"SELECT {seconds_of('min(step_time)')}, argMin(step_seconds, step_time), count() "
+            "FROM {db}.trainer_steps FINAL",
         )
     return {
         "rollouts": len(result.rollout_ids),
@@ -132,8 +135,9 @@ def throughput(runners: int, concurrency: int, epochs: int, max_tokens: int) -> 
             roles.stop(timeout=30)
         count, succeeded, first, last, starts, ends = _query(
             settings,
-            "SELECT count(), countIf(status = 'succeeded'), min(start_time), max(end_time), "
-            "arraySort(groupArray(start_time)), arraySort(groupArray(end_time)) FROM {db}.rollouts FINAL",
+            f"SELECT count(), countIf(status = 'succeeded'), {seconds_of('min(start_time)')}, "
+            f"{seconds_of('max(end_time)')}, arraySort(groupArray({seconds_of('start_time')})), "
+            f"arraySort(groupArray({seconds_of('end_time')})) FROM {{db}}.rollouts FINAL",
         )
     # Steady state: the epochs after the first, whose rollouts start once every runner has
     # imported the agent and made its first call (the first epoch pays for those).

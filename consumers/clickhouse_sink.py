@@ -231,7 +231,7 @@ class TableSink:
     # -- set-up ---------------------------------------------------------------------------
 
     def prepare_tables(self) -> None:
-        migrate(self.client, self.db)
+        migrate(self.client, self.db, ttl_days=self.settings.clickhouse_ttl_days)
         schema = self.codec.contract.schema(self.spec.record)
         for statement in ingest_ddl(self.spec, self.db, schema.fingerprint_hex, schema.expanded):
             self.client.command(statement)

@@ -87,7 +87,14 @@ class DashboardQueries:
     async def rollouts(self, f: dsql.RolloutFilter) -> dict[str, Any]:
         page, count = dsql.rollouts_page(self.database, f)
         rows, total = await asyncio.gather(self.rows(page), self.rows(count))
-        return {"rows": rows, "total": total[0]["n"] if total else 0, "limit": f.limit, "offset": f.offset}
+        return {
+            "rows": rows,
+            "total": total[0]["n"] if total else 0,
+            "limit": f.limit,
+            "offset": f.offset,
+            "sort": f.sort,
+            "order": f.order,
+        }
 
     async def rollout(self, rollout_id: str) -> dict[str, Any] | None:
         got = await self.many(dsql.rollout_detail(self.database, rollout_id))
@@ -127,6 +134,10 @@ class DashboardQueries:
             "cut": len(lineage) > dsql.MAX_LINEAGE,
             "query": dsql.trained_by_version(self.database),
         }
+
+    async def dead_letters(self, f: dsql.DeadLetterFilter) -> dict[str, Any]:
+        got = await self.many(dsql.dead_letters(self.database, f))
+        return {"counts": got["counts"], "newest": got["newest"], "total": got["total"][0]["n"], "limit": f.limit}
 
     async def schema(self) -> dict[str, Any]:
         rows = await self.rows(dsql.schema(self.database), checked=False)
@@ -316,8 +327,13 @@ async def resources(board: Board) -> Response:
 
 
 @data.get("/v1/dashboard/workers")
-async def workers(board: Board) -> Response:
-    return JSONResponse(await board.queries.rows(dsql.workers(board.queries.database)))
+async def workers(params: Annotated[dsql.WorkersParams, _params(dsql.WorkersParams)], board: Board) -> Response:
+    return JSONResponse(await board.queries.rows(dsql.workers(board.queries.database, params.gone_after_s)))
+
+
+@data.get("/v1/dashboard/dead-letters")
+async def dead_letters(f: Annotated[dsql.DeadLetterFilter, _params(dsql.DeadLetterFilter)], board: Board) -> Response:
+    return JSONResponse(await board.queries.dead_letters(f))
 
 
 @data.get("/v1/dashboard/schema")

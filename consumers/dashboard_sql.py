@@ -3,7 +3,8 @@
 No I/O here (consumers/dashboard.py runs what this builds). Every value a visitor types reaches
 ClickHouse as a bound query parameter (``{name:Type}``), never pasted into the SQL text; the only
 text pasted in is the database name, a setting of the gateway. Filters are pydantic models, so a
-bad value is a typed 400 before any SQL is built.
+bad value is a typed 400 before any SQL is built. Times (DateTime64 columns) are selected as
+float seconds since the epoch, which the page's code formats.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agl_stream.clickhouse import times
 from agl_stream.models.base import RolloutStatus
+from agl_stream.models.rollouts import WORKER_STOPPED
 
 MAX_PAGE = 500
 """Rows of one rollouts page: a page is read by a person."""
@@ -44,8 +47,28 @@ class Query:
 # -- rollouts: filters and paging -------------------------------------------------------------
 
 
+RolloutSort = Literal["rollout_id", "status", "mode", "policy_version", "group_id", "start_time", "took", "reward"]
+"""The rollouts table's sortable columns (a header click): the page's column names."""
+
+SortOrder = Literal["asc", "desc"]
+
+_ROLLOUT_ORDER: dict[str, str] = {
+    "rollout_id": "rollout_id",
+    "status": "status",
+    "mode": "mode",
+    "policy_version": "policy_version",
+    "group_id": "group_id",
+    "start_time": "start_time",
+    "took": "end_time - start_time",
+    "reward": "reward",
+}
+"""What each sortable column orders by: expressions over the page query's own columns (the
+whitelist: a sort is a name looked up here, never SQL from the visitor). Unknown values (a
+rollout still running, one without a reward) sort last either way."""
+
+
 class RolloutFilter(BaseModel):
-    """The rollouts table's filters, as the page sends them in its query string."""
+    """The rollouts table's filters, sort and page, as the page sends them in its query string."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -57,6 +80,8 @@ class RolloutFilter(BaseModel):
     until: float | None = Field(None, ge=0, description="Enqueued before (Unix seconds).")
     limit: int = Field(50, ge=1, le=MAX_PAGE)
     offset: int = Field(0, ge=0, le=10**9)
+    sort: RolloutSort = Field("start_time", description="The column the page is ordered by.")
+    order: SortOrder = "desc"
 
     @field_validator("mode", "group_id", "status", mode="before")
     @classmethod
@@ -95,19 +120,41 @@ def rollout_conditions(f: RolloutFilter) -> tuple[list[str], dict[str, Any]]:
 
 
 def rollouts_page(database: str, f: RolloutFilter) -> tuple[Query, Query]:
-    """The page of rollouts ``f`` asks for (newest first) and the count of all that match."""
+    """The page of rollouts ``f`` asks for (newest first unless it sorts by another column), each
+    with its reward (its latest attempt's final reward, from that attempt's triplet record), and
+    the count of all that match. Ties are broken by rollout id, in the same direction."""
     db = _db(database)
     where, params = rollout_conditions(f)
     clause = f"WHERE {' AND '.join(where)}" if where else ""
+    direction = "ASC" if f.order == "asc" else "DESC"
     page = Query(
-        "SELECT rollout_id, status, mode, policy_version, start_time, end_time, "
+        f"SELECT r.rollout_id AS rollout_id, r.status AS status, r.mode AS mode, r.policy_version AS policy_version, "
+        f"{times.select(('start_time', 'end_time'), 'r')}, r.group_id AS group_id, r.input AS input, "
+        "lr.final_reward AS reward "
+        "FROM (SELECT rollout_id, status, mode, policy_version, start_time, end_time, "
         "JSONExtractString(ifNull(metadata, ''), 'group_id') AS group_id, substring(input, 1, 160) AS input "
-        f"FROM {db}.rollouts FINAL {clause} "
-        "ORDER BY start_time DESC, rollout_id DESC LIMIT {limit:UInt32} OFFSET {offset:UInt64}",
+        f"FROM {db}.rollouts FINAL {clause}) AS r "
+        f"LEFT JOIN ({latest_attempt_rewards(db)}) AS lr ON lr.rollout_id = r.rollout_id "
+        f"ORDER BY {_ROLLOUT_ORDER[f.sort]} {direction}, rollout_id {direction} "
+        "LIMIT {limit:UInt32} OFFSET {offset:UInt64}",
         {**params, "limit": f.limit, "offset": f.offset},
     )
     count = Query(f"SELECT count() AS n FROM {db}.rollouts FINAL {clause}", dict(params))
     return page, count
+
+
+def latest_attempt_rewards(database: str) -> str:
+    """SQL of ``(rollout_id, attempt_id, final_reward)``: each rollout's latest attempt (highest
+    sequence id) with the final reward of its triplet record, for the rollouts whose latest attempt
+    has one (the triplet builder writes one per finished attempt; NULL when it found no reward)."""
+    db = _db(database)
+    return (
+        "SELECT a.rollout_id AS rollout_id, a.attempt_id AS attempt_id, tr.final_reward AS final_reward "
+        f"FROM (SELECT rollout_id, argMax(attempt_id, sequence_id) AS attempt_id FROM {db}.attempts FINAL "
+        "GROUP BY rollout_id) AS a "
+        f"INNER JOIN (SELECT attempt_id, final_reward FROM {db}.triplet_records FINAL) AS tr "
+        "ON tr.attempt_id = a.attempt_id"
+    )
 
 
 # -- one rollout -------------------------------------------------------------------------------
@@ -119,14 +166,16 @@ def rollout_detail(database: str, rollout_id: str) -> dict[str, Query]:
     p = {"rollout_id": rollout_id}
     return {
         "rollout": Query(
-            "SELECT rollout_id, status, mode, policy_version, resources_id, start_time, end_time, input, config, "
+            "SELECT rollout_id, status, mode, policy_version, resources_id, "
+            f"{times.select(('start_time', 'end_time'))}, input, config, "
             f"metadata FROM {db}.rollouts FINAL WHERE rollout_id = {{rollout_id:String}}",
             p,
         ),
         "attempts": Query(
             "SELECT a.attempt_id AS attempt_id, a.sequence_id AS sequence_id, a.status AS status, "
-            "a.worker_id AS worker_id, a.policy_version AS policy_version, a.start_time AS start_time, "
-            "a.end_time AS end_time, tr.final_reward AS final_reward, tr.n_triplets AS n_triplets, "
+            "a.worker_id AS worker_id, a.policy_version AS policy_version, "
+            f"{times.select(('start_time', 'end_time'), 'a')}, "
+            "tr.final_reward AS final_reward, tr.n_triplets AS n_triplets, "
             "s.spans AS spans, s.errors AS errors "
             f"FROM (SELECT * FROM {db}.attempts FINAL WHERE rollout_id = {{rollout_id:String}}) AS a "
             "LEFT JOIN (SELECT attempt_id, final_reward, n_triplets "
@@ -269,13 +318,15 @@ def version_lineage(database: str, version: int) -> dict[str, Query]:
     in_version = f"batch_id IN (SELECT batch_id FROM {db}.trainer_steps FINAL WHERE policy_version = {{version:Int64}})"
     return {
         "steps": Query(
-            "SELECT batch_id, step_time, step_seconds, samples, tokens, staleness, min_policy_version, "
+            f"SELECT batch_id, {times.select(('step_time',))}, "
+            "step_seconds, samples, tokens, staleness, min_policy_version, "
             "metrics['loss'] AS loss, metrics['reward_mean'] AS reward "
             f"FROM {db}.trainer_steps FINAL WHERE policy_version = {{version:Int64}} ORDER BY step_time",
             p,
         ),
         "batches": Query(
-            "SELECT batch_id, created_time, n_records, n_triplets, n_tokens, min_policy_version, max_policy_version, "
+            f"SELECT batch_id, {times.select(('created_time',))}, "
+            "n_records, n_triplets, n_tokens, min_policy_version, max_policy_version, "
             f"mean_final_reward FROM {db}.batches FINAL WHERE {in_version} ORDER BY created_time, batch_id",
             p,
         ),
@@ -356,7 +407,8 @@ def overview(database: str, window: int) -> dict[str, Query]:
             {},
         ),
         "steps": Query(
-            "SELECT policy_version, step_time, step_seconds, idle_seconds, samples, tokens, staleness, "
+            f"SELECT policy_version, {times.select(('step_time',))}, "
+            "step_seconds, idle_seconds, samples, tokens, staleness, "
             "metrics['loss'] AS loss, metrics['reward_mean'] AS reward, "
             "idle_seconds / greatest(step_seconds + idle_seconds, 1e-9) AS idle_fraction "
             f"FROM {db}.trainer_steps FINAL ORDER BY step_time DESC LIMIT 500",
@@ -383,18 +435,36 @@ def series(rows: Sequence[Sequence[Any]], window: int) -> list[list[float]]:
 def resources(database: str) -> Query:
     db = _db(database)
     return Query(
-        "SELECT resources_id, version, create_time, update_time, resources "
+        f"SELECT resources_id, version, {times.select(('create_time', 'update_time'))}, resources "
         f"FROM {db}.resources FINAL ORDER BY update_time DESC LIMIT 200",
         {},
     )
 
 
-def workers(database: str) -> Query:
+class WorkersParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gone_after_s: float = Field(
+        30.0, ge=1, le=30 * 86400, description="A worker with no heartbeat for this long is shown as gone."
+    )
+
+
+def workers(database: str, gone_after_s: float = 30.0) -> Query:
+    """The workers as they recorded themselves, with whether each is gone: its runner stopped
+    cleanly (its last heartbeat says so: the seed's worker statuses have none for a worker that
+    left) or its last sign of life (heartbeat, else claim) is older than ``gone_after_s``, by the
+    engine's clock. ``silent_s``: seconds since that sign of life."""
     db = _db(database)
+    # Qualified: the select list's aliases of the same names are the float seconds.
+    seen = times.seconds("coalesce(w.last_heartbeat_time, w.last_dequeue_time)")
     return Query(
-        "SELECT worker_id, status, last_heartbeat_time, last_dequeue_time, current_rollout_id, current_attempt_id, "
-        f"heartbeat_stats FROM {db}.workers FINAL ORDER BY worker_id LIMIT 1000",
-        {},
+        f"SELECT worker_id, status, {times.select(('last_heartbeat_time', 'last_dequeue_time'), 'w')}, "
+        "current_rollout_id, current_attempt_id, heartbeat_stats, "
+        f"JSONExtractBool(ifNull(heartbeat_stats, ''), '{WORKER_STOPPED}') AS stopped, "
+        f"{times.seconds('now64(6)')} - {seen} AS silent_s, "
+        "stopped OR ifNull(silent_s > {gone_after_s:Float64}, 0) AS gone "
+        f"FROM {db}.workers AS w FINAL ORDER BY worker_id LIMIT 1000",
+        {"gone_after_s": gone_after_s},
     )
 
 
@@ -472,3 +542,47 @@ def lag_rows(
                 {"consumer": consumer, "topic": topic, "applied": done, "end": end_total, "lag": end_total - done}
             )
     return rows
+
+
+# -- dead letters ----------------------------------------------------------------------------------
+
+
+class DeadLetterFilter(BaseModel):
+    """The dead letters page's filters: one source topic (full name), how many of the newest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source_topic: str | None = Field(None, min_length=1, max_length=256)
+    limit: int = Field(50, ge=1, le=MAX_PAGE)
+
+    @field_validator("source_topic", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
+
+
+def dead_letters(database: str, f: DeadLetterFilter) -> dict[str, Query]:
+    """Dead letters counted by source topic, rejecting role and error type (most first, with the
+    newest reason of each), and the newest ones; the bytes stay on agl.dlq (`agl-stream dlq show`)."""
+    db = _db(database)
+    where, params = "", {}
+    if f.source_topic is not None:
+        where, params = "WHERE source_topic = {source_topic:String}", {"source_topic": f.source_topic}
+    return {
+        "counts": Query(
+            "SELECT source_topic, processor, error_type, count() AS n, "
+            f"{times.seconds('min(time)')} AS first_time, {times.seconds('max(time)')} AS last_time, "
+            f"argMax(reason, time) AS newest_reason FROM {db}.dead_letters FINAL {where} "
+            "GROUP BY source_topic, processor, error_type ORDER BY n DESC, last_time DESC LIMIT 1000",
+            dict(params),
+        ),
+        "newest": Query(
+            "SELECT concat(toString(kafka_partition), ':', toString(kafka_offset)) AS id, "
+            f"{times.select(('time',))}, source_topic, "
+            "source_partition, source_offset, processor, error_type, reason, key, value_size, value_kept "
+            f"FROM {db}.dead_letters FINAL {where} "
+            "ORDER BY time DESC, kafka_partition DESC, kafka_offset DESC LIMIT {limit:UInt32}",
+            {**params, "limit": f.limit},
+        ),
+        "total": Query(f"SELECT count() AS n FROM {db}.dead_letters FINAL {where}", dict(params)),
+    }

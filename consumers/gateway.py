@@ -440,7 +440,7 @@ class Gateway:
         """Migrate, then start from what sink_offsets says was applied before this process."""
         client = get_client(self.settings)
         try:
-            migrate(client, self.settings.clickhouse_database)
+            migrate(client, self.settings.clickhouse_database, ttl_days=self.settings.clickhouse_ttl_days)
             rows = client.query(
                 f"SELECT Topic, Partition, max(NextOffset) FROM {self.settings.clickhouse_database}.sink_offsets "
                 "GROUP BY Topic, Partition"

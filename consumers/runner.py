@@ -34,7 +34,8 @@ as an error). The counts are in the runner's summary line and
 (:func:`agl_stream.logs.describe`).
 
 Every ``heartbeat_interval_s`` it writes one heartbeat per live attempt (so the watchdog does
-not judge a slow agent unresponsive) and a worker record to ``agl.workers``.
+not judge a slow agent unresponsive) and a worker record to ``agl.workers``; on a clean stop its
+last worker record says it stopped (``WORKER_STOPPED`` in its heartbeat stats).
 
 SIGTERM/SIGINT: stop claiming, let live attempts finish for ``grace_s``, then release the rest:
 the rollout goes back to the queue (``requeuing``) and the attempt is recorded ``failed``, so
@@ -254,7 +255,8 @@ class Runner:
         try:
             await self.resources.start()
             await self.tracer.start()
-            beating = asyncio.create_task(self._beat(stop), name="agl-runner-heartbeat")
+            started = time.time()
+            beating = asyncio.create_task(self._beat(started), name="agl-runner-heartbeat")
             try:
                 await self._claim_until(stop)
                 await self._drain()
@@ -263,6 +265,7 @@ class Runner:
                 with contextlib.suppress(asyncio.CancelledError):
                     await beating
                 await self.tracer.close()
+            await self._last_beat(started)
         finally:
             await self.resources.stop()
             await self.store.close()
@@ -320,20 +323,27 @@ class Runner:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _beat(self, stop: asyncio.Event) -> None:
-        started = time.time()
+    def _heartbeat_stats(self, started: float) -> dict[str, Any]:
+        return {"live_attempts": len(self.live), "uptime_s": round(time.time() - started, 1)}
+
+    async def _beat(self, started: float) -> None:
         while True:
             try:
                 await self.store.beat(
-                    list(self.live),
-                    worker_id=self.options.worker_id,
-                    heartbeat_stats={"live_attempts": len(self.live), "uptime_s": round(time.time() - started, 1)},
+                    list(self.live), worker_id=self.options.worker_id, heartbeat_stats=self._heartbeat_stats(started)
                 )
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a missed beat is retried next interval; the watchdog is lenient
                 log.warning("heartbeat failed", error=describe(error))
             await asyncio.sleep(self.options.heartbeat_interval_s)  # the heartbeat's period, not a wait on state
+
+    async def _last_beat(self, started: float) -> None:
+        """A clean stop: the worker's last record says it stopped (the dashboard shows it gone)."""
+        try:
+            await self.store.last_beat(self.options.worker_id, self._heartbeat_stats(started))
+        except Exception as error:  # bookkeeping: the dashboard shows it gone once its heartbeat is old
+            log.warning("could not record the worker as stopped", error=describe(error))
 
     # -- one attempt -----------------------------------------------------------------------
 

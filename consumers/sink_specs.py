@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agl_stream.clickhouse import avro_ingest
+from agl_stream.clickhouse import avro_ingest, times
 from agl_stream.config import Settings
 from agl_stream.errors import MalformedRecordError
 from agl_stream.models import ResourcesUpdate
@@ -120,7 +120,8 @@ The store reads resources with their keys from the agl.resources topic."""
 
 
 def resources_row(update: ResourcesUpdate) -> dict[str, Any]:
-    """A resources row; ``resources`` is the JSON object ResourcesUpdate.resources validates."""
+    """A resources row; ``resources`` is the JSON object ResourcesUpdate.resources validates, the
+    times are DateTime64 microsecond ticks."""
     contents = update.model_dump(mode="json")["resources"]
     for resource in contents.values():
         if isinstance(resource, dict) and resource.get("api_key") is not None:
@@ -131,8 +132,8 @@ def resources_row(update: ResourcesUpdate) -> dict[str, Any]:
         raise MalformedRecordError(f"resources {update.resources_id} cannot be written as JSON: {exc}") from exc
     return {
         "resources_id": update.resources_id,
-        "create_time": update.create_time,
-        "update_time": update.update_time,
+        "create_time": times.micros(update.create_time),
+        "update_time": times.micros(update.update_time),
         "version": update.version,
         "resources": resources,
     }
@@ -190,7 +191,29 @@ TRAINER_STEPS = SinkSpec(
     ingest="trainer_steps",
     flush_ms=0,
 )
-SPECS: tuple[SinkSpec, ...] = (SPANS, ROLLOUT_STATE, RESOURCES, WORKERS, TRIPLETS, TRIPLET_BATCHES, TRAINER_STEPS)
+# Dead letters (agl.dlq), counted by reason and source in SQL and on the dashboard; their bytes
+# are not copied (infra/clickhouse/010_dead_letters.sql says why). A DLQ record the engine
+# refused would be dead-lettered to agl.dlq by this sink like any other: a new DlqRecord made by
+# the sink itself (its source topic agl.dlq), which is read back once, not in a loop.
+DEAD_LETTERS = SinkSpec(
+    "clickhouse-dead-letters",
+    "dlq",
+    "agl.DlqRecord",
+    (Target("dead_letters", "dead_letters.sql"),),
+    ingest="dead_letters",
+    batch_size=1000,  # a DLQ record holds up to 64 KiB of what it rejected
+    flush_ms=200,
+)
+SPECS: tuple[SinkSpec, ...] = (
+    SPANS,
+    ROLLOUT_STATE,
+    RESOURCES,
+    WORKERS,
+    TRIPLETS,
+    TRIPLET_BATCHES,
+    TRAINER_STEPS,
+    DEAD_LETTERS,
+)
 
 
 def ingest_ddl(

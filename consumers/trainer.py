@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
@@ -42,6 +42,9 @@ from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TrainerStep, TripletBatch
 from agl_stream.rl_options import TrainerOptions
 from agl_stream.wire.codec import Codec
+
+if TYPE_CHECKING:
+    from agl_stream.training.tracking import Tracking
 
 log = get_logger("agl.trainer")
 
@@ -119,6 +122,7 @@ class PolicyTrainer:
         self.progress = Progress.load(self.root)
         self.backend: Any = None
         self.stats = TrainerStats()
+        self.tracking: Tracking | None = None  # --track: each step to TensorBoard, W&B, MLflow
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -161,13 +165,18 @@ class PolicyTrainer:
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> TrainerStats:
+        from agl_stream.training.tracking import open_tracking
+
         await asyncio.to_thread(self._open_backend)
+        self.tracking = open_tracking(self.options)  # its backends start on a thread of their own
         try:
             async with Outbox.started(self.settings, PROCESSOR, self.codec) as outbox:
                 await self._consume(stop, outbox)
         finally:
             if self.backend is not None and hasattr(self.backend, "close"):
                 self.backend.close()  # releases the other ranks of a verl backend
+            if self.tracking is not None:
+                await asyncio.to_thread(self.tracking.close)
         log.info("trainer stopped", **{k: v for k, v in vars(self.stats).items() if k != "staleness"})
         return self.stats
 
@@ -287,7 +296,11 @@ class PolicyTrainer:
             metrics={k: float(v) for k, v in metrics.items()},
         )
         await outbox.send(self.settings.topic("trainer-metrics"), step, key=batch.batch_id)
-        self._write_metrics(metrics)
+        totals = self._write_metrics(metrics)
+        if self.tracking is not None:
+            from agl_stream.training.tracking import step_scalars
+
+            self.tracking.log(step_scalars(step, totals), step=step.policy_version)
         log.info(
             "trained",
             batch=batch.batch_id,
@@ -297,13 +310,13 @@ class PolicyTrainer:
             seconds=round(time.monotonic() - started, 2),
         )
 
-    def _write_metrics(self, last_step: dict[str, float]) -> None:
-        """``metrics.json`` beside the checkpoints: how busy the trainer is and how stale its data."""
+    def _write_metrics(self, last_step: dict[str, float]) -> dict[str, float]:
+        """``metrics.json`` beside the checkpoints: how busy the trainer is and how stale its data.
+        Returns its running totals (what tracking records under ``trainer/``)."""
         stats = self.stats
         busy = stats.busy_s / max(stats.busy_s + stats.idle_s, 1e-9)
         staleness = stats.staleness
-        body = {
-            "policy_version": self.progress.policy_version,
+        totals: dict[str, float] = {
             "trained_batches": stats.trained,
             "skipped_batches": stats.skipped,
             "tokens": stats.tokens,
@@ -312,11 +325,12 @@ class PolicyTrainer:
             "tokens_per_busy_s": stats.tokens / max(stats.busy_s, 1e-9),
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "staleness_max": max(staleness) if staleness else 0.0,
-            "last_step": last_step,
         }
+        body = {"policy_version": self.progress.policy_version, **totals, "last_step": last_step}
         tmp = self.root / ".metrics.json.tmp"
         tmp.write_text(json.dumps(body, indent=1))
         os.replace(tmp, self.root / "metrics.json")
+        return totals
 
     def _save_after(self, batch_id: str) -> None:
         # The checkpoint directory is complete before progress.json names it: a crash in

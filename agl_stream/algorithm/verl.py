@@ -17,7 +17,9 @@ last step, as the seed does) the validation set is enqueued once with mode ``val
 rollouts carry their mode into their triplet records, and the batcher refuses them (counted:
 ``batches.dropped_eval``), so validation is never trained on. Each validation's mean reward is
 read with SQL, printed, and kept in :attr:`VERL.validations`; per policy version it is in
-ClickHouse (``reward_by_mode_and_version``).
+ClickHouse (``reward_by_mode_and_version``). With ``trainer.logger`` naming experiment trackers,
+each validation is also recorded there (``val/...`` at the validated policy version, run
+``<experiment_name>-validation``), beside the trainer role's steps.
 
 Concurrency model: one ``run`` at a time per instance, on the Trainer run's event loop; at most
 one validation is in flight (a threshold crossed meanwhile starts the next when it ends).
@@ -33,7 +35,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl_stream.algorithm.base import Algorithm, MissingComponentError, RoleSpec, RunnerResources
 from agl_stream.algorithm.report import ModeReport, rewards_by_mode
@@ -54,7 +56,10 @@ from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.logs import get_logger
 from agl_stream.models import ProxyLLM, ResourcesUpdate
 from agl_stream.ports import free_ports
-from agl_stream.rl_options import BackendKind
+from agl_stream.rl_options import BackendKind, TrainerOptions
+
+if TYPE_CHECKING:
+    from agl_stream.training.tracking import Tracking
 
 log = get_logger("agl.algorithm.verl")
 
@@ -223,6 +228,7 @@ class VERL(Algorithm):
         self.validations, self.report = [], {}
         started = time.monotonic()
         run = _Run(self, store, plan, val, tag=f"verl-{uuid.uuid4().hex[:8]}")
+        run.tracking = _validation_tracking(config, plan)
         version = await run.first_version(self.startup_timeout_s)
         log.info("policy ready", version=version, proxy=plan.proxy_url, checkpoints=str(plan.checkpoints))
         try:
@@ -236,6 +242,8 @@ class VERL(Algorithm):
                 await run.last_validation()
         finally:
             await run.cancel()
+            if run.tracking is not None:
+                await asyncio.to_thread(run.tracking.close)
         self.report = await rewards_by_mode(store, run.rollout_ids)
         for mode, report in self.report.items():
             log.info(
@@ -271,6 +279,7 @@ class _Run:
         self.version = 0
         self.last_validated: int | None = None
         self.validation: asyncio.Task[Validation] | None = None
+        self.tracking: Tracking | None = None  # trainer.logger: each validation to the trackers
 
     async def first_version(self, timeout: float) -> int:
         """Wait for the policy snapshot this run's trainer publishes at start (it names this run's
@@ -397,6 +406,10 @@ class _Run:
             seconds=time.monotonic() - began,
         )
         self.algorithm.validations.append(result)
+        if self.tracking is not None:
+            from agl_stream.training.tracking import validation_scalars
+
+            self.tracking.log(validation_scalars(result), step=version)
         reward = "no reward" if result.mean_reward is None else f"mean reward {result.mean_reward:.3f}"
         ran = f"v{low}" if low == high else f"v{low}..v{high}"
         self.algorithm.say(
@@ -422,6 +435,22 @@ class _Run:
         rows = (await side.query(sql, {"ids": ids}, timeout=60.0)).rows
         low, high = rows[0] if rows else (None, None)
         return (None if low is None else int(low)), (None if high is None else int(high))
+
+
+def _validation_tracking(config: VerlConfig, plan: RolePlan) -> Tracking | None:
+    """The trackers ``trainer.logger`` names, for this run's validations (None: none named); the
+    same project, folder and run name as the trainer role's, the run suffixed ``-validation``."""
+    given = config.trainer_options
+    if not given.get("track"):
+        return None
+    from agl_stream.training.tracking import open_tracking  # imports torch: only when tracking
+
+    options = TrainerOptions(
+        checkpoints=plan.checkpoints,
+        model_name=plan.model_name,
+        **{k: v for k, v in given.items() if k in ("track", "track_project", "track_run")},
+    )
+    return open_tracking(options, run_suffix="-validation")
 
 
 def _serves(latest: ResourcesUpdate | None, proxy_url: str) -> bool:

@@ -36,6 +36,9 @@ threshold`` (a number)                          --off-policy-correction none, el
 ``trainer.test_freq``, ``val_before_train``,    when the validation set runs (every N policy
 ``val_only``                                    versions), mode "val": never trained on
 ``trainer.default_local_dir``                   the trainer's checkpoints (it resumes there)
+``trainer.logger`` (console, tensorboard,       experiment tracking: the trainer's --track (each
+wandb, mlflow), ``project_name``,               step) and the run's validations, in the same
+``experiment_name``                             project; docs/tracking.md
 ==============================================  ==============================================
 
 KL terms need a reference policy, which neither trainer backend has: ``use_kl_in_reward``,
@@ -58,7 +61,7 @@ from agl_stream.algorithm.base import RoleSpec
 from agl_stream.algorithm.datasets import epoch_orders
 from agl_stream.domain.adapter import AdapterConfig
 from agl_stream.errors import AlgorithmConfigError, ConfigError
-from agl_stream.rl_options import CRITIC_FREE_ESTIMATORS, LOSS_AGG_MODES, BackendKind
+from agl_stream.rl_options import CRITIC_FREE_ESTIMATORS, LOSS_AGG_MODES, TRACKERS, BackendKind
 
 InferenceEngine = Literal["cpu", "vllm"]
 
@@ -128,6 +131,19 @@ def _text(value: Any) -> str | None:
     return None if isinstance(value, str) and value else f"must be a non-empty string, got {value!r}"
 
 
+def _loggers(value: Any) -> str | None:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return f"must be a list of logger names, got {value!r}"
+    unknown = [n for n in names if n not in ("console", *TRACKERS)]
+    if unknown:
+        return (
+            f"{unknown} do not apply here: console, {', '.join(TRACKERS)} do (the trainer's --track); every step "
+            "is also an agl.trainer-metrics record (ClickHouse table trainer_steps)"
+        )
+    return None
+
+
 def _one_of(choices: Collection[str], why: str = "") -> Check:
     def check(value: Any) -> str | None:
         if value in choices:
@@ -168,6 +184,10 @@ APPLIED: dict[str, Check] = {
     "trainer.val_before_train": _bool,
     "trainer.val_only": _bool,
     "trainer.default_local_dir": _text,
+    # Experiment tracking (agl_stream.training.tracking): the trainer's steps, the run's validations.
+    "trainer.logger": _loggers,
+    "trainer.project_name": _text,
+    "trainer.experiment_name": _text,
     # Agent Lightning's trace aggregation: the triplet builder's --aggregation (trajectory merges
     # consecutive calls into one sample whose inserted tokens the trainer masks out of the loss).
     "agentlightning.trace_aggregator.level": _one_of(frozenset({"transition", "trajectory"})),
@@ -231,12 +251,6 @@ NOT_APPLICABLE: tuple[tuple[str, str], ...] = (
     ("reward_model", "rewards come from the agent's reward spans (emit_reward, or the rollout's return value)"),
     ("reward", "rewards come from the agent's reward spans (emit_reward, or the rollout's return value)"),
     ("custom_reward_function", "rewards come from the agent's reward spans (emit_reward, or the rollout's return)"),
-    (
-        "trainer.logger",
-        "training metrics are agl.trainer-metrics records (ClickHouse table trainer_steps): agl-stream sql",
-    ),
-    ("trainer.project_name", "runs are named by their rollouts and policy versions in ClickHouse"),
-    ("trainer.experiment_name", "runs are named by their rollouts and policy versions in ClickHouse"),
     ("trainer.n_gpus_per_node", "processes are placed per role: run the trainer role under torchrun for GPUs"),
     ("trainer.nnodes", "processes are placed per role: run the trainer role under torchrun for GPUs"),
     ("trainer.device", "processes are placed per role: run the trainer role under torchrun for GPUs"),
@@ -396,6 +410,13 @@ def _config_of(applied: Mapping[str, Any]) -> VerlConfig:
         ("data.max_response_length", "max_response_length"),
     ):
         if applied.get(key) is not None:
+            trainer_options[option] = applied[key]
+    logger = applied.get("trainer.logger", ())
+    trackers = [name for name in ([logger] if isinstance(logger, str) else logger) if name != "console"]
+    if trackers:
+        trainer_options["track"] = ",".join(trackers)
+    for key, option in (("trainer.project_name", "track_project"), ("trainer.experiment_name", "track_run")):
+        if key in applied:
             trainer_options[option] = applied[key]
     if f"{_CORRECTION}rollout_is" in applied:
         level = applied[f"{_CORRECTION}rollout_is"]

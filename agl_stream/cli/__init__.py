@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from agl_stream.cli.context import settings_of
-from agl_stream.config import load_settings
+from agl_stream.cli.context import AglGroup, SettingsRequest, settings_of
 from agl_stream.errors import AglError
-from agl_stream.logs import configure_logging, get_logger
 
 ROLE_COMMANDS = frozenset(
     {
@@ -29,11 +26,12 @@ ROLE_COMMANDS = frozenset(
         "llm-proxy",
     }
 )
-"""Sub-commands that run a role: each logs a line as it starts, before its heavy imports (torch,
-vLLM, chDB: tens of seconds on a busy machine), so a slow start never looks like a hang."""
+"""Sub-commands that run a role: each logs a line as it starts, before its heavy imports
+(:attr:`SettingsRequest.role`)."""
 
 app = typer.Typer(
     name="agl-stream",
+    cls=AglGroup,
     help=(
         "Agent Lightning as an event-sourced pipeline over Apache Kafka.\n\n"
         "Every setting can also come from an AGL_* environment variable (see the README's "
@@ -73,22 +71,19 @@ def _root(
         if not sep:
             raise typer.BadParameter(f"--set expects NAME=VALUE, got {item!r}")
         extra[name.strip().lower().removeprefix("agl_")] = value
-    try:
-        named = {
-            "data_dir": data_dir,
-            "kafka_bootstrap": bootstrap,
-            "topic_prefix": topic_prefix,
-            "clickhouse_url": clickhouse_url,
-            "log_level": log_level,
-            "log_format": log_format,
-        }
-        settings = load_settings(**{**extra, **{k: v for k, v in named.items() if v is not None}})
-    except Exception as exc:  # pydantic's ValidationError lists every bad field
-        raise typer.BadParameter(str(exc)) from exc
-    configure_logging(settings.log_level, settings.log_format)
-    ctx.obj = settings
-    if ctx.invoked_subcommand in ROLE_COMMANDS:
-        get_logger("agl.cli").info("starting; loading its libraries", role=ctx.invoked_subcommand, pid=os.getpid())
+    named = {
+        "data_dir": data_dir,
+        "kafka_bootstrap": bootstrap,
+        "topic_prefix": topic_prefix,
+        "clickhouse_url": clickhouse_url,
+        "log_level": log_level,
+        "log_format": log_format,
+    }
+    # Built (and logging configured) when the command runs: `agl-stream <command> --help` needs neither.
+    ctx.obj = SettingsRequest(
+        overrides={**extra, **{k: v for k, v in named.items() if v is not None}},
+        role=ctx.invoked_subcommand if ctx.invoked_subcommand in ROLE_COMMANDS else None,
+    )
 
 
 def _register() -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agl_stream.domain.adapter import AdapterConfig
+if TYPE_CHECKING:
+    from agl_stream.domain.adapter import AdapterConfig
 
 LlmCallMatch = Annotated[
     str | None, typer.Option(help="Regex on span names that marks LLM calls (default: the openai spans).")
@@ -36,6 +37,8 @@ def adapter_config(
     aggregation: str = "transition",
 ) -> AdapterConfig:
     """The AdapterConfig the options say (its defaults where they say nothing); a bad value is a usage error."""
+    from agl_stream.domain.adapter import AdapterConfig
+
     options: dict[str, object] = {
         "agent_match": agent_match,
         "reward_match": reward_match,

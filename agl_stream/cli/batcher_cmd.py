@@ -12,9 +12,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from agl_stream import metrics
 from agl_stream.cli.context import settings_of
-from agl_stream.domain.batching import DEFAULT_MAX_STALENESS, BatchPolicy
+
+# BatchPolicy's max_staleness default (agl_stream/domain/batching.py loads the models: not at --help);
+# tests/unit/test_batching.py keeps every default of the command equal to the policy's.
+DEFAULT_MAX_STALENESS = 4
 
 
 class OnStale(str, Enum):
@@ -120,6 +122,8 @@ def batcher(
     A replay (agl-stream replay NAME) is batched with --input-topic <prefix>.triplets.replay.NAME
     --output-topic <prefix>.triplet-batches.replay.NAME (its own consumer group).
     """
+    from agl_stream.domain.batching import BatchPolicy
+
     try:
         policy = BatchPolicy(
             max_rollouts=max_rollouts,
@@ -134,6 +138,7 @@ def batcher(
         )
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
+    from agl_stream import metrics
     from processors import batcher
 
     settings = settings_of(ctx)

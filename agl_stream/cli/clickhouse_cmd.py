@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
 
+from agl_stream.cli import output
 from agl_stream.cli.context import settings_of
-from agl_stream.clickhouse.access import apply_reader_role, reader_name
-from agl_stream.clickhouse.client import get_client
-from agl_stream.clickhouse.migrations import migrate
 
 clickhouse_app = typer.Typer(no_args_is_help=True)
-console = Console()
 
 
 @clickhouse_app.command("migrate")
 def migrate_cmd(ctx: typer.Context) -> None:
-    """Apply pending DDL migrations from infra/clickhouse (idempotent).
+    """Apply pending DDL migrations from infra/clickhouse (idempotent), then the retention
+    setting clickhouse_ttl_days (0: keep forever; see docs/retention.md).
 
     With the embedded engine this process must be the only one that has the data dir open:
     stop the sink / gateway first.
     """
+    from agl_stream.clickhouse.access import apply_reader_role, reader_name
+    from agl_stream.clickhouse.client import get_client
+    from agl_stream.clickhouse.migrations import migrate
+
+    console = output.console()
     settings = settings_of(ctx)
     client = get_client(settings)
     try:
-        applied = migrate(client, settings.clickhouse_database)
+        applied = migrate(client, settings.clickhouse_database, ttl_days=settings.clickhouse_ttl_days)
     finally:
         client.close()
     if not applied:

@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
+from agl_stream.cli import output
 from agl_stream.cli.context import settings_of
-from agl_stream.clickhouse.client import get_client
-from agl_stream.config import Settings
-from agl_stream.kafka import admin, broker
-from agl_stream.kafka.offsets import wait_for_group
-from agl_stream.local import stack
-from agl_stream.local.processes import start_role, stop_role
 
-console = Console()
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from agl_stream.config import Settings
 
 SMOKE_QUERIES = {
     "spans per name": (
@@ -41,7 +37,9 @@ SMOKE_QUERIES = {
 }
 
 
-def _progress() -> Progress:
+def _progress(console: Console) -> Progress:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -52,7 +50,10 @@ def _progress() -> Progress:
     )
 
 
-async def _smoke(settings: Settings, spans: int) -> float:
+async def _smoke(settings: Settings, spans: int, console: Console) -> float:
+    from agl_stream.kafka import admin
+    from agl_stream.kafka.offsets import wait_for_group
+    from agl_stream.local.processes import start_role, stop_role
     from consumers.sink_specs import SPANS
     from producers import synthetic_spans as synthetic
 
@@ -61,7 +62,7 @@ async def _smoke(settings: Settings, spans: int) -> float:
     sink = start_role(settings, "sink", log_path=settings.data_dir / "logs" / "sink.log")
     started = time.monotonic()
     try:
-        with _progress() as progress:
+        with _progress(console) as progress:
             produced = progress.add_task("produce spans", total=spans, rate="")
             sunk = progress.add_task("sink into ClickHouse", total=spans, rate="")
 
@@ -81,7 +82,9 @@ async def _smoke(settings: Settings, spans: int) -> float:
             console.print(f"[red]the sink exited with an error; see {settings.data_dir / 'logs' / 'sink.log'}[/]")
 
 
-def _show_results(settings: Settings) -> None:
+def _show_results(settings: Settings, console: Console) -> None:
+    from agl_stream.clickhouse.client import get_client
+
     client = get_client(settings, readonly=True)
     db = settings.clickhouse_database
     try:
@@ -90,11 +93,11 @@ def _show_results(settings: Settings) -> None:
         console.print(f"\n[bold]otel_traces:[/] {total} spans from {rollouts} rollouts\n")
         for title, sql in SMOKE_QUERIES.items():
             result = client.query(sql.format(db=db))
-            table = Table(*result.column_names, title=title)
+            table = output.new_table(*result.column_names, title=title)
             for row in result.result_rows:
-                table.add_row(*(str(v) for v in row))
+                table.add_row(*(output.cell(v) for v in row))
             console.print(f"[dim]{sql.format(db=db)}[/]")
-            console.print(table)
+            output.show(table, console)
     finally:
         client.close()
 
@@ -119,10 +122,12 @@ def demo(
     stops everything it started.
     """
     settings = settings_of(ctx)
+    console = output.console()
     if smoke:
-        _run_smoke(settings, spans, keep_broker)
+        _run_smoke(settings, spans, keep_broker, console)
         return
     from agl_stream.demo import loop
+    from agl_stream.local import stack
 
     # A fresh topic prefix per run: the loop starts from random weights and empty topics.
     run = f"demo{int(time.time())}"
@@ -140,7 +145,9 @@ def demo(
         console.print(f"dashboard: [bold]{url or 'the gateway did not answer'}[/]")
 
 
-def _run_smoke(settings: Settings, spans: int, keep_broker: bool) -> None:
+def _run_smoke(settings: Settings, spans: int, keep_broker: bool, console: Console) -> None:
+    from agl_stream.kafka import broker
+
     started_broker = False
     if settings.uses_local_broker:
         info = broker.start(settings)
@@ -149,9 +156,9 @@ def _run_smoke(settings: Settings, spans: int, keep_broker: bool) -> None:
     else:
         console.print(f"broker: using {settings.bootstrap_servers} (AGL_KAFKA_BOOTSTRAP)")
     try:
-        elapsed = asyncio.run(_smoke(settings, spans))
+        elapsed = asyncio.run(_smoke(settings, spans, console))
         console.print(f"{spans:,} spans produced and sunk in {elapsed:.1f}s ({spans / elapsed:,.0f} spans/s)")
-        _show_results(settings)
+        _show_results(settings, console)
     finally:
         if started_broker and not keep_broker:
             broker.stop(settings)

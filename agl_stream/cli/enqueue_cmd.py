@@ -28,46 +28,24 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Annotated, Optional
+from typing import IO, TYPE_CHECKING, Annotated, Optional
 
 import typer
-from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
-from aiokafka.structs import RecordMetadata
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.text import Text
 
+from agl_stream.cli import output
 from agl_stream.cli.context import settings_of
-from agl_stream.config import Settings
-from agl_stream.domain.ingress import (
-    HeldRequest,
-    IngressLimits,
-    RecentRequests,
-    TaskRequestError,
-    classify,
-    held_from_rows,
-    request_from_line,
-    rollout_id_for,
-    stored_for,
-    stored_rollouts_query,
-)
 from agl_stream.errors import AglError
-from agl_stream.kafka.io import make_producer
-from agl_stream.local.stack import local_stack_settings
-from agl_stream.logs import describe
-from agl_stream.models import TaskRequest
-from agl_stream.store.readside import ReadSide, read_side_for
-from agl_stream.wire.codec import Codec
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.structs import RecordMetadata
+    from rich.console import Console
+    from rich.progress import Progress, ProgressColumn, TaskID
+
+    from agl_stream.config import Settings
+    from agl_stream.domain.ingress import HeldRequest
+    from agl_stream.models import TaskRequest
+    from agl_stream.store.readside import ReadSide
 
 EXIT_REFUSED = 3
 EXIT_INTERRUPTED = 130
@@ -82,10 +60,17 @@ class EnqueueFailedError(AglError):
     """Kafka could not be reached, or did not acknowledge a request (the message says which)."""
 
 
-class _RateColumn(ProgressColumn):
-    def render(self, task: Task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text("-- req/s" if speed is None else f"{speed:,.0f} req/s", style="progress.data.speed")
+def _rate_column() -> ProgressColumn:
+    """Requests acknowledged per second, for the progress bar."""
+    from rich.progress import ProgressColumn, Task
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("-- req/s" if speed is None else f"{speed:,.0f} req/s", style="progress.data.speed")
+
+    return RateColumn()
 
 
 @dataclass
@@ -132,6 +117,9 @@ class _Run:
         bar: TaskID,
         ids_out: IO[str] | None,
     ) -> None:
+        from agl_stream.domain.ingress import RecentRequests
+        from agl_stream.wire.codec import Codec
+
         self.settings = settings
         self.producer = producer
         self.summary = summary
@@ -149,6 +137,10 @@ class _Run:
         self.progress.advance(self.bar)
 
     async def _stored(self, batch: list[_Pending]) -> dict[str, HeldRequest]:
+        from agl_stream.domain.ingress import held_from_rows, stored_rollouts_query
+        from agl_stream.logs import describe
+        from agl_stream.store.readside import read_side_for
+
         if self.summary.unchecked is not None:
             return {}  # asked once and failed: no wait per batch
         request_ids = [p.request.request_id for p in batch]
@@ -165,6 +157,10 @@ class _Run:
 
     async def flush(self, batch: list[_Pending]) -> None:
         """Classify the batch, send its new requests and wait until the broker took them all."""
+        from aiokafka.errors import KafkaError
+
+        from agl_stream.domain.ingress import HeldRequest, TaskRequestError, classify, rollout_id_for, stored_for
+
         stored = await self._stored(batch)
         futures: list[asyncio.Future[RecordMetadata]] = []
         sent: list[_Pending] = []
@@ -228,6 +224,10 @@ def _on_first_interrupt() -> asyncio.Event:
 
 async def _started_producer(settings: Settings) -> AIOKafkaProducer:
     """A started producer, or EnqueueFailedError saying which bootstrap did not answer."""
+    from aiokafka.errors import KafkaError
+
+    from agl_stream.kafka.io import make_producer
+
     producer = make_producer(settings)
     client_log = logging.getLogger("aiokafka")
     level = client_log.level
@@ -257,7 +257,11 @@ async def enqueue_file(
 ) -> EnqueueSummary:
     """Send every valid, new line of ``path`` as a TaskRequest keyed by its request id; wait for
     the acks. ``summary`` (filled in as the run goes) says what was done even when it fails."""
-    console = console or Console(stderr=True)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agl_stream.domain.ingress import IngressLimits, TaskRequestError, request_from_line
+
+    console = console or output.console(stderr=True)
     limits = IngressLimits.of(settings)
     summary = summary if summary is not None else EnqueueSummary()
     # Ctrl-C ends the run between batches (EnqueueInterrupted), so the summary counts exactly
@@ -275,7 +279,7 @@ async def enqueue_file(
                 TextColumn("[bold]enqueue[/bold]"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                _RateColumn(),
+                _rate_column(),
                 TimeElapsedColumn(),
                 console=console,
                 transient=False,
@@ -338,6 +342,10 @@ def enqueue(
 
     Example: agl-stream enqueue --file tasks.jsonl
     """
+    from rich.console import Console
+
+    from agl_stream.local.stack import local_stack_settings
+
     settings = local_stack_settings(settings_of(ctx))
     out = Console(soft_wrap=True)  # the summary is read by scripts too: no line breaks inside it
     topic = settings.topic("task-requests")

@@ -10,7 +10,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 
 
@@ -33,6 +32,7 @@ def gateway(
     overrides = {k: v for k, v in {"gateway_host": host, "gateway_port": port}.items() if v is not None}
     if overrides:
         settings = settings.model_copy(update=overrides)
+    from agl_stream import metrics
     from consumers import gateway
 
     metrics.set_role("gateway")  # served on its own app, at /metrics

@@ -12,8 +12,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from agl_stream import metrics
-from agl_stream.auth import listener_token
 from agl_stream.cli.context import settings_of
 
 
@@ -96,6 +94,8 @@ def inference(
     Example: agl-stream inference --port 8000 --model-name agl-tiny
     Example: agl-stream inference --engine vllm --model ./qwen --model-name qwen --vllm-arg=--gpu-memory-utilization=0.5
     """
+    from agl_stream.auth import listener_token
+
     settings = settings_of(ctx)
     if engine not in ("cpu", "vllm"):
         raise typer.BadParameter(f"unknown engine {engine!r}: cpu or vllm", param_hint="--engine")
@@ -129,6 +129,7 @@ def inference(
             token,
         )
         return
+    from agl_stream import metrics
     from consumers import inference
 
     metrics.set_role("inference")  # served on its own app, at /metrics

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from agl_stream import metrics
 from agl_stream.cli.context import settings_of
-from agl_stream.local.stack import local_stack_settings
 
 
 def ingress(ctx: typer.Context) -> None:
@@ -24,6 +22,8 @@ def ingress(ctx: typer.Context) -> None:
     more to share the partitions.
     Limits: --set ingress_max_input_bytes=N, --set ingress_max_metadata_bytes=N.
     """
+    from agl_stream import metrics
+    from agl_stream.local.stack import local_stack_settings
     from processors import ingress
 
     settings = local_stack_settings(settings_of(ctx))

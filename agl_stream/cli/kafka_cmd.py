@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
+from agl_stream.cli import output
 from agl_stream.cli.context import settings_of
-from agl_stream.config import Settings
-from agl_stream.kafka import broker
-from agl_stream.kafka.jars import ensure_jars
+
+if TYPE_CHECKING:
+    from agl_stream.config import Settings
+    from agl_stream.kafka.broker import BrokerStatus
 
 kafka_app = typer.Typer(
     help=(
@@ -21,8 +21,6 @@ kafka_app = typer.Typer(
     ),
     no_args_is_help=True,
 )
-
-_console = Console()
 
 
 def _with_overrides(settings: Settings, **overrides: Any) -> Settings:
@@ -35,9 +33,11 @@ def _with_overrides(settings: Settings, **overrides: Any) -> Settings:
 @kafka_app.command("jars")
 def jars(ctx: typer.Context) -> None:
     """Fetch the Kafka server jars from Maven Central into the cache (once; `start` does it too)."""
+    from agl_stream.kafka.jars import ensure_jars
+
     settings = settings_of(ctx)
     libs = ensure_jars(settings)
-    _console.print(f"Kafka jars ready in [bold]{libs}[/bold]")
+    output.console().print(f"Kafka jars ready in [bold]{libs}[/bold]")
 
 
 @kafka_app.command("start")
@@ -73,12 +73,15 @@ def start(
     wait: Annotated[float, typer.Option(help="Seconds to wait for the broker to answer before giving up.")] = 60.0,
 ) -> None:
     """Start the broker (or every node not running) in the background and wait until all answer."""
+    from agl_stream.kafka import broker
+
+    console = output.console()
     settings = _with_overrides(
         settings_of(ctx), kafka_port=port, kafka_controller_port=controller_port, kafka_heap=heap, kafka_brokers=brokers
     )
     info = broker.start(settings, wait_timeout=wait)
     if info.external:
-        _console.print(
+        console.print(
             f"Using the existing cluster [bold]{info.bootstrap}[/bold] "
             "(AGL_KAFKA_BOOTSTRAP is set); no local broker started."
         )
@@ -86,11 +89,11 @@ def start(
     verb = f"started in {info.seconds:.1f} s" if info.started else "already running"
     if len(info.pids) > 1:
         pids = ", ".join(f"node {node} pid {pid}" for node, pid in sorted(info.pids.items()))
-        _console.print(f"Kafka cluster of {len(info.pids)} {verb}: bootstrap [bold]{info.bootstrap}[/bold]")
-        _console.print(f"  {pids}\n  data {info.data_dir}")
+        console.print(f"Kafka cluster of {len(info.pids)} {verb}: bootstrap [bold]{info.bootstrap}[/bold]")
+        console.print(f"  {pids}\n  data {info.data_dir}")
         return
-    _console.print(f"Kafka broker {verb}: bootstrap [bold]{info.bootstrap}[/bold], pid {info.pid}")
-    _console.print(f"  data {info.data_dir}\n  log  {info.log_file}")
+    console.print(f"Kafka broker {verb}: bootstrap [bold]{info.bootstrap}[/bold], pid {info.pid}")
+    console.print(f"  data {info.data_dir}\n  log  {info.log_file}")
 
 
 @kafka_app.command("stop")
@@ -104,28 +107,34 @@ def stop(
     kill: Annotated[bool, typer.Option(help="With --node: SIGKILL it at once, as a crash would.")] = False,
 ) -> None:
     """Stop the broker of this data dir (clean shutdown, SIGKILL after --timeout)."""
+    from agl_stream.kafka import broker
+
+    console = output.console()
     settings = settings_of(ctx)
     if node is not None:
         pid = broker.stop_node(settings, node, kill=kill, timeout=timeout)
         how = "killed" if kill else "stopped"
-        _console.print(f"Kafka node {node} {how} (pid {pid})." if pid else f"Kafka node {node} was not running.")
+        console.print(f"Kafka node {node} {how} (pid {pid})." if pid else f"Kafka node {node} was not running.")
         return
     if kill:
         raise typer.BadParameter("--kill needs --node (the whole cluster stops cleanly)", param_hint="--kill")
     if broker.stop(settings, timeout=timeout):
-        _console.print(f"Kafka broker stopped ({settings.kafka_dir}).")
+        console.print(f"Kafka broker stopped ({settings.kafka_dir}).")
     else:
-        _console.print(f"No Kafka broker was running for {settings.kafka_dir}.")
+        console.print(f"No Kafka broker was running for {settings.kafka_dir}.")
 
 
 @kafka_app.command("status")
 def status(ctx: typer.Context) -> None:
     """Show whether the broker (each node) of this data dir runs and answers; exit code 1 if one doesn't run."""
+    from agl_stream.kafka import broker
+
+    console = output.console()
     settings = settings_of(ctx)
     nodes = broker.nodes_status(settings)
     state = broker.status(settings)
     if settings.kafka_bootstrap is not None:
-        _console.print(
+        console.print(
             f"Clients use the existing cluster {settings.kafka_bootstrap} (AGL_KAFKA_BOOTSTRAP); "
             "below is the local broker only."
         )
@@ -133,21 +142,28 @@ def status(ctx: typer.Context) -> None:
         _cluster_status(settings, nodes)
         return
     if not state.running:
-        _console.print(f"Kafka broker: [red]not running[/red] ({state.data_dir})")
+        console.print(f"Kafka broker: [red]not running[/red] ({state.data_dir})")
         raise typer.Exit(1)
     answer = "[green]answering[/green]" if state.answering else "[yellow]not answering yet[/yellow]"
-    _console.print(f"Kafka broker: [green]running[/green], {answer}")
-    _console.print(
+    console.print(f"Kafka broker: [green]running[/green], {answer}")
+    console.print(
         f"  bootstrap {state.bootstrap}\n  pid       {state.pid}\n"
         f"  data      {state.data_dir}\n  log       {state.log_file}"
     )
 
 
-def _cluster_status(settings: Settings, nodes: list[broker.BrokerStatus]) -> None:
+def _cluster_status(settings: Settings, nodes: list[BrokerStatus]) -> None:
+    from agl_stream.kafka import broker
+
     controller = broker.active_controller(settings)
-    table = Table(title=f"Local Kafka cluster of {len(nodes)} (active controller: node {controller or '-'})")
-    for column in ("node", "state", "bootstrap", "pid", "log"):
-        table.add_column(column)
+    table = output.new_table(
+        "node",
+        "state",
+        "bootstrap",
+        "pid",
+        "log",
+        title=f"Local Kafka cluster of {len(nodes)} (active controller: node {controller or '-'})",
+    )
     for node in nodes:
         state = (
             "[green]answering[/green]"
@@ -155,6 +171,6 @@ def _cluster_status(settings: Settings, nodes: list[broker.BrokerStatus]) -> Non
             else ("[yellow]not answering[/yellow]" if node.running else "[red]not running[/red]")
         )
         table.add_row(str(node.node_id), state, node.bootstrap, str(node.pid or "-"), str(node.log_file))
-    _console.print(table)
+    output.show(table)
     if not all(node.running for node in nodes):
         raise typer.Exit(1)  # a degraded cluster fails the check too

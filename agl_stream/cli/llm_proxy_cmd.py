@@ -12,7 +12,6 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from agl_stream import metrics
 from agl_stream.cli.context import settings_of
 
 
@@ -122,6 +121,7 @@ def llm_proxy(
 
     Example: agl-stream llm-proxy --backend Qwen/Qwen2.5-0.5B-Instruct=http://127.0.0.1:8000/v1
     """
+    from agl_stream import metrics
     from agl_stream.local.stack import local_stack_settings
     from producers import llm_proxy
 

@@ -10,9 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from agl_stream import metrics
 from agl_stream.cli.context import settings_of
-from agl_stream.local.stack import local_stack_settings
 
 
 def otlp_kafka(
@@ -40,10 +38,13 @@ def otlp_kafka(
     """
     if encoding not in ("otlp_proto", "otlp_json"):
         raise typer.BadParameter("otlp_proto or otlp_json", param_hint="--encoding")
+    from agl_stream.local.stack import local_stack_settings
+
     settings = local_stack_settings(settings_of(ctx))
     overrides = {k: v for k, v in {"otlp_kafka_topic": topic, "otlp_kafka_group": group}.items() if v is not None}
     if overrides:
         settings = settings.model_copy(update=overrides)
+    from agl_stream import metrics
     from consumers import otlp_kafka
 
     with metrics.expose(settings, "otlp-kafka"):

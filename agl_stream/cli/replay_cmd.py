@@ -6,9 +6,8 @@ import asyncio
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from agl_stream.cli import output
 from agl_stream.cli.adapter_options import (
     AgentMatch,
     AggregationOption,
@@ -74,6 +73,15 @@ def replay(
 
     Example: agl-stream replay exp1 --from-time 2026-01-01T00:00 --reward my_rewards:strict
     """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
     from agl_stream.domain.replay import ReplaySettings, Selection, batches_topic_of, parse_offset_ranges, parse_time
 
     # The shell is a writer role (producers/), loaded by name like every role.
@@ -93,7 +101,7 @@ def replay(
     except (ValueError, AglError) as error:
         raise typer.BadParameter(str(error)) from error
 
-    console = Console(stderr=True)
+    console = output.console(stderr=True)
     columns = (
         TextColumn("[bold]replay {task.fields[name]}"),
         BarColumn(),
@@ -125,7 +133,7 @@ def replay(
             console.print(f"[red]replay failed:[/red] {error}")
             raise typer.Exit(1) from error
 
-    out = Console()
+    out = output.console()
     out.print(f"topic          {summary.topic}")
     out.print(f"ranges         {', '.join(f'{p}:{lo}-{hi}' for p, (lo, hi) in summary.ranges.items()) or '-'}")
     out.print(f"spans          {summary.spans:,} read in {summary.read_s:.2f}s ({summary.spans_per_s:,.0f} spans/s)")

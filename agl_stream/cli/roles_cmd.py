@@ -8,11 +8,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agl_stream import metrics
 from agl_stream.cli.adapter_options import (
     AgentMatch,
     AggregationOption,
@@ -22,8 +21,9 @@ from agl_stream.cli.adapter_options import (
     adapter_config,
 )
 from agl_stream.cli.context import settings_of
-from agl_stream.config import Settings
-from agl_stream.local.processes import role_environment
+
+if TYPE_CHECKING:
+    from agl_stream.config import Settings
 
 
 def sink(
@@ -37,6 +37,7 @@ def sink(
 
     With the embedded engine this process owns the ClickHouse data dir.
     """
+    from agl_stream import metrics
     from consumers import clickhouse_sink
 
     settings = settings_of(ctx)
@@ -58,6 +59,7 @@ def processor(
     settings = settings_of(ctx)
     overrides = {"watchdog_interval_s": watchdog_interval, "finished_retention_s": finished_retention}
     settings = settings.model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    from agl_stream import metrics
     from processors import rollouts
 
     with metrics.expose(settings, "processor"):
@@ -141,6 +143,7 @@ def runner(
         child_args += ["--resources", resources]
         _supervise_runners(settings, workers, child_args)
         return
+    from agl_stream import metrics
     from consumers import runner
 
     options = runner.RunnerOptions(
@@ -171,6 +174,8 @@ def runner(
 
 def _supervise_runners(settings: Settings, workers: int, child_args: list[str]) -> None:
     """Start ``workers`` single-process runners with the same options; forward SIGTERM/SIGINT to them."""
+    from agl_stream.local.processes import role_environment
+
     env = role_environment(settings, "runner")
     children = [
         subprocess.Popen([sys.executable, "-m", "agl_stream", "runner", *child_args, "--workers", "1"], env=env)
@@ -202,6 +207,7 @@ def triplets(
 ) -> None:
     """Run the triplet builder: each finished attempt's spans -> one record of triplets on agl.triplets."""
     adapter = adapter_config(llm_call_match, agent_match, reward_match, exclude_llm_call_in_reward, aggregation)
+    from agl_stream import metrics
     from processors import triplets
 
     settings = settings_of(ctx)

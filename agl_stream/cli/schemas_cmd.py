@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from agl_stream.resources import resource_path
-from agl_stream.wire.contract import HISTORY_DIRNAME, Contract
+if TYPE_CHECKING:
+    from agl_stream.wire.contract import Contract
 
 schemas_app = typer.Typer(no_args_is_help=True)
 
@@ -23,6 +23,9 @@ HistoryDir = Annotated[
 
 
 def _load(schemas_dir: Path | None, history_dir: Path | None) -> tuple[Contract, Path]:
+    from agl_stream.resources import resource_path
+    from agl_stream.wire.contract import HISTORY_DIRNAME, Contract
+
     schemas = schemas_dir if schemas_dir is not None else resource_path("schemas")
     history = history_dir if history_dir is not None else schemas / HISTORY_DIRNAME
     return Contract.load(schemas, history), history
@@ -85,3 +88,41 @@ def show(
         f"{schema.name}: fingerprint {schema.fingerprint_hex}, single-object header {schema.header.hex(' ')}",
         err=True,
     )
+
+
+@schemas_app.command("export")
+def export(
+    out_dir: Annotated[Path, typer.Option("--dir", help="Folder to write the .avsc files to (made if missing).")],
+    schemas_dir: SchemasDir = None,
+    history_dir: HistoryDir = None,
+) -> None:
+    """Write every schema as a self-contained .avsc file, for tools other than agl-stream.
+
+    <dir>/<Name>.avsc is each current schema; <dir>/by-header/<header>.avsc is every known
+    version (current and snapshots) named by its single-object header in hex (c301 and the
+    fingerprint, the first 10 bytes of every record written with it), so the writer schema of a
+    record is the file named by `od -An -tx1 -N10 record.bin | tr -d ' \\n'`; <dir>/schemas.json
+    lists them. A record's Avro body is what follows those 10 bytes (docs/dlq.md).
+    """
+    import json
+
+    contract, _ = _load(schemas_dir, history_dir)
+    (out_dir / "by-header").mkdir(parents=True, exist_ok=True)
+    index = []
+    for schema in contract.current.values():
+        (out_dir / f"{schema.short_name}.avsc").write_text(schema.to_json())
+    for fingerprint, schema in sorted(contract.known.items(), key=lambda kv: (kv[1].name, kv[0])):
+        header = schema.header.hex()
+        (out_dir / "by-header" / f"{header}.avsc").write_text(schema.to_json())
+        current = contract.current.get(schema.name)
+        index.append(
+            {
+                "name": schema.name,
+                "fingerprint": schema.fingerprint_hex,
+                "header": header,
+                "file": f"by-header/{header}.avsc",
+                "current": current is not None and current.fingerprint == fingerprint,
+            }
+        )
+    (out_dir / "schemas.json").write_text(json.dumps(index, indent=2) + "\n")
+    typer.echo(f"wrote {len(contract.current)} current schemas and {len(index)} versions by header to {out_dir}")

@@ -6,19 +6,32 @@ import asyncio
 import csv
 import enum
 import json
+import re
 import sys
-from typing import Annotated
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated
 
-import httpx
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from agl_stream.auth import auth_headers
+from agl_stream.cli import output
 from agl_stream.cli.context import settings_of
-from agl_stream.config import Settings
 from agl_stream.errors import AglError, GatewayUnavailableError, QueryError
-from agl_stream.store.readside import ClickHouseReadSide, GatewayReadSide, QueryResult, read_side_for
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from agl_stream.config import Settings
+    from agl_stream.store.readside import QueryResult
+
+
+# A datetime as the gateway's JSON carries it (Python's isoformat): shown in the CLI's one format.
+_ISO_DATETIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?([+-]\d{2}:\d{2})?")
+
+
+def _table_value(value: object) -> object:
+    if isinstance(value, str) and _ISO_DATETIME.fullmatch(value):
+        return datetime.fromisoformat(value)
+    return value
 
 
 class OutputFormat(str, enum.Enum):
@@ -28,6 +41,9 @@ class OutputFormat(str, enum.Enum):
 
 
 async def _run(settings: Settings, sql: str, timeout: float) -> QueryResult:
+    from agl_stream.auth import auth_headers
+    from agl_stream.store.readside import ClickHouseReadSide, GatewayReadSide, read_side_for
+
     side = read_side_for(settings)
     try:
         if isinstance(side, GatewayReadSide):
@@ -41,6 +57,10 @@ async def _run(settings: Settings, sql: str, timeout: float) -> QueryResult:
 
 async def _via_gateway(url: str, sql: str, timeout: float, headers: dict[str, str]) -> QueryResult:
     """The gateway's ``/v1/sql``: the same checks and limits as every analytics client."""
+    import httpx
+
+    from agl_stream.store.readside import QueryResult
+
     async with httpx.AsyncClient(headers=headers) as client:
         try:
             response = await client.post(
@@ -66,6 +86,7 @@ def _on_server(settings: Settings, sql: str, timeout: float) -> QueryResult:
     from clickhouse_connect.driver.exceptions import DatabaseError
 
     from agl_stream.clickhouse.client import get_client
+    from agl_stream.store.readside import QueryResult
 
     client = get_client(
         settings,
@@ -85,20 +106,21 @@ def _on_server(settings: Settings, sql: str, timeout: float) -> QueryResult:
     return QueryResult(list(result.column_names), [list(row) for row in result.result_rows])
 
 
-def render(result: QueryResult, output: OutputFormat, console: Console) -> None:
-    """Print a result as a rich table, CSV (header first) or JSON lines (one object per row)."""
-    if output is OutputFormat.csv:
+def render(result: QueryResult, fmt: OutputFormat, console: Console) -> None:
+    """Print a result as a table (fitting the terminal; times in the CLI's one format), CSV
+    (header first) or JSON lines (one object per row): the last two print values as they are."""
+    if fmt is OutputFormat.csv:
         writer = csv.writer(sys.stdout)
         writer.writerow(result.columns)
         writer.writerows(result.rows)
-    elif output is OutputFormat.json:
+    elif fmt is OutputFormat.json:
         for record in result.dicts():
             sys.stdout.write(json.dumps(record, default=str) + "\n")
     else:
-        table = Table(*result.columns)
+        table = output.new_table(*result.columns)
         for values in result.rows:
-            table.add_row(*("NULL" if v is None else str(v) for v in values))
-        console.print(table)
+            table.add_row(*(output.cell(_table_value(v), none=output.NULL) for v in values))
+        output.show(table, console)
         console.print(f"[dim]{len(result.rows)} row(s)[/]")
 
 
@@ -107,7 +129,7 @@ def sql(
     query: Annotated[
         str, typer.Argument(help="The SELECT to run; tables live in the database AGL_CLICKHOUSE_DATABASE.")
     ],
-    output: Annotated[OutputFormat, typer.Option("--output", "-o", help="table, csv or json (lines).")] = (
+    fmt: Annotated[OutputFormat, typer.Option("--output", "-o", help="table, csv or json (lines).")] = (
         OutputFormat.table
     ),
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the answer.")] = 30.0,
@@ -127,4 +149,4 @@ def sql(
     except AglError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from error
-    render(result, output, Console())
+    render(result, fmt, output.console())

@@ -5,29 +5,32 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
+from agl_stream.cli import output
 from agl_stream.cli.context import settings_of
-from agl_stream.config import Settings
-from agl_stream.local import stack
-from agl_stream.local.stack import local_stack_settings
 
-console = Console()
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from agl_stream.config import Settings
 
 
-def _show(settings: object) -> bool:
-    parts = stack.status(settings)  # type: ignore[arg-type]
+def _show(settings: Settings, console: Console) -> bool:
+    from agl_stream.local import stack
+
+    parts = stack.status(settings)
     if not parts:
         console.print("no local stack recorded here; start one with `agl-stream up`")
         return False
-    table = Table("part", "state")
+    info = stack.read_stack(settings)
+    started = f"started {output.format_time(info.started_at)}" if info is not None and info.started_at else None
+    table = output.new_table("part", "state", title=started)
     for part, state in parts.items():
         table.add_row(part, state)
-    console.print(table)
+    output.show(table, console)
     return all("not" not in state for state in parts.values())
 
 
@@ -51,10 +54,13 @@ def up(
     Without --detach it stays in the foreground and stops everything on Ctrl-C. With --detach
     the stack runs in a session of its own: closing the terminal stops nothing (`down` does).
     """
+    from agl_stream.local import stack
+
     settings = settings_of(ctx)
+    console = output.console()
     with console.status("starting the local stack ...") as spinner:
         info = stack.up(settings, timeout=timeout, training=training, progress=spinner.update)
-    _show(settings)
+    _show(settings, console)
     url = stack.dashboard_url(settings)
     if url:
         console.print(f"dashboard: [bold]{url}[/]")
@@ -81,15 +87,20 @@ def status(
 ) -> None:
     """Show each part of the local stack, then each role instance's records/s (from its metrics
     endpoint) and each consumer group's lag (from Kafka); exit code 1 if a part is down."""
+    from agl_stream.local.stack import local_stack_settings
+
     settings = settings_of(ctx)
-    healthy = _show(settings)
-    _show_metrics(local_stack_settings(settings), interval, lag and _knows_kafka(settings))
+    console = output.console()
+    healthy = _show(settings, console)
+    _show_metrics(local_stack_settings(settings), interval, lag and _knows_kafka(settings), console)
     if not healthy:
         raise typer.Exit(1)
 
 
 def _knows_kafka(settings: Settings) -> bool:
     """Whether there is a cluster to ask (without one, status must not wait for a timeout)."""
+    from agl_stream.local import stack
+
     return settings.kafka_bootstrap is not None or stack.read_stack(settings) is not None
 
 
@@ -97,13 +108,15 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def _show_metrics(settings: Settings, interval: float, lag: bool) -> None:
+def _show_metrics(settings: Settings, interval: float, lag: bool, console: Console) -> None:
     from agl_stream.local import monitor
 
     seen = asyncio.run(monitor.observe(settings, interval_s=interval, lag=lag))
     lag_of = {g.group: g.lag for g in seen.lags}
     if seen.roles:
-        table = Table("role", "pid", "state", "records in/s", "records out/s", "consumer lag", "metrics", title="roles")
+        table = output.new_table(
+            "role", "pid", "state", "records in/s", "records out/s", "consumer lag", "metrics", title="roles"
+        )
         for view in seen.roles:
             lags = [lag_of[g] for g in sorted(view.groups) if g in lag_of]
             table.add_row(
@@ -115,14 +128,16 @@ def _show_metrics(settings: Settings, interval: float, lag: bool) -> None:
                 f"{sum(lags):,}" if lags else "-",
                 view.url,
             )
-        console.print(table)
+        output.show(table, console)
     elif settings.metrics:
         console.print("no role serves metrics here (endpoints are listed in <data dir>/run/metrics/)")
     if seen.kafka_error is not None:
         console.print(f"[red]consumer lag unavailable[/]: Kafka did not answer ({seen.kafka_error})")
     if seen.lags:
         members = {g: sorted({v.role for v in seen.roles if g in v.groups}) for g in lag_of}
-        table = Table("consumer group", "role", "topics", "partitions", "lag", title="consumer lag (committed offsets)")
+        table = output.new_table(
+            "consumer group", "role", "topics", "partitions", "lag", title="consumer lag (committed offsets)"
+        )
         for group in seen.lags:
             table.add_row(
                 group.group,
@@ -131,7 +146,7 @@ def _show_metrics(settings: Settings, interval: float, lag: bool) -> None:
                 str(group.partitions),
                 f"{group.lag:,}",
             )
-        console.print(table)
+        output.show(table, console)
 
 
 def supervise(
@@ -142,7 +157,7 @@ def supervise(
 
     What runs is written to <data dir>/run/supervisor.json; `agl-stream status` shows it.
     """
-    from agl_stream.local import supervisor
+    from agl_stream.local import stack, supervisor
 
     known = (*stack.ROLES, *stack.TRAINING_ROLES)
     unknown = [role for role in roles if role not in known]
@@ -153,8 +168,10 @@ def supervise(
 
 def down(ctx: typer.Context) -> None:
     """Stop what `agl-stream up` started."""
+    from agl_stream.local import stack
+
     stopped = stack.down(settings_of(ctx))
-    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+    output.console().print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
 
 
 def dashboard(
@@ -162,6 +179,9 @@ def dashboard(
     open_: Annotated[bool, typer.Option("--open", help="Open it in the default web browser.")] = False,
 ) -> None:
     """Print the URL of the web dashboard of the running stack (served by its gateway)."""
+    from agl_stream.local import stack
+
+    console = output.console()
     url = stack.dashboard_url(settings_of(ctx))
     if url is None:
         console.print("no gateway answers for this data dir; start the stack with `agl-stream up`")

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
+from agl_stream.cli import output
 from agl_stream.cli.context import settings_of
-from agl_stream.kafka import admin
-from agl_stream.topics import TopicPlan, load_topic_specs, load_topology, topology_table
+
+if TYPE_CHECKING:
+    from agl_stream.topics import TopicPlan
 
 topics_app = typer.Typer(no_args_is_help=True)
-console = Console()
 
 
 def _show(plan: TopicPlan, *, applied: bool) -> None:
     """Print the plan; exit 2 when there is drift."""
+    console = output.console()
     for topic in plan.create:
         verb = "created" if applied else "would create"
         console.print(f"[green]{verb}[/] {topic.name} partitions={topic.partitions} replication={topic.replication}")
@@ -37,12 +37,16 @@ def _show(plan: TopicPlan, *, applied: bool) -> None:
 @topics_app.command("apply")
 def apply_cmd(ctx: typer.Context) -> None:
     """Create missing topics from topics/topics.toml; report drift (exit 2 when there is drift)."""
+    from agl_stream.kafka import admin
+
     _show(asyncio.run(admin.apply(settings_of(ctx))), applied=True)
 
 
 @topics_app.command("plan")
 def plan_cmd(ctx: typer.Context) -> None:
     """Show what `apply` would do, changing nothing."""
+    from agl_stream.kafka import admin
+
     _show(asyncio.run(admin.plan(settings_of(ctx))), applied=False)
 
 
@@ -61,6 +65,7 @@ def prune_replies_cmd(
     from agl_stream.store.replies import prune_reply_topics
 
     deleted = asyncio.run(prune_reply_topics(settings_of(ctx), idle_s=idle))
+    console = output.console()
     for name in deleted:
         console.print(f"[yellow]deleted[/] {name}")
     console.print(f"{len(deleted)} reply topic(s) deleted")
@@ -69,8 +74,10 @@ def prune_replies_cmd(
 @topics_app.command("list")
 def list_cmd(ctx: typer.Context) -> None:
     """List the declared topics with their key, schema and retention."""
+    from agl_stream.topics import load_topic_specs
+
     settings = settings_of(ctx)
-    table = Table("topic", "key", "value schema", "partitions", "cleanup", "retention ms", "what")
+    table = output.new_table("topic", "key", "value schema", "partitions", "cleanup", "retention ms", "what")
     for spec in load_topic_specs():
         table.add_row(
             spec.full_name(settings.topic_prefix),
@@ -81,11 +88,13 @@ def list_cmd(ctx: typer.Context) -> None:
             str(spec.retention_ms),
             spec.doc,
         )
-    console.print(table)
+    output.show(table)
 
 
 @topics_app.command("table")
 def table_cmd(ctx: typer.Context) -> None:
     """Print the topology (who writes and who reads each topic) as Markdown: docs/architecture.md's table."""
+    from agl_stream.topics import load_topology, topology_table
+
     specs, roles = load_topology()
     print(topology_table(specs, roles, settings_of(ctx).topic_prefix), end="")

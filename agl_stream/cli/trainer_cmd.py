@@ -8,9 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from agl_stream import metrics
 from agl_stream.cli.context import settings_of
-from agl_stream.rl_options import CHOICES, TRAINER_OPTION_NAMES, TrainerOptions
+from agl_stream.rl_options import CHOICES, TRACKERS, TRAINER_OPTION_NAMES, TrainerOptions, parse_trackers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,9 +32,11 @@ def read_config(path: Path) -> dict[str, Any]:
         raise typer.BadParameter(
             f"{path}: unknown option(s) {unknown}; known: {', '.join(TRAINER_OPTION_NAMES)}", param_hint="--config"
         )
-    for key in ("checkpoints", "initial_model"):  # relative to the file, like most tools' config paths
+    for key in ("checkpoints", "initial_model", "track_dir"):  # relative to the file, like most tools' config paths
         if key in options:
             options[key] = (path.parent / str(options[key])).resolve()
+    if isinstance(options.get("track"), list):  # track = ["tensorboard", "wandb"]
+        options["track"] = ",".join(str(name) for name in options["track"])
     return options
 
 
@@ -127,6 +128,24 @@ def trainer(
         float | None,
         typer.Option(help="Cap of the importance weights, > 0 (VERL's rollout_is_threshold; 2.0)."),
     ] = None,
+    track: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Experiment trackers to record each step's metrics to, comma-separated: {', '.join(TRACKERS)} "
+            "(W&B offline with WANDB_MODE=offline; MLflow at MLFLOW_TRACKING_URI, else a SQLite file in "
+            "--track-dir). A tracker that fails is logged and left out; training goes on."
+        ),
+    ] = None,
+    track_dir: Annotated[
+        Path | None,
+        typer.Option(help="Folder of the trackers' files (default: <checkpoints>/tracking)."),
+    ] = None,
+    track_project: Annotated[
+        str, typer.Option(help="Tracking project: W&B project, MLflow experiment, TensorBoard folder.")
+    ] = "agl-stream",
+    track_run: Annotated[
+        str | None, typer.Option(help="Tracking run name (default: the checkpoints folder's name).")
+    ] = None,
 ) -> None:
     """Train the policy on batched triplets; publish every new version to agl.resources.
 
@@ -145,6 +164,9 @@ def trainer(
     trainer_steps) include the importance ratios (is_ratio_mean, is_ratio_max, is_truncated_share
     or is_masked_share) and the staleness histogram (staleness_0, staleness_1, ..., staleness_max:
     rows per policy version behind).
+
+    --track tensorboard,wandb,mlflow records the same metrics to those experiment trackers
+    (docs/tracking.md): tensorboard --logdir <checkpoints>/tracking/tensorboard shows them.
 
     Example config (trainer.toml):
 
@@ -174,7 +196,12 @@ def trainer(
                 f"unknown {name} {merged[name]!r}: {', '.join(choices)}", param_hint="--" + name.replace("_", "-")
             )
     try:
+        parse_trackers(merged["track"])
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--track") from error
+    try:
         import agl_stream.training  # noqa: F401 - fails here, with advice, when the extra is missing
+        from agl_stream import metrics
         from consumers import trainer
     except ImportError as error:  # torch, transformers or verl missing
         raise typer.BadParameter(
@@ -184,5 +211,8 @@ def trainer(
     if cap is not None and not cap > 0:
         raise typer.BadParameter(f"{cap} is not > 0", param_hint="--rollout-is-threshold")
     settings = settings_of(ctx)
+    paths = {"checkpoints": Path(merged["checkpoints"])}
+    if merged["track_dir"] is not None:
+        paths["track_dir"] = Path(merged["track_dir"])
     with metrics.expose(settings, "trainer"):
-        trainer.main(settings, TrainerOptions(**{**merged, "checkpoints": Path(merged["checkpoints"])}))
+        trainer.main(settings, TrainerOptions(**{**merged, **paths}))

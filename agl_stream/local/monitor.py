@@ -15,8 +15,7 @@ and the Kafka read run concurrently within it, sharing nothing mutable.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
+import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from agl_stream.auth import auth_headers
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
 from agl_stream.local.processes import role_alive
-from agl_stream.metrics import ENDPOINTS_DIR
+from agl_stream.metrics import Endpoint, read_endpoints
 
 __all__ = [
     "Endpoint",
@@ -45,16 +44,6 @@ __all__ = [
 
 RECORDS_IN = "agl_records_in_total"
 RECORDS_OUT = "agl_records_out_total"
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One process's metrics endpoint, as its file under ``<run dir>/metrics/`` says."""
-
-    role: str
-    pid: int
-    url: str
-    path: Path
 
 
 @dataclass(frozen=True)
@@ -169,16 +158,6 @@ def group_lags(
 # -- the imperative shell -------------------------------------------------------------------------
 
 
-def read_endpoints(settings: Settings) -> list[Endpoint]:
-    """Every endpoint file of the run dir (a half-written or foreign file is skipped)."""
-    found = []
-    for path in sorted((settings.run_dir / ENDPOINTS_DIR).glob("*.json")):
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            data = json.loads(path.read_text())
-            found.append(Endpoint(str(data["role"]), int(data["pid"]), str(data["url"]), path))
-    return found
-
-
 async def _scrape(client: httpx.AsyncClient, endpoint: Endpoint) -> Scrape | None:
     try:
         response = await client.get(endpoint.url)
@@ -197,7 +176,10 @@ async def _scrape_all(client: httpx.AsyncClient, endpoints: Iterable[Endpoint]) 
 
 async def _rates(settings: Settings, interval_s: float) -> list[RoleView]:
     endpoints = read_endpoints(settings)
-    alive = {e.path: role_alive(e.pid) for e in endpoints}
+    here = socket.gethostname()
+    # A pid means something on its own host only: one of another host (a container sharing the
+    # folder) counts as alive, and its scrape says whether it answers.
+    alive = {e.path: role_alive(e.pid) if e.host in ("", here) else True for e in endpoints}
     live = [e for e in endpoints if alive[e.path]]
     async with httpx.AsyncClient(timeout=2.0, headers=auth_headers(settings), trust_env=False) as client:
         first = await _scrape_all(client, live)

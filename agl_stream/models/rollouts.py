@@ -75,3 +75,8 @@ class Worker(AglModel):
     last_idle_time: EpochSeconds | None = None
     current_rollout_id: str | None = None
     current_attempt_id: str | None = None
+
+
+WORKER_STOPPED = "stopped"
+"""The key of ``Worker.heartbeat_stats`` that a runner sets (``true``) in its last heartbeat as it
+stops cleanly: the seed's WorkerStatus has no value for a worker that left, so its stats say it."""

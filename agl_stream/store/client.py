@@ -51,6 +51,7 @@ from agl_stream.models import (
 )
 from agl_stream.models.base import AttemptStatus, RolloutMode, RolloutStatus
 from agl_stream.models.replies import Reply
+from agl_stream.models.rollouts import WORKER_STOPPED
 from agl_stream.store.notices import ClaimQueues, FinishedRollouts
 from agl_stream.store.reads import StoreReads
 from agl_stream.store.readside import ReadSide
@@ -303,9 +304,8 @@ class AglStore(StoreReads):
         processor folded it, so a claim that follows (from any client) can get it. Raises
         ValueError when ``resources_id`` names no resources.
         """
-        resources_id = await self._pinned_resources(resources_id)
-        rollout = self._new_rollout(input, mode, resources_id, config, metadata)
-        await self._acknowledged([(rollout.rollout_id, RolloutEnqueued(rollout=rollout))])
+        asked = {"input": input, "mode": mode, "resources_id": resources_id, "config": config, "metadata": metadata}
+        [rollout] = await self.enqueue_many_rollouts([asked])
         return rollout  # as the fold stores a new rollout
 
     async def enqueue_many_rollouts(
@@ -517,6 +517,13 @@ class AglStore(StoreReads):
         if worker_id is not None:
             records += self._writes.typed("workers", [(worker_id, self._workers.beat(worker_id, heartbeat_stats))])
         await self._writes.send(records)
+
+    async def last_beat(self, worker_id: str, heartbeat_stats: Mapping[str, Any] | None = None) -> None:
+        """A runner's last heartbeat as it stops cleanly: ``heartbeat_stats`` with
+        ``WORKER_STOPPED`` set (the seed's worker statuses have none for a worker that left), written
+        after this client's idle marks in flight so that it is the worker's last record."""
+        await self._workers.landed()
+        await self.beat([], worker_id=worker_id, heartbeat_stats={**(heartbeat_stats or {}), WORKER_STOPPED: True})
 
     async def add_otel_span(
         self, rollout_id: str, attempt_id: str, readable_span: Any, sequence_id: int | None = None

@@ -18,7 +18,8 @@ query_attempts, query_spans, query_resources, query_workers):
 - ``limit=-1`` means no limit; ``offset`` skips rows.
 
 State tables are ReplacingMergeTrees and are always read with FINAL; WHERE applies after FINAL
-merges the versions, so a filter never matches an outdated version of a row.
+merges the versions, so a filter never matches an outdated version of a row. Their times are
+DateTime64 columns, selected as the float seconds the models hold (agl_stream/clickhouse/times.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
+from agl_stream.clickhouse import times
 from agl_stream.models import Attempt, ResourcesUpdate, Rollout, Span, Worker
 
 FilterLogic = Literal["and", "or"]
@@ -204,6 +206,11 @@ class StoreQueries:
             raise ValueError(f"not a database name: {database!r}")
         self.db = database
 
+    def _select(self, columns: Sequence[str], table: str, *clauses: str) -> str:
+        """``SELECT columns FROM table FINAL`` (times as float seconds) and the clauses given
+        (empty ones left out)."""
+        return _sql(f"SELECT {times.select(columns)} FROM {self.db}.{table} FINAL", *clauses)
+
     # -- rollouts and attempts -----------------------------------------------------------
 
     def rollouts(
@@ -229,22 +236,11 @@ class StoreQueries:
         column = None if sort_by is None else _sort_column(Rollout, sort_by)
         # Default: enqueue order, the order the contract's in-memory store returns.
         order = _order_by(column, sort_order, ("rollout_id",) if column else ("start_time", "rollout_id"))
-        return Query(
-            _sql(
-                f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM {self.db}.rollouts FINAL",
-                _where(filters),
-                order,
-                _page(limit, offset, p),
-            ),
-            p,
-        )
+        return Query(self._select(ROLLOUT_COLUMNS, "rollouts", _where(filters), order, _page(limit, offset, p)), p)
 
     def rollout_by_id(self, rollout_id: str) -> Query:
-        return Query(
-            f"SELECT {', '.join(ROLLOUT_COLUMNS)} FROM {self.db}.rollouts FINAL "
-            "WHERE rollout_id = {rollout_id:String}",
-            {"rollout_id": rollout_id},
-        )
+        where = "WHERE rollout_id = {rollout_id:String}"
+        return Query(self._select(ROLLOUT_COLUMNS, "rollouts", where), {"rollout_id": rollout_id})
 
     def attempts(
         self,
@@ -257,21 +253,16 @@ class StoreQueries:
     ) -> Query:
         p: dict[str, Any] = {"rollout_id": rollout_id}
         column = _sort_column(Attempt, sort_by or "sequence_id")
-        return Query(
-            _sql(
-                f"SELECT {', '.join(ATTEMPT_COLUMNS)} FROM {self.db}.attempts FINAL",
-                "WHERE rollout_id = {rollout_id:String}",
-                _order_by(column, sort_order, ("sequence_id",)),
-                _page(limit, offset, p),
-            ),
-            p,
-        )
+        order = _order_by(column, sort_order, ("sequence_id",))
+        where = "WHERE rollout_id = {rollout_id:String}"
+        return Query(self._select(ATTEMPT_COLUMNS, "attempts", where, order, _page(limit, offset, p)), p)
 
     def latest_attempts(self, rollout_ids: Sequence[str]) -> Query:
         """The attempt with the highest sequence_id of each of these rollouts (those that have one)."""
         return Query(
-            _sql(
-                f"SELECT {', '.join(ATTEMPT_COLUMNS)} FROM {self.db}.attempts FINAL",
+            self._select(
+                ATTEMPT_COLUMNS,
+                "attempts",
                 "WHERE rollout_id IN {rollout_ids:Array(String)}",
                 "ORDER BY rollout_id, sequence_id DESC LIMIT 1 BY rollout_id",
             ),
@@ -285,7 +276,7 @@ class StoreQueries:
         metadata of their attempt "0" (``attempt_metadata``) and their 1.0 state (``v1_state``)."""
         return _sql(
             f"SELECT {select} FROM (",
-            f"  SELECT {', '.join(f'r.{c} AS {c}' for c in ROLLOUT_COLUMNS)}, r.finished_time AS finished_time,",
+            f"  SELECT {times.select(ROLLOUT_COLUMNS, 'r')}, r.finished_time AS finished_time,",
             "    a.metadata AS attempt_metadata,",
             "    multiIf(r.status = 'succeeded', 'succeeded', r.status IN ('failed', 'cancelled'), 'failed',",
             "      JSONExtractString(ifNull(a.metadata, ''), 'agentlightning_v1', 'state') = 'running', 'running',",
@@ -381,15 +372,9 @@ class StoreQueries:
             _contains("SpanName", "name_contains", name_contains, p),
         )
         column = _SPAN_SORT_COLUMNS[_sort_column(Span, sort_by or "sequence_id")]
-        return Query(
-            _sql(
-                f"SELECT SpanJson FROM {self.db}.otel_traces FINAL",
-                _where("RolloutId = {rollout_id:String}", attempt, filters),
-                _order_by(column, sort_order, ("AttemptId", "SequenceId", "SpanId")),
-                _page(limit, offset, p),
-            ),
-            p,
-        )
+        where = _where("RolloutId = {rollout_id:String}", attempt, filters)
+        order = _order_by(column, sort_order, ("AttemptId", "SequenceId", "SpanId"))
+        return Query(self._select(("SpanJson",), "otel_traces", where, order, _page(limit, offset, p)), p)
 
     # -- resources -----------------------------------------------------------------------
 
@@ -411,28 +396,15 @@ class StoreQueries:
         )
         column = None if sort_by is None else _sort_column(ResourcesUpdate, sort_by)
         order = _order_by(column, sort_order, ("resources_id",) if column else ("create_time", "resources_id"))
-        return Query(
-            _sql(
-                f"SELECT {', '.join(RESOURCES_COLUMNS)} FROM {self.db}.resources FINAL",
-                where,
-                order,
-                _page(limit, offset, p),
-            ),
-            p,
-        )
+        return Query(self._select(RESOURCES_COLUMNS, "resources", where, order, _page(limit, offset, p)), p)
 
     def resources_by_id(self, resources_id: str) -> Query:
-        return Query(
-            f"SELECT {', '.join(RESOURCES_COLUMNS)} FROM {self.db}.resources FINAL "
-            "WHERE resources_id = {resources_id:String}",
-            {"resources_id": resources_id},
-        )
+        where = "WHERE resources_id = {resources_id:String}"
+        return Query(self._select(RESOURCES_COLUMNS, "resources", where), {"resources_id": resources_id})
 
     def latest_resources(self) -> Query:
         """The snapshot written last (add or update): the highest offset of the one partition."""
-        return Query(
-            f"SELECT {', '.join(RESOURCES_COLUMNS)} FROM {self.db}.resources FINAL ORDER BY kafka_offset DESC LIMIT 1"
-        )
+        return Query(self._select(RESOURCES_COLUMNS, "resources", "ORDER BY kafka_offset DESC LIMIT 1"))
 
     # -- workers -------------------------------------------------------------------------
 
@@ -454,6 +426,7 @@ class StoreQueries:
         heartbeat_stats and last_heartbeat_time always come from the heartbeat.
         """
         hb_where = att_where = ""
+        start, end, heartbeat = (times.seconds(c) for c in ("start_time", "end_time", "last_heartbeat_time"))
         if worker_id is not None:
             p["worker_id"] = worker_id
             hb_where = "WHERE worker_id = {worker_id:String}"
@@ -497,8 +470,9 @@ FROM (
     FROM (
         -- heartbeats: the row as the worker wrote it
         SELECT worker_id, 1 AS is_heartbeat, CAST(status, 'Nullable(String)') AS status,
-               heartbeat_stats AS stats, last_heartbeat_time AS heartbeat_time,
-               last_dequeue_time AS dequeue_time, last_busy_time AS busy_time, last_idle_time AS idle_time,
+               heartbeat_stats AS stats, {times.seconds("last_heartbeat_time")} AS heartbeat_time,
+               {times.seconds("last_dequeue_time")} AS dequeue_time, {times.seconds("last_busy_time")} AS busy_time,
+               {times.seconds("last_idle_time")} AS idle_time,
                current_rollout_id AS rollout_id, current_attempt_id AS attempt_id
         FROM {self.db}.workers FINAL
         {hb_where}
@@ -506,7 +480,7 @@ FROM (
         -- attempts: dequeue_time = start, busy_time = last activity, idle_time = end
         SELECT assumeNotNull(worker_id), 0, CAST(status, 'Nullable(String)'),
                NULL, NULL,
-               start_time, greatest(start_time, ifNull(last_heartbeat_time, 0), ifNull(end_time, 0)), end_time,
+               {start}, greatest({start}, ifNull({heartbeat}, 0), ifNull({end}, 0)), {end},
                rollout_id, attempt_id
         FROM {self.db}.attempts FINAL
         WHERE ifNull(worker_id, '') != '' {att_where}
@@ -533,15 +507,9 @@ FROM (
             _contains("worker_id", "worker_id_contains", worker_id_contains, p),
         )
         column = None if sort_by is None else _sort_column(Worker, sort_by)
-        return Query(
-            _sql(
-                f"SELECT {', '.join(WORKER_COLUMNS)} FROM ({derived}\n)",
-                _where(filters),
-                _order_by(column, sort_order, ("worker_id",)),
-                _page(limit, offset, p),
-            ),
-            p,
-        )
+        order = _order_by(column, sort_order, ("worker_id",))
+        select = f"SELECT {', '.join(WORKER_COLUMNS)} FROM ({derived}\n)"
+        return Query(_sql(select, _where(filters), order, _page(limit, offset, p)), p)
 
     def worker_by_id(self, worker_id: str) -> Query:
         p: dict[str, Any] = {}

@@ -1,7 +1,8 @@
 // The dashboard's pages. Routing is the URL's hash (#/page?query), so a page is a link and the
 // browser's back button works; "live" reloads the current page's data every few seconds.
-import { api, ApiError, duration, fmt, h, pretty, status, table, time } from "./util.js";
-import { lineChart } from "./charts.js";
+import { api, ApiError, download, duration, fmt, h, pretty, span, status, table, time } from "./util.js";
+import { lineChart, unitAxes } from "./charts.js";
+import { deadLetters } from "./dlq.js";
 
 const main = document.getElementById("main");
 const errorBox = document.getElementById("error");
@@ -173,6 +174,7 @@ async function version(view, { args }) {
 // -- Rollouts ---------------------------------------------------------------------------------
 
 const FILTERS = ["status", "mode", "policy_version", "group_id", "since", "until"];
+const SORTABLE = ["rollout_id", "status", "mode", "policy_version", "group_id", "start_time", "took", "reward"];
 const STATUSES = ["", "queuing", "preparing", "running", "succeeded", "failed", "cancelled", "requeuing"];
 
 function toLocalInput(seconds) {
@@ -183,7 +185,7 @@ function toLocalInput(seconds) {
 
 async function rollouts(view, { params }) {
   const query = new URLSearchParams();
-  for (const key of [...FILTERS, "limit", "offset"]) if (params.get(key)) query.set(key, params.get(key));
+  for (const key of [...FILTERS, "limit", "offset", "sort", "order"]) if (params.get(key)) query.set(key, params.get(key));
   const form = filtersForm(params);
   view.replaceChildren(form, h("p", { class: "muted" }, "loading ..."));
   let data;
@@ -203,11 +205,15 @@ async function rollouts(view, { params }) {
       `${data.total ? offset + 1 : 0}-${offset + data.rows.length} of ${data.total.toLocaleString("en-US")}`),
     h("button", { disabled: offset + data.rows.length >= data.total, onclick: () => go("rollouts", { ...pageParams, offset: offset + data.limit }) }, "older ›"),
   );
+  // Sorted by the server (ORDER BY one of the whitelisted columns); the sort is in the URL.
+  const sort = { by: data.sort, order: data.order, keys: SORTABLE, first: { start_time: "desc", took: "desc", reward: "desc" },
+    onsort: (key, order) => go("rollouts", { ...pageParams, sort: key, order, offset: 0 }) };
   view.replaceChildren(form, pager, table(data.rows, [
     ["rollout_id", "rollout", (v) => h("a", { href: `#/rollout/${encodeURIComponent(v)}` }, v)],
     ["status", "status", status], ["mode", "mode"], ["policy_version", "version"], ["group_id", "group"],
-    ["start_time", "enqueued", time], ["end_time", "took", (v, r) => duration(r.start_time, v)], ["input", "input"],
-  ], { testid: "rollouts-table", onclick: (r) => go("rollout", {}, [r.rollout_id]) }));
+    ["start_time", "enqueued", time], ["took", "took", (v, r) => duration(r.start_time, r.end_time)],
+    ["reward", "reward", (v) => h("span", { class: "num" }, fmt(v))], ["input", "input"],
+  ], { testid: "rollouts-table", sort, onclick: (r) => go("rollout", {}, [r.rollout_id]) }));
 }
 
 function filtersForm(params) {
@@ -232,7 +238,7 @@ function filtersForm(params) {
       values[key] = values[key] ? String(new Date(values[key]).getTime() / 1000) : "";
       if (values[key] === "NaN") values[key] = "invalid";
     }
-    go("rollouts", { ...values, offset: 0 });
+    go("rollouts", { ...values, sort: params.get("sort"), order: params.get("order"), offset: 0 });
   });
   return form;
 }
@@ -406,7 +412,7 @@ async function resources(view) {
     let parsed = {};
     try { parsed = JSON.parse(r.resources); } catch { parsed = { resources: r.resources }; }
     return h("details", { class: "panel", open: true, "data-testid": "resource" },
-      h("summary", {}, `${r.resources_id} · version ${fmt(r.version)} · updated ${time(r.update_time)}`),
+      h("summary", {}, `${r.resources_id} · version ${fmt(r.version)} · updated `, time(r.update_time)),
       Object.entries(parsed).map(([name, value]) => h("div", {}, h("h3", {}, name, " ", h("span", { class: "muted" }, value?.resource_type || "")),
         value && typeof value.template === "string"
           ? h("pre", {}, value.template)
@@ -416,46 +422,76 @@ async function resources(view) {
 
 async function workers(view) {
   const rows = await api("/v1/dashboard/workers");
-  view.replaceChildren(h("h2", {}, `Workers (${rows.length})`), table(rows, [
-    ["worker_id", "worker"], ["status", "status", status], ["last_heartbeat_time", "last heartbeat", time],
+  const gone = rows.filter((r) => r.gone).length;
+  view.replaceChildren(h("h2", {}, `Workers (${rows.length}${gone ? `, ${gone} gone` : ""})`), table(rows, [
+    ["worker_id", "worker"], ["status", "status", workerStatus], ["last_heartbeat_time", "last heartbeat", time],
     ["last_dequeue_time", "last dequeue", time],
     ["current_rollout_id", "current rollout", (v) => v ? h("a", { href: `#/rollout/${encodeURIComponent(v)}` }, v) : "—"],
     ["current_attempt_id", "current attempt"],
   ], { testid: "workers-table" }));
 }
 
+// A worker that left: its runner said so as it stopped, or it has not been heard from for a while
+// (the gateway's threshold); its recorded status is what it last was.
+function workerStatus(value, row) {
+  if (!row.gone) return status(value);
+  const why = row.stopped ? `stopped ${span(row.silent_s)} ago` : `no heartbeat for ${span(row.silent_s)}`;
+  return h("span", { class: "status s-gone", title: `last recorded status: ${value}` }, `gone (${why})`);
+}
+
 // -- SQL console ----------------------------------------------------------------------------------
 
 let sqlText = "SELECT status, count() AS n FROM agl.rollouts FINAL GROUP BY status ORDER BY n DESC";
 
-async function sql(view) {
+// The query is in the URL (#/sql?q=...): a link to the console runs it. Running another query
+// changes the URL (so the back button and a copied link follow), which renders and runs it.
+async function sql(view, { params }) {
+  const linked = params.get("q");
+  if (linked) sqlText = linked;
   const [schema, cookbook] = await Promise.all([api("/v1/dashboard/schema"), api("/v1/dashboard/cookbook")]);
   const editor = h("textarea", { spellcheck: "false", "data-testid": "sql-editor" }, sqlText);
   const out = h("div", { "data-testid": "sql-result" });
+  let ran = null; // the text of the query whose result is shown (the CSV is of it)
+  const csv = h("button", { "data-testid": "sql-csv", disabled: true, title: "the result as the gateway's CSV (/v1/sql, format csv)",
+    onclick: async () => {
+      try {
+        await download("/v1/sql", { query: ran, format: "csv" }, "query.csv");
+      } catch (e) {
+        showError(e);
+      }
+    } }, "download CSV");
   const run = async () => {
     sqlText = editor.value;
+    csv.disabled = true;
     out.replaceChildren(h("p", { class: "muted" }, "running ..."));
     try {
-      const result = await api("/v1/sql", { query: editor.value, format: "json" });
+      const result = await api("/v1/sql", { query: sqlText, format: "json" });
       clearError();
+      ran = sqlText;
+      csv.disabled = false;
       out.replaceChildren(sqlResult(result));
     } catch (e) {
       out.replaceChildren(h("p", { class: "error", "data-testid": "sql-error" }, e instanceof ApiError ? `${e.kind}: ${e.message}` : String(e)));
     }
   };
-  editor.addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) run(); });
+  const submit = (text) => {
+    if (route().params.get("q") === text) run();
+    else go("sql", { q: text });
+  };
+  editor.addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) submit(editor.value); });
   view.replaceChildren(h("div", { class: "sql" },
     h("aside", {},
       h("h3", {}, "Cookbook"),
-      cookbook.map((q) => h("button", { title: q.description, "data-testid": "cookbook", onclick: () => { editor.value = q.sql; run(); } }, q.title)),
+      cookbook.map((q) => h("button", { title: q.description, "data-testid": "cookbook", onclick: () => { editor.value = q.sql; submit(q.sql); } }, q.title)),
       h("h3", {}, `Tables of ${schema.database}`),
       Object.entries(schema.tables).map(([name, columns]) => h("details", { "data-testid": "schema-table" },
         h("summary", {}, name),
         h("ul", {}, columns.map(([c, t]) => h("li", {}, h("code", {}, c), " ", h("span", { class: "muted" }, t))))))),
     h("div", {}, editor,
-      h("div", { class: "pager" }, h("button", { class: "primary", onclick: run, "data-testid": "sql-run" }, "run"),
-        h("span", { class: "muted" }, "Ctrl+Enter; read-only, one SELECT over the agl tables")),
+      h("div", { class: "pager" }, h("button", { class: "primary", onclick: () => submit(editor.value), "data-testid": "sql-run" }, "run"),
+        csv, h("span", { class: "muted" }, "Ctrl+Enter; read-only, one SELECT over the agl tables; the URL keeps the query")),
       out)));
+  if (linked) await run();
 }
 
 function sqlResult(result) {
@@ -464,11 +500,14 @@ function sqlResult(result) {
   const parts = [h("p", { class: "muted", "data-testid": "sql-summary" }, `${result.row_count} row(s) in ${result.elapsed_ms} ms`)];
   if (numeric.length >= 2 && rows.length > 1) {
     // Two numeric columns: the first is x, the others are series; rows sorted by x for a line.
+    // One y axis per unit (a name's suffix, else the values' order of magnitude).
     const [x, ...ys] = numeric;
     const sorted = [...rows].sort((a, b) => (a[x] ?? 0) - (b[x] ?? 0));
+    const columns = ys.map((y) => sorted.map((r) => r[y]));
     const box = h("div", { class: "panel", "data-testid": "sql-chart" });
     parts.push(box);
-    queueMicrotask(() => lineChart(box, `${ys.join(", ")} by ${x}`, [sorted.map((r) => r[x]), ...ys.map((y) => sorted.map((r) => r[y]))], ys, { xTime: false, xLabel: x }));
+    queueMicrotask(() => lineChart(box, `${ys.join(", ")} by ${x}`, [sorted.map((r) => r[x]), ...columns], ys,
+      { xTime: false, xLabel: x, axes: unitAxes(ys, columns) }));
   }
   parts.push(table(rows, result.columns.map((c) => [c, c]), { testid: "sql-table" }));
   return h("div", {}, parts);
@@ -476,8 +515,8 @@ function sqlResult(result) {
 
 // -- the shell ---------------------------------------------------------------------------------
 
-const PAGES = { overview, rollouts, rollout, version, resources, workers, sql };
-const LIVE = new Set(["overview", "rollouts", "resources", "workers", "rollout", "version"]);
+const PAGES = { overview, rollouts, rollout, version, resources, workers, sql, dlq: deadLetters };
+const LIVE = new Set(["overview", "rollouts", "resources", "workers", "rollout", "version", "dlq"]);
 
 async function render(initial) {
   const r = route();

@@ -39,11 +39,21 @@ from agl_stream.agent.litagent import rollout
 from agl_stream.auth import auth_headers, known_token
 from agl_stream.config import Settings
 from agl_stream.domain.batching import batch_id_of
-from agl_stream.kafka.io import Outbox, make_producer
+from agl_stream.kafka.io import Outbox, Rejected, make_producer
 from agl_stream.kafka.offsets import fence_at_end
 from agl_stream.local import stack
-from agl_stream.models import LLM, PromptTemplate, ProxyLLM, TrainerStep, Triplet, TripletBatch, TripletRecord
+from agl_stream.models import (
+    LLM,
+    PromptTemplate,
+    ProxyLLM,
+    TrainerStep,
+    Triplet,
+    TripletBatch,
+    TripletRecord,
+    Worker,
+)
 from agl_stream.ports import free_ports
+from agl_stream.wire.codec import Codec
 from consumers import dashboard_sql as dsql
 from tests.integration.helpers import serve, start_role, stop_role
 from tests.scripted_openai import scripted_openai, tool_call
@@ -324,6 +334,54 @@ def test_rollouts_table_filters_pages_and_refuses_bad_input(page: Any, dash: Das
     _shot(page, dash, "rollouts-bad-input")
 
 
+REWARDED = """
+SELECT r.rollout_id AS rollout_id, t.final_reward AS reward,
+       toUnixTimestamp64Micro(r.start_time) / 1e6 AS start_time
+FROM agl.rollouts AS r FINAL
+LEFT JOIN (SELECT rollout_id, attempt_id FROM agl.attempts FINAL ORDER BY sequence_id DESC LIMIT 1 BY rollout_id) AS a
+    ON a.rollout_id = r.rollout_id
+LEFT JOIN (SELECT attempt_id, final_reward FROM agl.triplet_records FINAL) AS t ON t.attempt_id = a.attempt_id
+"""
+"""Each rollout with its latest attempt's final reward (NULL without one), written apart from the
+dashboard's query; ORDER BY is appended."""
+
+
+def test_rollouts_sort_by_a_header_click_with_rewards_and_relative_times(page: Any, dash: Dash) -> None:
+    page.goto(f"{dash.page}#/rollouts")
+    page.wait_for_selector('[data-testid="rollouts-table"] th[data-sort="reward"]')
+    # Rewards: the latest attempt's final reward (the broken task's attempt has none).
+    by_id = {r["rollout_id"]: r for r in dash.rows(REWARDED)}
+    assert by_id[dash.ids["t2"]]["reward"] == 0.75 and by_id[dash.ids["broken"]]["reward"] is None
+    cells = zip(_cells(page, "rollouts-table", "rollout_id"), _cells(page, "rollouts-table", "reward"), strict=True)
+    assert {rid: None if v == "—" else float(v) for rid, v in cells} == {rid: r["reward"] for rid, r in by_id.items()}
+    # Enqueued: how long ago, the UTC time in the title.
+    first = page.locator('[data-testid="rollouts-table"] td[data-col="start_time"] time').first
+    assert first.inner_text().endswith(" ago") or first.inner_text() == "just now"
+    rid = _cells(page, "rollouts-table", "rollout_id")[0]
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(by_id[rid]["start_time"]))
+    assert (first.get_attribute("title") or "").startswith(started) and first.get_attribute("title").endswith(" UTC")
+    # A click on the reward header: the server's ORDER BY reward, highest first; again: lowest first.
+    for order in ("desc", "asc"):
+        page.click('[data-testid="rollouts-table"] th[data-sort="reward"]')
+        page.wait_for_selector(f'[data-testid="rollouts-table"] th[data-sort="reward"][aria-sort="{order}ending"]')
+        assert f"sort=reward&order={order}" in page.evaluate("location.hash")
+        expected = [r["rollout_id"] for r in dash.rows(f"{REWARDED} ORDER BY reward {order}, rollout_id {order}")]
+        assert _cells(page, "rollouts-table", "rollout_id") == expected
+        assert _cells(page, "rollouts-table", "reward")[-1] == "—"  # unknown rewards last either way
+    _shot(page, dash, "rollouts-sorted-by-reward")
+    # The sort is in the URL: a link reproduces it, and paging keeps it.
+    page.goto(f"{dash.page}#/rollouts?sort=status&order=asc&limit=2&offset=2")
+    page.wait_for_selector('[data-testid="rollouts-table"] th[data-sort="status"][aria-sort="ascending"]')
+    by_status = [
+        r["rollout_id"] for r in dash.rows("SELECT rollout_id FROM agl.rollouts FINAL ORDER BY status, rollout_id")
+    ]
+    assert _cells(page, "rollouts-table", "rollout_id") == by_status[2:4]
+    # A column that is not sortable is refused by name.
+    page.goto(f"{dash.page}#/rollouts?sort=input")
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.inner_text("#error").startswith("bad_request: sort:")
+
+
 def test_a_rollouts_waterfall_llm_calls_rewards_and_exception(page: Any, dash: Dash) -> None:
     broken = dash.ids["broken"]
     page.goto(f"{dash.page}#/rollout/{broken}")
@@ -395,11 +453,73 @@ def test_sql_console_runs_a_cookbook_query_and_shows_errors(page: Any, dash: Das
     page.wait_for_selector('[data-testid="sql-error"]:has-text("query_error")')
 
 
+CSV_QUERY = (
+    "SELECT rollout_id, concat('a,\"b\" ', ifNull(toString(reward), 'none')) AS quoted, reward, start_time "
+    f"FROM ({REWARDED}) ORDER BY rollout_id"
+)
+
+
+def test_sql_console_keeps_the_query_in_the_url_and_downloads_the_gateways_csv(page: Any, dash: Dash) -> None:
+    # A link with the query runs it.
+    page.goto(f"{dash.page}#/sql?{urlencode({'q': CSV_QUERY})}")
+    page.wait_for_selector('[data-testid="sql-table"], [data-testid="sql-error"]')
+    assert page.locator('[data-testid="sql-error"]').count() == 0, page.inner_text('[data-testid="sql-error"]')
+    assert page.input_value('[data-testid="sql-editor"]') == CSV_QUERY
+    assert _cells(page, "sql-table", "rollout_id") == [r["rollout_id"] for r in dash.rows(CSV_QUERY)]
+    # The CSV download is /v1/sql's CSV of that query, byte for byte.
+    with page.expect_download() as got:
+        page.click('[data-testid="sql-csv"]')
+    download = got.value
+    assert download.suggested_filename == "query.csv"
+    response = httpx.post(
+        f"{dash.url}/v1/sql",
+        json={"query": CSV_QUERY, "format": "csv"},
+        headers=auth_headers(dash.settings),
+        timeout=60,
+    )
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/csv")
+    assert Path(download.path()).read_bytes() == response.content
+    assert response.content.count(b"\n") == len(dash.rows(CSV_QUERY)) + 1  # and a header line
+    # Running another query puts it in the URL; going back runs the one before.
+    other = "SELECT count() AS n FROM agl.rollouts FINAL"
+    page.fill('[data-testid="sql-editor"]', other)
+    page.click('[data-testid="sql-run"]')
+    page.wait_for_function("q => new URLSearchParams(location.hash.split('?')[1]).get('q') === q", arg=other)
+    page.wait_for_selector('[data-testid="sql-table"] td[data-col="n"]')
+    page.go_back()
+    page.wait_for_selector('[data-testid="sql-table"] td[data-col="quoted"]')
+    assert page.input_value('[data-testid="sql-editor"]') == CSV_QUERY
+
+
+def test_sql_chart_has_one_y_axis_per_unit(page: Any, dash: Dash) -> None:
+    def chart(query: str) -> tuple[int, list[str]]:
+        page.goto(f"{dash.page}#/sql?{urlencode({'q': query})}")
+        page.wait_for_selector('[data-testid="sql-chart"] canvas')
+        box = page.locator('[data-testid="sql-chart"]')
+        # uPlot makes one element per axis it draws: x and each y axis.
+        axes = box.locator(".u-axis").count() - 1
+        assert int(box.get_attribute("data-y-axes") or "0") == axes
+        return axes, json.loads(box.get_attribute("data-y-scales") or "[]")
+
+    # Units by name: a count and a size in bytes, two axes.
+    axes, scales = chart("SELECT number AS x, number * 2 AS n, number * 1000000 AS size_bytes FROM numbers(5)")
+    assert axes == 2 and scales == ["y0", "y1"]
+    _shot(page, dash, "sql-chart-two-axes")
+    # No unit in the names: by order of magnitude (a and c share an axis, b is 10^5 times larger).
+    axes, scales = chart("SELECT number AS x, number AS a, number * 100000 AS b, number * 3 AS c FROM numbers(5)")
+    assert axes == 2 and scales == ["y0", "y1", "y0"]
+    # One unit: one axis.
+    axes, scales = chart("SELECT number AS x, number AS a, number * 3 AS b FROM numbers(5)")
+    assert axes == 1 and scales == ["y0", "y0"]
+
+
 def test_resources_and_workers_pages(page: Any, dash: Dash) -> None:
     page.goto(f"{dash.page}#/workers")
     page.wait_for_selector('[data-testid="workers-table"]')
     workers = [r["worker_id"] for r in dash.rows("SELECT worker_id FROM agl.workers FINAL ORDER BY worker_id")]
     assert _cells(page, "workers-table", "worker_id") == workers
+    # The module's runner is alive: none gone.
+    assert not any(c.startswith("gone") for c in _cells(page, "workers-table", "status"))
     _shot(page, dash, "workers")
     page.goto(f"{dash.page}#/resources")
     page.wait_for_selector("main h2")
@@ -409,6 +529,123 @@ def test_resources_and_workers_pages(page: Any, dash: Dash) -> None:
     page.wait_for_selector('[data-testid="resource"] pre:has-text("Answer {question}")')
     assert HOSTILE in page.inner_text('[data-testid="resource"]') and page.locator("main img").count() == 0
     _shot(page, dash, "resources")
+
+
+async def _silent_worker(settings: Settings, worker_id: str, last_heard: float) -> None:
+    """A worker record as a runner writes one, last heard from at ``last_heard``."""
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        worker = Worker(
+            worker_id=worker_id, status="idle", heartbeat_stats={"live_attempts": 0}, last_heartbeat_time=last_heard
+        )
+        await Outbox(settings, producer, "test").send(settings.topic("workers"), worker, key=worker_id)
+    finally:
+        await producer.stop()
+
+
+def test_a_runner_that_stopped_and_a_silent_one_read_as_gone(page: Any, dash: Dash) -> None:
+    stopped = f"runner-stops-{uuid4().hex[:6]}"
+    silent = f"runner-silent-{uuid4().hex[:6]}"
+    runner = start_role(
+        dash.settings,
+        *("runner", "--agent", "tests.integration.test_dashboard:dashboard_agent", "--worker-id", stopped),
+        log_name="runner-stops",
+    )
+    try:
+        _wait_sql(dash, f"SELECT count() FROM agl.workers FINAL WHERE worker_id = '{stopped}'", 1, timeout=180)
+        page.goto(f"{dash.page}#/workers")
+        page.wait_for_selector(f'[data-testid="workers-table"] td[data-col="worker_id"]:text-is("{stopped}")')
+        shown = dict(
+            zip(_cells(page, "workers-table", "worker_id"), _cells(page, "workers-table", "status"), strict=True)
+        )
+        assert not shown[stopped].startswith("gone"), shown  # running: heard from just now
+    finally:
+        assert stop_role(runner, timeout=60) == 0  # SIGTERM: a clean stop
+    # Its last record says it stopped; its recorded status stays what it was (the seed's statuses).
+    said = "JSONExtractBool(ifNull(heartbeat_stats, ''), 'stopped')"
+    _wait_sql(dash, f"SELECT {said} FROM agl.workers FINAL WHERE worker_id = '{stopped}'", True)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: asyncio.run(_silent_worker(dash.settings, silent, time.time() - 3600))).result(timeout=120)
+    _wait_sql(dash, f"SELECT count() FROM agl.workers FINAL WHERE worker_id = '{silent}'", 1)
+    page.wait_for_selector(
+        f'[data-testid="workers-table"] td[data-col="worker_id"]:text-is("{silent}")', timeout=30_000
+    )
+    shown = dict(zip(_cells(page, "workers-table", "worker_id"), _cells(page, "workers-table", "status"), strict=True))
+    assert shown[stopped].startswith("gone (stopped ") and shown[stopped].endswith(" ago)"), shown
+    assert shown[silent] == "gone (no heartbeat for 60 min)", shown
+    # The module's runner, alive, is not.
+    alive = [w for w in shown if w not in (stopped, silent)]
+    assert alive and not any(shown[w].startswith("gone") for w in alive), shown
+    _shot(page, dash, "workers-gone")
+
+
+async def _dead_letter(settings: Settings, tag: str) -> None:
+    """Two bad task requests for the ingress to dead-letter (bytes that are no Avro, a record of
+    another type), and one dead letter about agl.spans written as any role writes one."""
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        topic = settings.topic("task-requests")
+        await (await producer.send(topic, f"<b>garbage</b> {HOSTILE}".encode(), key=f"g-{tag}".encode()))
+        await (await producer.send(topic, Codec.default().encode(Worker(worker_id="w")), key=f"w-{tag}".encode()))
+        error = ValueError(f"a span that broke {HOSTILE}")
+        await Outbox(settings, producer, "test").reject([Rejected(settings.topic("spans"), 1, 2, None, b"x", error)])
+    finally:
+        await producer.stop()
+
+
+def test_dead_letters_page_counts_by_source_and_lists_the_newest(page: Any, dash: Dash) -> None:
+    tag = uuid4().hex[:8]
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: asyncio.run(_dead_letter(dash.settings, tag))).result(timeout=120)
+    requests = dash.settings.topic("task-requests")
+    _wait_sql(dash, f"SELECT count() FROM agl.dead_letters FINAL WHERE key IN ('g-{tag}', 'w-{tag}')", 2, timeout=120)
+    _wait_sql(
+        dash, f"SELECT count() FROM agl.dead_letters FINAL WHERE source_topic = '{dash.settings.topic('spans')}'", 1
+    )
+    counts = dash.rows(
+        "SELECT source_topic, processor, error_type, count() AS n FROM agl.dead_letters FINAL "
+        "GROUP BY source_topic, processor, error_type ORDER BY n DESC, max(time) DESC"
+    )
+    newest = dash.rows(
+        "SELECT concat(toString(kafka_partition), ':', toString(kafka_offset)) AS id, reason FROM agl.dead_letters "
+        "FINAL ORDER BY time DESC, kafka_partition DESC, kafka_offset DESC"
+    )
+    assert {(r["source_topic"], r["error_type"]) for r in counts} >= {
+        (requests, "NotSingleObjectEncodedError"),
+        (requests, "RecordTypeError"),
+        (dash.settings.topic("spans"), "ValueError"),
+    }
+    page.goto(f"{dash.page}#/dlq")
+    page.wait_for_selector('[data-testid="dlq-newest"]')
+    assert page.inner_text('[data-testid="dlq-total"]') == str(len(newest))
+    assert _cells(page, "dlq-counts", "error_type") == [r["error_type"] for r in counts]
+    assert [int(n) for n in _cells(page, "dlq-counts", "n")] == [r["n"] for r in counts]
+    assert _cells(page, "dlq-newest", "id") == [r["id"] for r in newest]
+    # A hostile reason is shown as text.
+    assert f"a span that broke {HOSTILE}" in page.inner_text('[data-testid="dlq-newest"]')
+    assert page.locator("main img").count() == 0 and page.title() != "pwned"
+    _shot(page, dash, "dead-letters")
+    # One source: a link in the counts narrows both tables to it.
+    page.locator('[data-testid="dlq-counts"] td[data-col="source_topic"] a', has_text=requests).first.click()
+    page.wait_for_selector(f'[data-testid="dlq-source"]:has-text("{requests}")')
+    only = [
+        r["id"]
+        for r in dash.rows(
+            "SELECT concat(toString(kafka_partition), ':', toString(kafka_offset)) AS id FROM agl.dead_letters FINAL "
+            f"WHERE source_topic = '{requests}' ORDER BY time DESC, kafka_partition DESC, kafka_offset DESC"
+        )
+    ]
+    page.wait_for_function(
+        "n => document.querySelector('[data-testid=dlq-total]')?.textContent === String(n)", arg=len(only)
+    )
+    assert _cells(page, "dlq-newest", "id") == only
+    assert set(_cells(page, "dlq-newest", "source_topic")) == {requests}
+    # Bad input: a clear message.
+    page.goto(f"{dash.page}#/dlq?limit=0")
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.inner_text("#error").startswith("bad_request: limit:")
 
 
 async def _train_on(settings: Settings, records: list[TripletRecord], version: int) -> str:

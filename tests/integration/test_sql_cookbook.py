@@ -550,7 +550,7 @@ def test_show_tables_and_describe_answer_within_the_agl_database(pipeline: Pipel
     assert tables == [row["name"] for row in pipeline.rows("show tables from agl")]
     columns = pipeline.rows("DESCRIBE agl.rollouts")
     assert [c["name"] for c in columns][:3] == ["rollout_id", "input", "start_time"]
-    assert {c["name"]: c["type"] for c in columns}["end_time"] == "Nullable(Float64)"
+    assert {c["name"]: c["type"] for c in columns}["end_time"] == "Nullable(DateTime64(6, 'UTC'))"
     assert pipeline.rows("DESC TABLE span_facts")[0] == pipeline.rows("DESCRIBE agl.span_facts")[0]
 
 

@@ -74,6 +74,32 @@ def test_bad_filters_are_refused_with_the_field_named(query: dict[str, str], fie
     assert field in str(caught.value)
 
 
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_a_sort_is_a_whitelisted_column_in_either_direction_ties_by_id(order: str) -> None:
+    for sort in ("reward", "took", "status"):
+        page, _ = dsql.rollouts_page("agl", dsql.RolloutFilter.model_validate({"sort": sort, "order": order}))
+        direction = order.upper()
+        expression = {"reward": "reward", "took": "end_time - start_time", "status": "status"}[sort]
+        assert f"ORDER BY {expression} {direction}, rollout_id {direction} LIMIT" in page.sql
+    # the reward column: the latest attempt's triplet record, joined whatever the sort
+    assert "argMax(attempt_id, sequence_id)" in page.sql and "triplet_records FINAL" in page.sql
+
+
+@pytest.mark.parametrize("query", [{"sort": "input"}, {"sort": "reward; DROP TABLE x"}, {"order": "sideways"}])
+def test_an_unknown_sort_is_refused_by_name(query: dict[str, str]) -> None:
+    with pytest.raises(ValidationError) as caught:
+        dsql.RolloutFilter.model_validate(query)
+    assert next(iter(query)) in str(caught.value)
+
+
+def test_workers_bind_the_gone_threshold() -> None:
+    query = dsql.workers("agl", dsql.WorkersParams.model_validate({"gone_after_s": "90"}).gone_after_s)
+    assert query.parameters == {"gone_after_s": 90.0}
+    assert "{gone_after_s:Float64}" in query.sql and "'stopped'" in query.sql
+    with pytest.raises(ValidationError, match="gone_after_s"):
+        dsql.WorkersParams.model_validate({"gone_after_s": "0"})
+
+
 def test_only_an_identifier_is_pasted_as_the_database() -> None:
     with pytest.raises(ValueError, match="not a database name"):
         dsql.rollouts_page("agl; DROP TABLE x", dsql.RolloutFilter())

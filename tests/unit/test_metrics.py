@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import urllib.request
 from pathlib import Path
 
+import pytest
 from fastapi import APIRouter, FastAPI
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from starlette.testclient import TestClient
@@ -90,7 +92,13 @@ def test_a_role_without_http_serves_its_metrics_and_says_where(tmp_path: Path) -
     with metrics.expose(settings, "unit-role") as url:
         assert url is not None and url.startswith("http://127.0.0.1:")
         [endpoint] = monitor.read_endpoints(settings)
-        assert (endpoint.role, endpoint.url) == ("unit-role", url)
+        assert (endpoint.role, endpoint.url, endpoint.token) == ("unit-role", url, False)
+        # The file is Prometheus file_sd: a list of target groups with string labels.
+        [group] = json.loads(endpoint.path.read_text())
+        assert group["targets"] == [url.removeprefix("http://").removesuffix("/metrics")]
+        assert group["labels"]["role"] == "unit-role" and group["labels"]["__metrics_path__"] == "/metrics"
+        assert all(isinstance(v, str) for v in group["labels"].values())
+        assert endpoint.path.parent == tmp_path / "run" / metrics.ENDPOINTS_DIR
         metrics.count_out("agl.rollouts", 3)
         with urllib.request.urlopen(url, timeout=60) as response:
             text = response.read().decode()
@@ -201,14 +209,20 @@ async def test_status_shows_dead_endpoints_and_no_kafka_without_failing(tmp_path
     settings = Settings(data_dir=tmp_path, kafka_bootstrap="127.0.0.1:1")  # nothing listens there
     folder = tmp_path / "run" / "metrics"
     folder.mkdir(parents=True)
-    (folder / "processor-999999.json").write_text(
-        json.dumps({"role": "processor", "pid": 999999999, "url": "http://127.0.0.1:1/metrics"})
+    here = socket.gethostname()
+    dead = metrics.target_groups(
+        "processor", 999999999, "http://127.0.0.1:1/metrics", host=here, started=0, token=False
     )
+    (folder / f"processor-{here}-999999999.json").write_text(json.dumps(dead))
+    # Another host's process (a container sharing the folder): its pid says nothing here.
+    elsewhere = metrics.target_groups("batcher", 1, "http://127.0.0.1:1/metrics", host="other", started=0, token=False)
+    (folder / "batcher-other-1.json").write_text(json.dumps(elsewhere))
     (folder / "garbage.json").write_text("{")
     seen = await monitor.observe(settings, interval_s=0.1, kafka_timeout_s=2.0)
-    assert [(v.role, v.state) for v in seen.roles] == [("processor", "exited")]
+    assert [(v.role, v.state) for v in seen.roles] == [("batcher", "not answering"), ("processor", "exited")]
     assert seen.lags == [] and seen.kafka_error
-    assert not (folder / "processor-999999.json").exists()  # a dead process's file is cleared
+    assert not (folder / f"processor-{here}-999999999.json").exists()  # a dead process's file is cleared
+    assert (folder / "batcher-other-1.json").exists()
 
 
 def test_training_samples_and_trajectory_breaks_are_counted_by_reason() -> None:
@@ -220,3 +234,44 @@ def test_training_samples_and_trajectory_breaks_are_counted_by_reason() -> None:
     metrics.count_samples(1, {})
     assert built._value.get() == before_built + 3
     assert drift._value.get() == before_drift + 1
+
+
+def test_endpoint_files_are_file_sd_target_groups_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "gateway-h-7.json"
+    groups = metrics.target_groups("gateway", 7, "http://[::1]:8642/metrics", host="h", started=12.5, token=True)
+    assert groups == [
+        {
+            "targets": ["[::1]:8642"],
+            "labels": {
+                "role": "gateway",
+                "pid": "7",
+                "__metrics_path__": "/metrics",
+                "__scheme__": "http",
+                "__meta_agl_auth": "bearer",
+                "__meta_agl_started": "12.500",
+                "__meta_agl_host": "h",
+            },
+        }
+    ]
+    [endpoint] = metrics.parse_target_groups(json.loads(json.dumps(groups)), path)
+    assert endpoint == metrics.Endpoint("gateway", 7, "http://[::1]:8642/metrics", path, host="h", token=True)
+    # A group that is not ours (no role or pid label) is skipped; a file that is no list is refused.
+    assert metrics.parse_target_groups([{"targets": ["x:1"], "labels": {"job": "other"}}], path) == []
+    with pytest.raises(ValueError, match="file_sd"):
+        metrics.parse_target_groups({"role": "processor", "pid": 1, "url": "http://x/metrics"}, path)
+    with pytest.raises(ValueError, match="no scheme"):
+        metrics.target_groups("processor", 1, "127.0.0.1:9464", host="h", started=0, token=False)
+
+
+def test_a_wildcard_listener_is_advertised_at_a_reachable_address() -> None:
+    assert metrics.reachable_host("127.0.0.1") == "127.0.0.1"
+    assert metrics.reachable_host("0.0.0.0", lambda name: "10.1.2.3") == "10.1.2.3"
+    assert metrics.reachable_host("::", lambda name: "10.1.2.3") == "10.1.2.3"
+
+
+def test_http_roles_advertise_their_metrics_as_taking_the_token(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    with metrics.advertised(settings, "unit-http", "http://127.0.0.1:8642/metrics") as path:
+        [endpoint] = monitor.read_endpoints(settings)
+        assert endpoint.path == path and endpoint.token and endpoint.host == socket.gethostname()
+    assert not path.exists()

@@ -135,7 +135,7 @@ def test_a_model_path_is_the_trainers_initial_model_and_the_served_one() -> None
 def test_every_key_that_cannot_be_used_is_named_at_once_with_why() -> None:
     config = {
         **NESTED,
-        "trainer": {**NESTED["trainer"], "n_gpus_per_node": 8, "logger": ["console"], "totl_epochs": 3},
+        "trainer": {**NESTED["trainer"], "n_gpus_per_node": 8, "logger": ["console", "swanlab"], "totl_epochs": 3},
         "actor_rollout_ref": {
             **NESTED["actor_rollout_ref"],
             "rollout": {"n": 0, "name": "vllm", "gpu_memory_utilization": 0.6},
