@@ -52,7 +52,7 @@ from agl_stream.ports import free_ports
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import span_dicts_of
 from producers.replay import replay
-from producers.replay_history import attempt_history, span_values, write_history
+from tests.replay_history import attempt_history, span_values, write_history
 
 
 def constant_reward(spans: list[Span]) -> float:

@@ -89,34 +89,24 @@ class RolloutFilter(BaseModel):
         return None if isinstance(value, str) and not value.strip() else value
 
 
+_ROLLOUT_CONDITIONS = {
+    "status": "status = {status:String}",
+    "mode": "mode = {mode:String}",
+    "policy_version": "policy_version = {policy_version:Int64}",
+    # The group id is the task's metadata (GRPO groups); the rollout id is tried as well so
+    # that one box finds a rollout by id.
+    "group_id": "(JSONExtractString(ifNull(metadata, ''), 'group_id') = {group_id:String}"
+    " OR rollout_id = {group_id:String})",
+    "since": "start_time >= {since:Float64}",
+    "until": "start_time < {until:Float64}",
+}
+"""Each filter of :class:`RolloutFilter` (its field name) -> its WHERE condition."""
+
+
 def rollout_conditions(f: RolloutFilter) -> tuple[list[str], dict[str, Any]]:
     """The WHERE conditions of ``f`` and their parameters (values are bound, never pasted)."""
-    where: list[str] = []
-    params: dict[str, Any] = {}
-    if f.status is not None:
-        where.append("status = {status:String}")
-        params["status"] = f.status
-    if f.mode is not None:
-        where.append("mode = {mode:String}")
-        params["mode"] = f.mode
-    if f.policy_version is not None:
-        where.append("policy_version = {policy_version:Int64}")
-        params["policy_version"] = f.policy_version
-    if f.group_id is not None:
-        # The group id is the task's metadata (GRPO groups); the rollout id is tried as well so
-        # that one box finds a rollout by id.
-        where.append(
-            "(JSONExtractString(ifNull(metadata, ''), 'group_id') = {group_id:String}"
-            " OR rollout_id = {group_id:String})"
-        )
-        params["group_id"] = f.group_id
-    if f.since is not None:
-        where.append("start_time >= {since:Float64}")
-        params["since"] = f.since
-    if f.until is not None:
-        where.append("start_time < {until:Float64}")
-        params["until"] = f.until
-    return where, params
+    params = {name: value for name in _ROLLOUT_CONDITIONS if (value := getattr(f, name)) is not None}
+    return [_ROLLOUT_CONDITIONS[name] for name in params], params
 
 
 def rollouts_page(database: str, f: RolloutFilter) -> tuple[Query, Query]:

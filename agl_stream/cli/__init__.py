@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -47,19 +47,19 @@ __all__ = ["app", "main", "settings_of"]
 @app.callback()
 def _root(
     ctx: typer.Context,
-    data_dir: Annotated[Optional[Path], typer.Option(help="Local state folder (env AGL_DATA_DIR).")] = None,  # noqa: UP045
+    data_dir: Annotated[Path | None, typer.Option(help="Local state folder (env AGL_DATA_DIR).")] = None,
     bootstrap: Annotated[
         str | None,
         typer.Option(help="Use this Kafka cluster instead of the local broker (env AGL_KAFKA_BOOTSTRAP)."),
     ] = None,
-    topic_prefix: Annotated[Optional[str], typer.Option(help="Topic name prefix (env AGL_TOPIC_PREFIX).")] = None,  # noqa: UP045
+    topic_prefix: Annotated[str | None, typer.Option(help="Topic name prefix (env AGL_TOPIC_PREFIX).")] = None,
     clickhouse_url: Annotated[
         str | None, typer.Option(help="ClickHouse server URL; unset = embedded chDB (env AGL_CLICKHOUSE_URL).")
     ] = None,
-    log_level: Annotated[Optional[str], typer.Option(help="DEBUG, INFO, WARNING or ERROR (env AGL_LOG_LEVEL).")] = None,  # noqa: UP045
-    log_format: Annotated[Optional[str], typer.Option(help="console or json (env AGL_LOG_FORMAT).")] = None,  # noqa: UP045
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING or ERROR (env AGL_LOG_LEVEL).")] = None,
+    log_format: Annotated[str | None, typer.Option(help="console or json (env AGL_LOG_FORMAT).")] = None,
     set_: Annotated[
-        Optional[list[str]],  # noqa: UP045
+        list[str] | None,
         typer.Option(
             "--set", metavar="NAME=VALUE", help="Any other setting, e.g. --set producer_linger_ms=20 (repeatable)."
         ),

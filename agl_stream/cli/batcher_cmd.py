@@ -8,7 +8,7 @@ The rules are agl_stream/domain/batching.py.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -48,11 +48,11 @@ def batcher(
     ctx: typer.Context,
     max_rollouts: Annotated[int, typer.Option(min=1, help="Most records (finished attempts) per batch.")] = 64,
     max_tokens: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(min=1, help="Most prompt + response tokens per batch (default: no limit)."),
     ] = None,
     group_size: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(min=1, help="Records per GRPO group (same group_id); groups are never split. Default: none."),
     ] = None,
     wait_for_groups: Annotated[
@@ -73,7 +73,7 @@ def batcher(
         ),
     ] = OnGroupTimeout.flush,
     max_staleness: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(
             parser=_staleness,
             metavar="K|none",
@@ -93,13 +93,13 @@ def batcher(
         float, typer.Option(min=0.0, help="Seconds a partial batch waits for more before it goes out anyway.")
     ] = 30.0,
     input_topic: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(
             help="Full name of the topic of triplet records to read (default: <prefix>.triplets).",
         ),
     ] = None,
     output_topic: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(
             help="Full name of the batches topic, with the input's partition count (default: <prefix>.triplet-batches)."
         ),

@@ -28,7 +28,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Annotated, Optional
+from typing import IO, TYPE_CHECKING, Annotated
 
 import typer
 
@@ -322,7 +322,7 @@ def enqueue(
         str, typer.Option(help="Mixed into derived request ids: the same file with a new salt is new tasks.")
     ] = "",
     ids: Annotated[
-        Optional[Path],  # noqa: UP045
+        Path | None,
         typer.Option(help="Write {line, request_id, rollout_id, outcome} per sent or already enqueued line here."),
     ] = None,
 ) -> None:

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -281,21 +281,18 @@ def export(
         typer.Option("--format", help="hf: datasets save_to_disk folder; parquet: one file; jsonl: chat JSON lines."),
     ] = OutputFormat.hf,
     where: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="SQL condition on the rollouts table, e.g. \"mode = 'train' AND start_time > 1767225600\"."),
     ] = None,
     policy_version: Annotated[
-        Optional[list[int]],  # noqa: UP045
+        list[int] | None,
         typer.Option("--policy-version", help="Only rollouts run with this policy version (repeatable)."),
     ] = None,
     replay: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="Only the attempts of replay NAME's topic, with the replay's rewards and versions."),
     ] = None,
-    min_reward: Annotated[
-        Optional[float],  # noqa: UP045
-        typer.Option(help="sft: only conversations rewarded at least this."),
-    ] = None,
+    min_reward: Annotated[float | None, typer.Option(help="sft: only conversations rewarded at least this.")] = None,
     min_margin: Annotated[
         float, typer.Option(min=0.0, help="dpo: pair only when best and worst reward differ by more than this.")
     ] = 0.0,

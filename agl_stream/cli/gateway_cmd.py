@@ -6,7 +6,7 @@ The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md,
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,9 +15,9 @@ from agl_stream.cli.context import settings_of
 
 def gateway(
     ctx: typer.Context,
-    host: Annotated[Optional[str], typer.Option(help="Address to bind (env AGL_GATEWAY_HOST).")] = None,  # noqa: UP045
+    host: Annotated[str | None, typer.Option(help="Address to bind (env AGL_GATEWAY_HOST).")] = None,
     port: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(min=0, max=65535, help="Port to bind, 0 for a free one (env AGL_GATEWAY_PORT)."),
     ] = None,
     query_clients: Annotated[int, typer.Option(min=1, help="Queries that may run at once.")] = 4,

@@ -8,7 +8,7 @@ The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -30,7 +30,7 @@ def inference(
         bool, typer.Option("--follow/--no-follow", help="Load new checkpoints published to agl.resources.")
     ] = True,
     checkpoint: Annotated[
-        Optional[Path],  # noqa: UP045
+        Path | None,
         typer.Option(
             "--model",
             "--checkpoint",
@@ -49,11 +49,11 @@ def inference(
         str, typer.Option(help="cpu: serve in this process (torch); vllm: run vLLM's OpenAI server as a child.")
     ] = "cpu",
     vllm_command: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="--engine vllm: the server command, split like a shell (default: python -m vllm's server)."),
     ] = None,
     vllm_arg: Annotated[
-        Optional[list[str]],  # noqa: UP045
+        list[str] | None,
         typer.Option(help="--engine vllm: one more argument for the server, repeatable (--vllm-arg=--enforce-eager)."),
     ] = None,
     ready_timeout: Annotated[

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -44,11 +44,11 @@ def jars(ctx: typer.Context) -> None:
 def start(
     ctx: typer.Context,
     port: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(help="Client port (env AGL_KAFKA_PORT, default 9092).", min=1, max=65535),
     ] = None,
     controller_port: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(
             help="KRaft controller port (env AGL_KAFKA_CONTROLLER_PORT, default 9093).",
             min=1,
@@ -56,11 +56,11 @@ def start(
         ),
     ] = None,
     heap: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="JVM heap, e.g. 512m or 2g (env AGL_KAFKA_HEAP, default 512m)."),
     ] = None,
     brokers: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(
             help=(
                 "Nodes of a local cluster, each a broker and a KRaft voter (env AGL_KAFKA_BROKERS, "
@@ -101,7 +101,7 @@ def stop(
     ctx: typer.Context,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean shutdown before SIGKILL.")] = 30.0,
     node: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(help="Stop only this node of a local cluster; `kafka start` brings it back.", min=1),
     ] = None,
     kill: Annotated[bool, typer.Option(help="With --node: SIGKILL it at once, as a crash would.")] = False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -35,7 +35,7 @@ def _load_model_list(path: Path) -> list[dict[str, Any]]:
 def llm_proxy(
     ctx: typer.Context,
     backend: Annotated[
-        Optional[list[str]],  # noqa: UP045
+        list[str] | None,
         typer.Option(
             "--backend",
             metavar="MODEL=URL",
@@ -47,7 +47,7 @@ def llm_proxy(
         ),
     ] = None,
     model_list: Annotated[
-        Optional[Path],  # noqa: UP045
+        Path | None,
         typer.Option(
             help="A LiteLLM Router model_list as JSON, for what --backend cannot say (served names, keys, rpm).",
             exists=True,
@@ -57,7 +57,7 @@ def llm_proxy(
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0 for every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind, 0 for a free one.")] = 8090,
     api_key: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(envvar="AGL_LLM_BACKEND_API_KEY", help="API key the --backend servers expect."),
     ] = None,
     logprobs: Annotated[
@@ -81,7 +81,7 @@ def llm_proxy(
         ),
     ] = 1,
     agl_v1_model: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(
             metavar="MODEL",
             help=(
@@ -93,7 +93,7 @@ def llm_proxy(
         ),
     ] = None,
     agl_v1_key: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(
             envvar="AGL_V1_KEY",
             help="The key 1.0's clients send (its server's key=): required on every route but /healthz.",

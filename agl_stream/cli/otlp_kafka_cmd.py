@@ -6,7 +6,7 @@ The CLI is the one part of ``agl_stream`` above the roles (docs/architecture.md,
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,13 +16,10 @@ from agl_stream.cli.context import settings_of
 def otlp_kafka(
     ctx: typer.Context,
     topic: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="Topic the collector's Kafka exporter writes to, not prefixed (env AGL_OTLP_KAFKA_TOPIC)."),
     ] = None,
-    group: Annotated[
-        Optional[str],  # noqa: UP045
-        typer.Option(help="Consumer group on that topic (env AGL_OTLP_KAFKA_GROUP)."),
-    ] = None,
+    group: Annotated[str | None, typer.Option(help="Consumer group on that topic (env AGL_OTLP_KAFKA_GROUP).")] = None,
     encoding: Annotated[
         str, typer.Option(help="The exporter's encoding: otlp_proto (its default) or otlp_json.")
     ] = "otlp_proto",

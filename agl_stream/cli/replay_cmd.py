@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -24,33 +24,33 @@ def replay(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Replay name: output topic <prefix>.triplets.replay.NAME.")],
     offsets: Annotated[
-        Optional[list[str]],  # noqa: UP045
+        list[str] | None,
         typer.Option("--offsets", help="PARTITION:FROM-TO of agl.spans (TO exclusive, either side optional)."),
     ] = None,
     from_offset: Annotated[
-        Optional[list[str]],  # noqa: UP045
+        list[str] | None,
         typer.Option("--from-offset", help="PARTITION:OFFSET, first offset read in that partition."),
     ] = None,
     to_offset: Annotated[
-        Optional[list[str]],  # noqa: UP045
+        list[str] | None,
         typer.Option("--to-offset", help="PARTITION:OFFSET, end (exclusive) in that partition."),
     ] = None,
     from_time: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="Spans written at or after this time (ISO 8601, UTC if naive, or epoch seconds)."),
     ] = None,
     to_time: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="Spans written before this time (ISO 8601 or epoch seconds)."),
     ] = None,
     sql: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(
             help='Replay the rollouts this query returns (first column), e.g. "SELECT rollout_id FROM rollouts".'
         ),
     ] = None,
     reward: Annotated[
-        Optional[str],  # noqa: UP045
+        str | None,
         typer.Option(help="pkg.mod:fn, called with an attempt's spans; its float (or None) replaces the final reward."),
     ] = None,
     incomplete: Annotated[
@@ -62,7 +62,7 @@ def replay(
     exclude_llm_call_in_reward: ExcludeLlmCallInReward = True,
     aggregation: AggregationOption = "transition",
     workers: Annotated[
-        Optional[int],  # noqa: UP045
+        int | None,
         typer.Option(min=1, help="Processes reading partitions in parallel (default: one per CPU; 1: none)."),
     ] = None,
 ) -> None:

@@ -60,5 +60,6 @@ def select(columns: Iterable[str], prefix: str = "") -> str:
 
 def micros(value: float) -> int:
     """Float seconds as the microsecond ticks of a DateTime64(6) (for rows inserted from Python),
-    truncated as the engine converts a Float64."""
-    return int(value * 1_000_000)
+    to the nearest microsecond, as the ingest SQL converts them and the models keep them
+    (:data:`agl_stream.models.base.StoredSeconds`)."""
+    return round(value * 1_000_000)

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from agl_stream.domain.llm_calls.messages import json_value
 from agl_stream.domain.llm_calls.spans import (
     INPUT_MESSAGES_KEY,
     OUTPUT_MESSAGES_KEY,
@@ -53,8 +54,6 @@ attempt (the 1.0 lifecycle). A store rollout with it is a 1.0 rollout."""
 ATTEMPT_ID = "0"
 """1.0's only attempt id (its controller starts each rollout once)."""
 V1State = Literal["queuing", "running", "succeeded", "failed"]
-STATES: tuple[V1State, ...] = ("queuing", "running", "succeeded", "failed")
-TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
 TRANSITIONS: dict[str, frozenset[str]] = {
     "queuing": frozenset({"running", "failed"}),
     "running": frozenset({"succeeded", "failed"}),
@@ -298,15 +297,6 @@ def events_of(spans: Iterable[Span]) -> list[dict[str, Any]]:
     return events
 
 
-def _loads(value: Any) -> Any:
-    if not isinstance(value, str):
-        return None
-    try:
-        return json.loads(value)
-    except ValueError:
-        return None
-
-
 def _ints(value: Any) -> list[int] | None:
     return [int(v) for v in value] if isinstance(value, list | tuple) else None
 
@@ -359,13 +349,13 @@ def model_request_of(span: Span) -> dict[str, Any]:
     attributes = span.attributes
     model = attributes.get("gen_ai.request.model")
     request: dict[str, Any] = {"model": model}
-    inputs = _loads(attributes.get(INPUT_MESSAGES_KEY))
+    inputs = json_value(attributes.get(INPUT_MESSAGES_KEY))
     if isinstance(inputs, list):
         request["messages"] = [openai_message(m) for m in inputs if isinstance(m, Mapping)]
     for key, value in attributes.items():
         if key.startswith("gen_ai.request.") and key != "gen_ai.request.model":
             request[key.removeprefix("gen_ai.request.")] = value
-    outputs = _loads(attributes.get(OUTPUT_MESSAGES_KEY))
+    outputs = json_value(attributes.get(OUTPUT_MESSAGES_KEY))
     choice: dict[str, Any] = {"index": 0}
     if isinstance(outputs, list) and outputs and isinstance(outputs[0], Mapping):
         choice["message"] = openai_message(outputs[0])
@@ -373,7 +363,7 @@ def model_request_of(span: Span) -> dict[str, Any]:
     response_ids = _ints(attributes.get("response_token_ids"))
     if response_ids is not None:
         choice["token_ids"] = response_ids
-    logprobs = _loads(attributes.get("logprobs.content"))
+    logprobs = json_value(attributes.get("logprobs.content"))
     if isinstance(logprobs, list):
         choice["logprobs"] = {"content": logprobs}
     input_tokens = attributes.get("gen_ai.usage.input_tokens")

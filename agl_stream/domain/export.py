@@ -37,7 +37,6 @@ Shapes (TRL's "conversational" formats):
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from typing import Any, Literal
 
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
 from agl_stream.domain.agl_v1 import openai_message
-from agl_stream.domain.llm_calls.messages import json_text
+from agl_stream.domain.llm_calls.messages import json_text, json_value
 from agl_stream.domain.llm_calls.spans import INPUT_MESSAGES_KEY, OUTPUT_MESSAGES_KEY, TOOLS_KEY
 from agl_stream.errors import AglError
 from agl_stream.models import Span
@@ -122,20 +121,11 @@ class ExportSummary:
         self.left_out.update(other.left_out)
 
 
-def _loads(value: Any) -> Any:
-    if not isinstance(value, str):
-        return None
-    try:
-        return json.loads(value)
-    except ValueError:
-        return None
-
-
 def _call_messages(span: Span) -> tuple[list[dict[str, Any]], dict[str, Any], list[Any] | None] | str:
     """(input messages, the answer, tools) of a call's span in OpenAI's chat shape, or why not."""
     attributes = span.attributes
-    inputs = _loads(attributes.get(INPUT_MESSAGES_KEY))
-    outputs = _loads(attributes.get(OUTPUT_MESSAGES_KEY))
+    inputs = json_value(attributes.get(INPUT_MESSAGES_KEY))
+    outputs = json_value(attributes.get(OUTPUT_MESSAGES_KEY))
     if attributes.get("agl.truncated") is True and (inputs is None or outputs is None):
         return "messages dropped from a span over the size limit (agl.truncated)"
     if not isinstance(inputs, list) or not inputs:
@@ -146,7 +136,7 @@ def _call_messages(span: Span) -> tuple[list[dict[str, Any]], dict[str, Any], li
     answer = openai_message(outputs[0])
     answer.pop("role", None)
     answer = {"role": "assistant", **answer}
-    tools = _loads(attributes.get(TOOLS_KEY))
+    tools = json_value(attributes.get(TOOLS_KEY))
     return sent, answer, tools if isinstance(tools, list) and tools else None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -27,6 +28,17 @@ MAX_EPOCH_SECONDS = 9_200_000_000.0
 EpochSeconds: TypeAlias = Annotated[float, Field(ge=0.0, le=MAX_EPOCH_SECONDS, allow_inf_nan=False)]
 """A point in time as seconds since the epoch: finite, from 1970 to 2261 (NaN, infinities and
 1e300 are refused with a clear error at the edge instead of failing in the engine)."""
+
+
+def _to_microsecond(value: float) -> float:
+    return round(value * 1_000_000) / 1_000_000
+
+
+StoredSeconds: TypeAlias = Annotated[EpochSeconds, AfterValidator(_to_microsecond)]
+"""A time of the store's state (rollouts, attempts, workers, resources, their events): to the
+nearest microsecond, as its tables keep it (DateTime64(6); the ingest SQL rounds the same way,
+in the same float arithmetic), so a time read back from ClickHouse equals the one the processor
+answered with. Spans keep :data:`EpochSeconds` (their table holds nanoseconds)."""
 
 QUEUING_STATUSES: frozenset[str] = frozenset({"queuing", "requeuing"})
 RUNNING_STATUSES: frozenset[str] = frozenset({"preparing", "running"})

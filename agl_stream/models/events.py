@@ -16,11 +16,11 @@ from typing_extensions import Self
 from agl_stream.models.base import (
     AglModel,
     AttemptStatus,
-    EpochSeconds,
     JsonObject,
     JsonValue,
     RolloutMode,
     RolloutStatus,
+    StoredSeconds,
     UnionMember,
     union_tag,
 )
@@ -128,9 +128,9 @@ class AttemptUpdated(_PartialUpdate):
     attempt_id: str
     status: AttemptStatus | None = None
     worker_id: str | None = None
-    last_heartbeat_time: EpochSeconds | None = None
+    last_heartbeat_time: StoredSeconds | None = None
     metadata: JsonObject | None = None
-    end_time: EpochSeconds | None = None
+    end_time: StoredSeconds | None = None
 
     @classmethod
     def of(cls, attempt_id: str, **changes: Any) -> AttemptUpdated:
@@ -173,7 +173,7 @@ class WatchdogFired(UnionMember):
 
     attempt_id: str
     status: AttemptStatus
-    observed_heartbeat_time: EpochSeconds | None = None
+    observed_heartbeat_time: StoredSeconds | None = None
 
 
 RolloutEventPayload: TypeAlias = Annotated[
@@ -207,7 +207,7 @@ class RolloutEvent(AglModel):
 
     event_id: str
     rollout_id: str
-    time: EpochSeconds
+    time: StoredSeconds
     writer: str
     payload: RolloutEventPayload
 
@@ -225,10 +225,10 @@ class RolloutState(AglModel):
     attempts: list[Attempt] = Field(default_factory=list)
     version: int
     cause_event_id: str
-    cause_time: EpochSeconds
+    cause_time: StoredSeconds
     next_sequence_ids: dict[str, int] = Field(default_factory=dict)
     reserved_sequence_id: int | None = None
-    finished_time: EpochSeconds | None = None
+    finished_time: StoredSeconds | None = None
     input_offset: int = -1
     span_counts: dict[str, int] = Field(default_factory=dict)
     watchers: list[str] = Field(default_factory=list)

@@ -6,7 +6,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 from pydantic import Field
 
-from agl_stream.models.base import AglModel, EpochSeconds, JsonObject, UnionMember
+from agl_stream.models.base import AglModel, JsonObject, StoredSeconds, UnionMember
 
 
 class _Endpoint(UnionMember):
@@ -86,8 +86,8 @@ class ResourcesUpdate(AglModel):
     avro_name: ClassVar[str] = "agl.ResourcesUpdate"
 
     resources_id: str
-    create_time: EpochSeconds
-    update_time: EpochSeconds
+    create_time: StoredSeconds
+    update_time: StoredSeconds
     version: int
     resources: dict[str, Resource] = Field(default_factory=dict)
 

@@ -9,11 +9,11 @@ from pydantic import Field
 from agl_stream.models.base import (
     AglModel,
     AttemptStatus,
-    EpochSeconds,
     JsonObject,
     JsonValue,
     RolloutMode,
     RolloutStatus,
+    StoredSeconds,
     WorkerStatus,
 )
 
@@ -36,8 +36,8 @@ class Rollout(AglModel):
 
     rollout_id: str
     input: JsonValue
-    start_time: EpochSeconds
-    end_time: EpochSeconds | None = None
+    start_time: StoredSeconds
+    end_time: StoredSeconds | None = None
     mode: RolloutMode | None = None
     resources_id: str | None = None
     status: RolloutStatus = "queuing"
@@ -53,11 +53,11 @@ class Attempt(AglModel):
     rollout_id: str
     attempt_id: str
     sequence_id: int = Field(ge=1)
-    start_time: EpochSeconds
-    end_time: EpochSeconds | None = None
+    start_time: StoredSeconds
+    end_time: StoredSeconds | None = None
     status: AttemptStatus = "preparing"
     worker_id: str | None = None
-    last_heartbeat_time: EpochSeconds | None = None
+    last_heartbeat_time: StoredSeconds | None = None
     metadata: JsonObject | None = None
 
 
@@ -69,10 +69,10 @@ class Worker(AglModel):
     worker_id: str
     status: WorkerStatus = "unknown"
     heartbeat_stats: JsonObject | None = None
-    last_heartbeat_time: EpochSeconds | None = None
-    last_dequeue_time: EpochSeconds | None = None
-    last_busy_time: EpochSeconds | None = None
-    last_idle_time: EpochSeconds | None = None
+    last_heartbeat_time: StoredSeconds | None = None
+    last_dequeue_time: StoredSeconds | None = None
+    last_busy_time: StoredSeconds | None = None
+    last_idle_time: StoredSeconds | None = None
     current_rollout_id: str | None = None
     current_attempt_id: str | None = None
 

@@ -21,8 +21,8 @@ from agl_stream.local.processes import role_environment
 from agl_stream.models import Span, TripletBatch, TripletRecord
 from agl_stream.wire.codec import Codec
 from producers.replay import replay
-from producers.replay_history import attempt_history, rollout_id_of, write_history
 from tests.integration.helpers import read_topic, start_role, stop_role
+from tests.replay_history import attempt_history, rollout_id_of, write_history
 
 pytestmark = pytest.mark.integration
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,8 @@ def test_triplet_records_and_batches_become_rows_and_copies_collapse(tmp_path: P
     assert (row["input_offsets"], row["input_position"]) == ([7, 8, 9], 10)
     assert (row["min_policy_version"], row["max_policy_version"], row["newest_policy_version"]) == (3, 3, 3)
     assert (row["group_size"], row["incomplete_groups"], row["dropped_offsets"]) == (None, 0, [])
-    assert (row["created_time"], row["kafka_partition"], row["kafka_offset"]) == (5.0, 2, 0)
+    assert row["created_time"] == datetime.fromtimestamp(5.0, timezone.utc).replace(tzinfo=None)  # DateTime64, UTC
+    assert (row["kafka_partition"], row["kafka_offset"]) == (2, 0)
     assert empty["batch_id"] == "tb-none" and empty["mean_final_reward"] is None
 
 

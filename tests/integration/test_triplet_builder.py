@@ -26,8 +26,8 @@ from agl_stream.models import DlqRecord, RolloutState, TripletRecord
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import SPAN_BATCH
 from processors.triplets import TripletBuilder
-from producers.replay_history import AttemptHistory, attempt_history, rollout_id_of, span_values
 from tests.integration.helpers import read_topic, start_role, stop_role
+from tests.replay_history import AttemptHistory, attempt_history, rollout_id_of, span_values
 
 pytestmark = pytest.mark.integration
 

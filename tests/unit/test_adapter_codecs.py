@@ -20,7 +20,7 @@ from agl_stream.errors import CodecError
 from agl_stream.models import Span, Triplet, TripletRecord
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import span_dict_records, span_dicts_of
-from producers.replay_history import attempt_history, span_values
+from tests.replay_history import attempt_history, span_values
 
 CODEC = Codec.default()
 

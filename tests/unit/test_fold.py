@@ -115,7 +115,7 @@ def run(state: RolloutState | None, payload: RolloutEventPayload, time: float = 
         new = result.state
         assert new is not None and result.error is None
         assert new.version == (state.version + 1 if state is not None else 1)
-        assert new.cause_event_id == event.event_id and new.cause_time == time
+        assert new.cause_event_id == event.event_id and new.cause_time == event.time
         if not isinstance(payload, SpanSequenceRequested):
             assert new.reserved_sequence_id is None
         terminal = new.rollout.status in TERMINAL_STATUSES

@@ -15,7 +15,7 @@ from agl_stream.domain.replay import PartitionReplay, ReplaySettings, canonical
 from agl_stream.domain.trace_collector import TraceCollector, spans_by_attempt, triplet_record
 from agl_stream.models import RolloutEvent, RolloutState, Span, TripletBatch, TripletRecord
 from agl_stream.wire.codec import Codec
-from producers.replay_history import AttemptHistory, attempt_history, span_values
+from tests.replay_history import AttemptHistory, attempt_history, span_values
 
 ATTEMPTS = 8
 CALLS = 3

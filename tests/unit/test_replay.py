@@ -29,7 +29,7 @@ from agl_stream.errors import MalformedRecordError
 from agl_stream.models import Span, TripletRecord
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import span_dict_records
-from producers.replay_history import attempt_history, span_values
+from tests.replay_history import attempt_history, span_values
 
 
 def test_offset_ranges_parse_and_combine() -> None:

@@ -141,3 +141,13 @@ def messages_json(messages: Sequence[InputMessage | OutputMessage]) -> str:
 def json_text(value: Any) -> str:
     # allow_nan: logprobs may hold -inf; Python's json reads it back, as the seed's reader does.
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=True)
+
+
+def json_value(text: Any) -> Any:
+    """What a JSON-text attribute (:func:`json_text`'s) holds; None when it is no string or no JSON."""
+    if not isinstance(text, str):
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -5,7 +5,7 @@ SELECT
     record.batch_id AS batch_id,
     toUInt64(record.sequence) AS sequence,
     CAST(record.source_partition AS Nullable(UInt32)) AS source_partition,
-    toDateTime64(record.created_time, 6, 'UTC') AS created_time,
+    fromUnixTimestamp64Micro(toInt64(round(record.created_time * 1e6)), 'UTC') AS created_time,
     toUInt32(length(record.records)) AS n_records,
     toUInt32(arraySum(r -> length(r.triplets), record.records)) AS n_triplets,
     toUInt64(record.n_tokens) AS n_tokens,

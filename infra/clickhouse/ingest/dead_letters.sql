@@ -5,7 +5,7 @@ SELECT
     record.source_topic AS source_topic,
     toUInt32(kafka_partition) AS kafka_partition,
     toUInt64(kafka_offset) AS kafka_offset,
-    toDateTime64(record.time, 6, 'UTC') AS time,
+    fromUnixTimestamp64Micro(toInt64(round(record.time * 1e6)), 'UTC') AS time,
     record.source_partition AS source_partition,
     record.source_offset AS source_offset,
     record.key AS key,

@@ -4,8 +4,8 @@
 SELECT
     record.rollout.rollout_id AS rollout_id,
     record.rollout.input AS input,
-    toDateTime64(record.rollout.start_time, 6, 'UTC') AS start_time,
-    toDateTime64(record.rollout.end_time, 6, 'UTC') AS end_time,
+    fromUnixTimestamp64Micro(toInt64(round(record.rollout.start_time * 1e6)), 'UTC') AS start_time,
+    fromUnixTimestamp64Micro(toInt64(round(record.rollout.end_time * 1e6)), 'UTC') AS end_time,
     CAST(record.rollout.mode AS Nullable(String)) AS mode,
     record.rollout.resources_id AS resources_id,
     toString(record.rollout.status) AS status,
@@ -13,8 +13,8 @@ SELECT
     record.rollout.metadata AS metadata,
     toUInt64(record.version) AS version,
     record.cause_event_id AS cause_event_id,
-    toDateTime64(record.cause_time, 6, 'UTC') AS cause_time,
-    toDateTime64(record.finished_time, 6, 'UTC') AS finished_time,
+    fromUnixTimestamp64Micro(toInt64(round(record.cause_time * 1e6)), 'UTC') AS cause_time,
+    fromUnixTimestamp64Micro(toInt64(round(record.finished_time * 1e6)), 'UTC') AS finished_time,
     -- The latest attempt's (the runner records it in the attempt's metadata).
     if(empty(record.attempts), NULL,
        JSONExtract(ifNull(arrayElement(record.attempts, -1).metadata, ''), 'policy_version', 'Nullable(Int64)'))

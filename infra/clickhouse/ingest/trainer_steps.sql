@@ -4,7 +4,7 @@ SELECT
     record.batch_id AS batch_id,
     record.model AS model,
     record.policy_version AS policy_version,
-    toDateTime64(record.step_time, 6, 'UTC') AS step_time,
+    fromUnixTimestamp64Micro(toInt64(round(record.step_time * 1e6)), 'UTC') AS step_time,
     record.step_seconds AS step_seconds,
     record.idle_seconds AS idle_seconds,
     toUInt64(record.tokens) AS tokens,

@@ -9,7 +9,7 @@ SELECT
     toUInt64(arraySum(t -> length(t.prompt_token_ids), record.triplets)) AS prompt_tokens,
     toUInt64(arraySum(t -> length(t.response_token_ids), record.triplets)) AS response_tokens,
     record.final_reward AS final_reward,
-    toDateTime64(record.finish_time, 6, 'UTC') AS finish_time,
+    fromUnixTimestamp64Micro(toInt64(round(record.finish_time * 1e6)), 'UTC') AS finish_time,
     CAST(record.mode AS Nullable(String)) AS mode,
     toUInt32(kafka_partition) AS kafka_partition,
     toUInt64(kafka_offset) AS kafka_offset

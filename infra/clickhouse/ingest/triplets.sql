@@ -20,7 +20,7 @@ SELECT
     triplet.prompt_extra AS prompt_extra,
     triplet.response_extra AS response_extra,
     record.final_reward AS final_reward,
-    toDateTime64(record.finish_time, 6, 'UTC') AS finish_time,
+    fromUnixTimestamp64Micro(toInt64(round(record.finish_time * 1e6)), 'UTC') AS finish_time,
     CAST(record.mode AS Nullable(String)) AS mode,
     arrayMap(m -> toUInt8(m), triplet.response_mask) AS response_mask,
     toUInt32(triplet.calls) AS calls,
