@@ -5,6 +5,8 @@ Nothing here does I/O (no Kafka, ClickHouse, HTTP, files or processes): every mo
 without any, and a contract in ``pyproject.toml`` ([tool.importlinter]) keeps it that way.
 
 - ``fold``: a rollout's state after an event (the store's transition table);
+- ``rollout_core``: the rollout processor's state and every decision of a batch (claims, queue,
+  admission, retention, watchdog deadlines), under its Kafka shell in ``processors/rollouts.py``;
 - ``watchdog``: timeouts and unresponsive attempts as events;
 - ``queue``: which queued rollout a claim gets;
 - ``adapter``: spans -> trace tree -> RL triplets;
@@ -12,5 +14,7 @@ without any, and a contract in ``pyproject.toml`` ([tool.importlinter]) keeps it
 - ``batching``: triplet records -> training batches (groups, staleness);
 - ``ingress``: task requests -> rollout events, and why a request is refused;
 - ``replay``: historical spans -> triplet records (offline RL);
-- ``llm_calls``: LLM requests and responses -> spans.
+- ``llm_calls``: LLM requests and responses -> spans;
+- ``export``: finished rollouts' LLM calls -> chat conversations and preference pairs;
+- ``dead_letters``: reading, counting and resubmitting dead letters.
 """
