@@ -199,6 +199,8 @@ __all__ = [
     "Span",
     "SpanContext",
     "StatusCode",
+    "StoreCapabilities",
+    "StoreStatistics",
     "Task",
     "TaskInput",
     "TraceStatus",
