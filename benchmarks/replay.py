@@ -32,12 +32,15 @@ import argparse
 import asyncio
 import gc
 import json
+import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.replay_history, from the repository root
 
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets

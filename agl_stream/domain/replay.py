@@ -31,10 +31,10 @@ from agl_stream.domain.trace_collector import (
     spans_by_attempt,
     triplet_record,
 )
-from agl_stream.errors import AglError, CodecError, MalformedRecordError
+from agl_stream.errors import AglError, CodecError
 from agl_stream.models import ResourcesUpdate, RolloutEvent, RolloutState, Span, TripletRecord
 from agl_stream.wire.codec import Codec
-from agl_stream.wire.span_records import span_dicts_of
+from agl_stream.wire.span_records import spans_of
 
 RewardFn = Callable[[list[Span]], "float | None"]
 IncompletePolicy = Literal["skip", "emit"]
@@ -190,20 +190,6 @@ class ReplaySettings(BaseModel):
     def digest(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
-
-
-# --------------------------------------------------------------------------------------------
-# Spans for a --reward function
-# --------------------------------------------------------------------------------------------
-
-
-def validated_span(datum: dict[str, Any]) -> Span:
-    """A user's ``--reward`` function gets validated span models (the hot path reads
-    :class:`~agl_stream.domain.adapter.lean.LeanSpan` tuples straight from the bytes)."""
-    try:
-        return Span.model_validate(datum)
-    except ValueError as exc:
-        raise MalformedRecordError(f"agl.Span does not validate: {exc}") from exc
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,14 +400,17 @@ class PartitionReplay:
         self.states[event.rollout_id] = result.state
         self.collector.add_state(result.state, STATE_TOKEN, 0.0)
 
+    def _spans_of(self, value: bytes) -> Sequence[Span | LeanSpan]:
+        """Lean spans read from the bytes; validated models where a ``--reward`` function reads
+        them (what the live builder reads)."""
+        if self.reward_fn is None:
+            return self.decoder.decode(value)
+        return spans_of(self.codec, value)
+
     def add_spans(self, offset: int, value: bytes) -> None:
         """One record of agl.spans (an agl.Span or an agl.SpanBatch, good or bad as a whole)."""
-        spans: Sequence[Span | LeanSpan]
         try:
-            if self.reward_fn is None:
-                spans = self.decoder.decode(value)
-            else:
-                spans = [validated_span(datum) for datum in span_dicts_of(self.codec, value)]
+            spans = self._spans_of(value)
         except CodecError as error:
             self.tally.malformed_spans.add(f"{self.spans_topic}[{self.partition}]@{offset}: {error}")
             return

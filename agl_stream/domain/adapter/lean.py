@@ -13,7 +13,7 @@ input on both paths; a key the adapter starts to read must be added here, or its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from agl_stream.models import Span
@@ -24,9 +24,11 @@ __all__ = [
     "REWARDISH_KEYS",
     "REWARD_PREFIX",
     "LeanSpan",
+    "TokenIds",
     "is_adapter_key",
     "lean_attributes",
     "lean_span",
+    "token_ids",
 ]
 
 REWARD_PREFIX = "agentlightning.reward"
@@ -68,6 +70,27 @@ ADAPTER_KEYS = frozenset(
 """Every attribute key the adapter reads, besides those under :data:`REWARD_PREFIX`."""
 
 
+class TokenIds(list[int]):
+    """Token ids read from a record, with the Avro varints they were read from (``varints``:
+    each id's zig-zag varint, in order, as fastavro writes it).
+
+    Every item is a non-negative ``int`` (the reader only makes one when that holds), so the
+    adapter takes it without checking each id, and the triplet encoder writes ``varints`` instead
+    of encoding every id again. Like the rest of a LeanSpan, never mutated. Built as a list
+    (list's own constructor, in C), then ``varints`` set: :func:`token_ids`.
+    """
+
+    __slots__ = ("varints",)
+    varints: bytes
+
+
+def token_ids(ids: Iterable[int], varints: bytes) -> TokenIds:
+    """:class:`TokenIds` of non-negative ``ids`` read from ``varints``."""
+    made = TokenIds(ids)
+    made.varints = varints
+    return made
+
+
 def is_adapter_key(key: str) -> bool:
     return key in ADAPTER_KEYS or key.startswith(REWARD_PREFIX)
 
@@ -94,8 +117,11 @@ class LeanSpan(NamedTuple):
 
 def lean_attributes(attributes: Mapping[str, Any] | None) -> tuple[dict[str, Any], bool]:
     """The adapter's attributes of a span (same order), and whether one is reward-like."""
-    kept = {key: value for key, value in (attributes or {}).items() if is_adapter_key(key)}
-    rewardish = any(key in REWARDISH_KEYS or key.startswith(REWARD_PREFIX) for key in kept)
+    if not attributes:
+        return {}, False
+    # is_adapter_key inline: no function call per key (the live builder converts every span)
+    kept = {key: value for key, value in attributes.items() if key in ADAPTER_KEYS or key.startswith(REWARD_PREFIX)}
+    rewardish = not REWARDISH_KEYS.isdisjoint(kept) or any(key.startswith(REWARD_PREFIX) for key in kept)
     return kept, rewardish
 
 

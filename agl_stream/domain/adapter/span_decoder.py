@@ -23,9 +23,16 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from agl_stream.domain.adapter.lean import ADAPTER_KEYS, REWARD_PREFIX, REWARDISH_KEYS, LeanSpan, lean_attributes
+from agl_stream.domain.adapter.lean import (
+    ADAPTER_KEYS,
+    REWARD_PREFIX,
+    REWARDISH_KEYS,
+    LeanSpan,
+    lean_attributes,
+    token_ids,
+)
 from agl_stream.errors import MalformedRecordError
 from agl_stream.models.spans import SPAN_ID_MAX_LENGTH
 from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec
@@ -115,6 +122,7 @@ _HALF = bytes(b >> 1 for b in range(256))
 
 def _longs(data: bytes, pos: int, count: int) -> tuple[list[int], int] | None:
     """``count`` items that are all of the long branch (token ids); None if they are not.
+    Non-negative ids read on the fast paths come as :class:`TokenIds` (with their varints).
 
     Each item is a union index 0 (the byte 00) then a varint, which holds no 00 byte unless it
     is the value 0. So splitting on 00 gives the varints themselves, and the memo maps them to
@@ -126,15 +134,20 @@ def _longs(data: bytes, pos: int, count: int) -> tuple[list[int], int] | None:
     if len(seg) == 2 * count and values.isascii() and seg[0::2].count(0) == count:
         # Every value one byte (ids < 64): halve them when none is negative (odd).
         if not values.translate(None, _EVEN):
-            return list(values.translate(_HALF)), pos + 2 * count
+            return token_ids(values.translate(_HALF), values), pos + 2 * count
     window = data[pos : pos + 4 * count + 2]
     pieces = window.split(b"\x00", count + 1)
     if len(pieces) == count + 2 and not pieces[0]:
         rest = len(pieces[-1]) + 1  # the separator after the last varint is not the array's
         del pieces[0], pieces[count:]
-        ints = list(map(_VARINT_VALUES.get, pieces))
-        if None not in ints:
-            return ints, pos + len(window) - rest  # type: ignore[return-value]
+        found = list(map(_VARINT_VALUES.get, pieces))
+        if None not in found:
+            ints = cast("list[int]", found)
+            end = pos + len(window) - rest
+            if min(ints) >= 0:
+                # The memo's varints hold no 00 byte, so each is the minimal one fastavro writes.
+                return token_ids(ints, b"".join(pieces)), end
+            return ints, end
     return _longs_one_by_one(data, pos, count)
 
 

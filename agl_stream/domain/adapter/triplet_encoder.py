@@ -14,6 +14,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from agl_stream.domain.adapter.lean import TokenIds
 from agl_stream.domain.adapter.span_decoder import NotFast
 from agl_stream.models import TripletRecord
 from agl_stream.wire.avro_primitives import zigzag
@@ -54,8 +55,28 @@ def _size(value: int) -> bytes:
     return _VARINTS[value] if value < len(_VARINTS) else _varint(value)
 
 
-_json_text = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")).encode
-"""``codec.dump_json`` without building an encoder per call (json.dumps does, for these options)."""
+def _json_writer() -> Callable[[Any], str]:
+    """``codec.dump_json`` without building an encoder per call: json.dumps builds a
+    ``JSONEncoder`` per call for these options, and its ``encode`` a C encoder per call (most of
+    the cost of a triplet's metadata). This one C encoder is built once, without the circular
+    reference check (its ``markers`` would be shared state): a cycle, or anything nested too
+    deep, raises RecursionError, and the codec writes that record (and raises its own error)."""
+    options = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # no C accelerator: the encoder's own path
+        return options.encode
+    chunks = make(
+        None, options.default, json.encoder.encode_basestring, None, options.key_separator,
+        options.item_separator, options.sort_keys, options.skipkeys, options.allow_nan,
+    )  # fmt: skip
+
+    def text(value: Any) -> str:
+        return "".join(chunks(value, 0))
+
+    return text
+
+
+_json_text = _json_writer()
 
 _Write = Callable[[Any, list[bytes]], None]
 """Appends the Avro bytes of a value to a list; raises NotFast where fastavro's rules are not
@@ -92,7 +113,14 @@ def _write_json(value: Any, out: list[bytes]) -> None:
 
 
 def _write_longs(values: Any, out: list[bytes]) -> None:
-    """An array of longs (token ids: through the table, in C loops)."""
+    """An array of longs (token ids: through the table, in C loops; ids read from a record as
+    they were read)."""
+    if type(values) is TokenIds:
+        if values:
+            out.append(_size(len(values)))
+            out.append(values.varints)
+        out.append(b"\x00")
+        return
     if type(values) is not list:
         raise NotFast
     if values:
@@ -254,7 +282,7 @@ class TripletRecordEncoder:
             out = [self.header]
             try:
                 self._write(record, out)
-            except (NotFast, ValueError, TypeError, UnicodeEncodeError, AttributeError):
+            except (NotFast, ValueError, TypeError, UnicodeEncodeError, AttributeError, RecursionError):
                 pass  # the codec writes it, or raises its own error
             else:
                 return b"".join(out)

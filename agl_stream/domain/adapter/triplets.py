@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, StrictBool, field_validator
 
 from agl_stream.agent.emitters import get_reward_value
-from agl_stream.domain.adapter.lean import LeanSpan
+from agl_stream.domain.adapter.lean import LeanSpan, TokenIds
 from agl_stream.domain.adapter.trajectory import Aggregation, aggregate_triplets
 from agl_stream.domain.adapter.tree import TraceNode, agent_name_of, build_tree, node_key, repair_hierarchy
 from agl_stream.models import Span, Triplet
@@ -185,6 +185,8 @@ def _token_ids(attributes: Mapping[str, Any], keys: Sequence[str]) -> tuple[list
     """(ids, None) or (None, why not), from the first of ``keys`` present."""
     key = _first_key(attributes, keys)
     value = attributes.get(key)
+    if type(value) is TokenIds and value:  # read from a record: non-negative ints already
+        return value, None
     if value is None:
         return None, f"no {key}"
     if isinstance(value, tuple):
