@@ -149,7 +149,7 @@ class OtlpKafkaConsumer:
         settings = self.settings
         self.ingest.start()
         try:
-            async with Outbox.started(settings, PROCESSOR, linger_ms=0) as self._outbox:
+            async with Outbox.started(settings, PROCESSOR) as self._outbox:
                 log.info("otlp-kafka started", topic=self.topic, group=self.group, encoding=self.encoding)
                 await run_processor(
                     settings,

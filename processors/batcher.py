@@ -114,7 +114,7 @@ class BatcherProcessor:
         )
         # Batches are large: the request limit is the topic's, not the default 4 MiB.
         async with Outbox.started(
-            settings, PROCESSOR, self.codec, max_request_size=self._max_batch_bytes + (64 << 10), linger_ms=0
+            settings, PROCESSOR, self.codec, max_request_size=self._max_batch_bytes + (64 << 10)
         ) as self._outbox:
             await journal.start()
             try:

@@ -337,8 +337,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     # Replies go to writers' own topics; one that vanished must not hold up the batch for long.
     # Not idempotent: a topic deleted under a pending send must fail that send, not the producer,
     # and a duplicate answer is harmless (the writer takes the first).
-    replies = make_producer(settings, linger_ms=1, request_timeout_ms=5000, enable_idempotence=False)
-    async with Outbox.started(settings, PROCESSOR, codec, linger_ms=1) as outbox:
+    replies = make_producer(settings, request_timeout_ms=5000, enable_idempotence=False)
+    async with Outbox.started(settings, PROCESSOR, codec) as outbox:
         await replies.start()
         processor = RolloutProcessor(settings, outbox, replies, codec)
         try:

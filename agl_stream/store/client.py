@@ -93,8 +93,7 @@ class AglStore(StoreReads):
         self.request_timeout = request_timeout if request_timeout is not None else settings.request_timeout_s
         self.codec = Codec.default()
         self.writer = f"client-{uuid.uuid4().hex[:12]}"
-        # A 2 ms linger lets concurrent requests share produce requests: far less broker work.
-        self._producer: AIOKafkaProducer = make_producer(settings, linger_ms=2)
+        self._producer: AIOKafkaProducer = make_producer(settings)
         self._records = Outbox(settings, self._producer, self.writer, self.codec)
         self._replies = ReplyChannel(settings, self.writer, self.codec)
         self._replies.send_keepalive = self._producer.send_and_wait
