@@ -235,7 +235,7 @@ class AglStore(StoreReads):
             mode=mode,
             resources_id=resources_id,
             status="queuing",
-            config=(config or RolloutConfig()).model_copy(deep=True),
+            config=RolloutConfig() if config is None else config.model_copy(deep=True),
             # An empty mapping when none is given, as the seed's stores record it.
             metadata={} if metadata is None else dict(metadata),
         )
