@@ -9,7 +9,6 @@ record it cannot write the way fastavro does, and any schema with a type it does
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ from agl_stream.domain.adapter.lean import TokenIds
 from agl_stream.domain.adapter.span_decoder import NotFast
 from agl_stream.models import TripletRecord
 from agl_stream.wire.avro_primitives import zigzag
-from agl_stream.wire.codec import Codec
+from agl_stream.wire.codec import Codec, dump_json
 
 __all__ = ["TripletRecordEncoder"]
 
@@ -55,29 +54,6 @@ def _size(value: int) -> bytes:
     return _VARINTS[value] if value < len(_VARINTS) else _varint(value)
 
 
-def _json_writer() -> Callable[[Any], str]:
-    """``codec.dump_json`` without building an encoder per call: json.dumps builds a
-    ``JSONEncoder`` per call for these options, and its ``encode`` a C encoder per call (most of
-    the cost of a triplet's metadata). This one C encoder is built once, without the circular
-    reference check (its ``markers`` would be shared state): a cycle, or anything nested too
-    deep, raises RecursionError, and the codec writes that record (and raises its own error)."""
-    options = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"))
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:  # no C accelerator: the encoder's own path
-        return options.encode
-    chunks = make(
-        None, options.default, json.encoder.encode_basestring, None, options.key_separator,
-        options.item_separator, options.sort_keys, options.skipkeys, options.allow_nan,
-    )  # fmt: skip
-
-    def text(value: Any) -> str:
-        return "".join(chunks(value, 0))
-
-    return text
-
-
-_json_text = _json_writer()
-
 _Write = Callable[[Any, list[bytes]], None]
 """Appends the Avro bytes of a value to a list; raises NotFast where fastavro's rules are not
 this module's to repeat (other types than the schema's, branches it would have to guess)."""
@@ -109,7 +85,7 @@ def _write_null(value: Any, out: list[bytes]) -> None:
 
 
 def _write_json(value: Any, out: list[bytes]) -> None:
-    _write_string(_json_text(value), out)
+    _write_string(dump_json(value), out)
 
 
 def _write_longs(values: Any, out: list[bytes]) -> None:
