@@ -169,7 +169,9 @@ class _WalkerCompiler:
       records as ``(name, record)``; turn it into ``{**record, "-type": name}``.
     - ``"encode"``: check that each value of a union of several records names its record
       (``"-type"`` or a tuple), since fastavro would otherwise pick the first branch whose
-      fields happen to fit; and tag the items of lists written to a union's array-of-scalars
+      fields happen to fit, and hand it on as a ``(name, record)`` pair, which fastavro writes
+      as that branch at once instead of validating the value against every record of the
+      union first (more than half the cost of encoding a rollout event); and tag the items of lists written to a union's array-of-scalars
       branch (span attributes) with their branch, which spares fastavro validating every item
       against every branch (twice as fast for token-id lists).
 
