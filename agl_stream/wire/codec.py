@@ -171,9 +171,10 @@ class _WalkerCompiler:
       (``"-type"`` or a tuple), since fastavro would otherwise pick the first branch whose
       fields happen to fit, and hand it on as a ``(name, record)`` pair, which fastavro writes
       as that branch at once instead of validating the value against every record of the
-      union first (more than half the cost of encoding a rollout event); and tag the items of lists written to a union's array-of-scalars
-      branch (span attributes) with their branch, which spares fastavro validating every item
-      against every branch (twice as fast for token-id lists).
+      union first (more than half the cost of encoding a rollout event); and tag the items
+      of lists written to a union's array-of-scalars branch (span attributes) with their
+      branch, which spares fastavro validating every item against every branch (twice as fast
+      for token-id lists).
 
     Schemas where nothing applies get no walker at all (``root is None``).
     """
