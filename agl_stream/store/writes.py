@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from aiokafka.structs import RecordMetadata
 
@@ -247,11 +247,20 @@ class StoreWrites:
         }
 
     async def answers(self, replies: Sequence[asyncio.Future[Reply]], timeout: float) -> list[Reply]:
-        """Every answer within ``timeout`` (AglError otherwise; the first rejection raises)."""
-        try:
-            answers: list[Reply] = await asyncio.wait_for(asyncio.gather(*replies), timeout)
-        except TimeoutError as error:
-            raise no_answer(timeout) from error
+        """Every answer within ``timeout`` (AglError otherwise; the first rejection raises).
+
+        asyncio.wait, not wait_for over gather: cancelled while waiting (a runner stopping), the
+        gather would end holding a CancelledError nobody retrieves, which asyncio logs as an
+        error; the futures themselves are cancelled by ``ReplyChannel.expecting``."""
+        if not replies:
+            return []
+        await asyncio.wait(replies, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        for reply in replies:
+            if reply.done() and not reply.cancelled() and reply.exception() is not None:
+                raise cast(BaseException, reply.exception())
+        if not all(reply.done() for reply in replies):
+            raise no_answer(timeout)
+        answers = [reply.result() for reply in replies]
         for answer in answers:
             self.note_answer(answer)
         return answers
