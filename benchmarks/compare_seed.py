@@ -51,6 +51,11 @@ refuses a timeout over 0.1 s, and the in-memory server waits for each unfinished
 (min(32, CPUs + 4) threads), so one call over N unfinished rollouts lasts about
 N x timeout / threads (seconds for thousands of ids; ``--wait-timeout 0`` avoids it).
 
+``--repeat N`` runs each side N times, alternating the sides (agl-stream, seed, agl-stream, ...),
+so a machine that drifts slows both alike; the table shows each side's median run (by
+rollouts/s: one real run, so its figures belong together), and a line per side gives the
+spread of rollouts/s and store-side CPU over its runs. Every run is kept in the JSON (``runs``).
+
 Run: ``python benchmarks/compare_seed.py`` (``--only seed|agl``, ``--rollouts 2000``). JSON goes
 to benchmarks/results/compare_seed.json (compare_seed_clients.json with --clients-scaling).
 Everything started here is stopped on the way out.
@@ -634,6 +639,28 @@ def _run_side(name: str, make_store: Any, logs: Path, work: Workload) -> dict[st
         return {"error": f"{type(error).__name__}: {error}"}
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median rollouts/s (the lower middle of an even count) among those that
+    finished; the first failure when none did."""
+    finished = sorted((r for r in runs if "error" not in r), key=lambda r: r["rollouts_per_s"])
+    if not finished:
+        return runs[0]
+    return finished[(len(finished) - 1) // 2]
+
+
+def spread(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Lowest and highest rollouts/s and store-side CPU ms per rollout over the finished runs."""
+    finished = [r for r in runs if "error" not in r]
+    rates = [r["rollouts_per_s"] for r in finished]
+    cpu = [r["cpu_ms_per_rollout"]["store_side"] for r in finished]
+    return {
+        "runs": len(runs),
+        "failed": len(runs) - len(finished),
+        "rollouts_per_s": [min(rates), max(rates)] if rates else None,
+        "cpu_ms_per_rollout_store_side": [min(cpu), max(cpu)] if cpu else None,
+    }
+
+
 def _clients_scaling(counts: list[int], logs: Path, work: Workload) -> list[dict[str, Any]]:
     total = work.runner_processes * work.runners_per_process
     rows: list[dict[str, Any]] = []
@@ -741,6 +768,14 @@ def _print_sides(out: Console, report: dict[str, Any], sides: list[str]) -> None
                 f"[yellow]{side}: the hypervisor took {result['machine_cpu_seconds']['steal']:.1f} CPU s (steal)"
                 " during its run: its rates and latencies are noisy[/yellow]"
             )
+    for side, range_ in report.get("spread", {}).items():
+        rates, cpu = range_["rollouts_per_s"], range_["cpu_ms_per_rollout_store_side"]
+        if rates is not None:
+            out.print(
+                f"{side} over {range_['runs']} runs (the table shows the median): rollouts/s {rates[0]:,.0f}-"
+                f"{rates[1]:,.0f}, store-side CPU {cpu[0]:.2f}-{cpu[1]:.2f} ms/rollout"
+                + (f", {range_['failed']} failed" if range_["failed"] else "")
+            )
     if "ratio_agl_over_seed" in report:
         out.print(f"agl-stream / seed, rollouts/s: [bold]{report['ratio_agl_over_seed']['rollouts_per_s']:.2f}x[/bold]")
 
@@ -805,6 +840,12 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a phase may take")
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per side, alternating the sides; the table shows each side's median run and the spread",
+    )
+    parser.add_argument(
         "--claim-wait",
         type=float,
         default=0.0,
@@ -818,6 +859,8 @@ def main() -> None:
         help="JSON results (default: results/compare_seed.json; results/compare_seed_clients.json when scaling)",
     )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     work = Workload(
         rollouts=args.rollouts,
         runner_processes=args.runner_processes,
@@ -852,10 +895,20 @@ def main() -> None:
             counts = [int(c) for c in args.clients_scaling.split(",") if c.strip()]
             report["clients_scaling"] = _clients_scaling(counts, logs, work)
         else:
-            if args.only in ("agl", "both"):
-                report["sides"]["agl-stream"] = _run_side("agl-stream", agl_store, logs, work)
-            if args.only in ("seed", "both"):
-                report["sides"]["seed"] = _run_side("seed", seed_store, logs, work)
+            sides = [
+                (name, make)
+                for name, make, wanted in (("agl-stream", agl_store, "agl"), ("seed", seed_store, "seed"))
+                if args.only in (wanted, "both")
+            ]
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in sides}
+            for _ in range(args.repeat):  # alternating: a machine that drifts slows both sides alike
+                for name, make in sides:
+                    runs[name].append(_run_side(name, make, logs, work))
+            for name, results in runs.items():
+                report["sides"][name] = median_run(results)
+            if args.repeat > 1:
+                report["runs"] = runs
+                report["spread"] = {name: spread(results) for name, results in runs.items()}
             agl, seed = report["sides"].get("agl-stream", {}), report["sides"].get("seed", {})
             if "rollouts_per_s" in agl and "rollouts_per_s" in seed:
                 report["ratio_agl_over_seed"] = {
@@ -870,8 +923,11 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     console.print(f"results: {out}")
-    if any("error" in side for side in report["sides"].values()) or any(
-        "error" in row for row in report.get("clients_scaling", [])
+    failed = [run for side in report.get("runs", {}).values() for run in side if "error" in run]
+    if (
+        failed
+        or any("error" in side for side in report["sides"].values())
+        or any("error" in row for row in report.get("clients_scaling", []))
     ):
         sys.exit(1)
 
