@@ -259,8 +259,16 @@ class TableSink:
                 self.consumer.seek(tp, target)
                 positions[tp.partition] = target
                 self.applied_next[tp.partition] = max(self.applied_next.get(tp.partition, 0), target)
-        # Everything before these positions is in ClickHouse already: fences on it may pass.
+        # Everything before these positions is in ClickHouse already: fences on it may pass, and
+        # the sink_offsets row says so at once. A partition whose rows were all in before a crash
+        # gets no batch after it, so no later row would: its row stayed where the crashed sink
+        # last wrote one, and a reader waiting on it there (a ClickHouse server) waited for the
+        # next record of that partition. The row keeps the highest offset, so writing one that
+        # is already there changes nothing.
         self._notify(positions)
+        if positions:
+            applied_now = {TopicPartition(self.topic, p): offset for p, offset in positions.items()}
+            await asyncio.to_thread(self._record_offsets, applied_now)
 
     def _notify(self, positions: Mapping[int, int]) -> None:
         if self.on_applied is not None and positions:

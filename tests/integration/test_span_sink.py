@@ -6,9 +6,12 @@ with spans as single agl.Span records and as agl.SpanBatch records (many spans, 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
+import time
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -80,6 +83,49 @@ async def test_kill_9_halfway_loses_nothing_and_duplicates_nothing(settings: Set
         ).result_rows
         applied = {partition: offset for partition, offset in rows}
     assert {tp.partition: end for tp, end in ends.items()} == applied
+
+
+def _has_logged(path: Path, text: str) -> bool:
+    return path.exists() and text in path.read_text(errors="replace")
+
+
+async def _logged(path: Path, text: str, *, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(_has_logged, path, text):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not log {text!r} within {timeout}s")
+        await asyncio.sleep(0.1)
+
+
+async def test_a_restart_with_every_row_in_brings_the_offsets_row_to_the_end(settings: Settings) -> None:
+    """Killed after all its rows were in and committed, but before its sink_offsets row caught up
+    (the embedded engine writes one every few seconds), the sink is started again: it has
+    nothing to insert, and the row must still reach the end, or a reader waiting on that row (a
+    ClickHouse server's fence) waits for the next record of the partition."""
+    await admin.apply(settings)
+    ends = await produce_spans(settings, 400, rollouts=40, per_record=1)
+    group = _group(settings)
+    # Small batches: the first one's offsets row is far from the end, and the later ones come
+    # before the next row is due.
+    sink = start_role(settings, "sink", "--batch-size", "20", "--flush-ms", "50", log_name="sink1")
+    try:
+        await wait_for_group(settings, group, ends, timeout=120)
+        sink.send_signal(signal.SIGKILL)
+        sink.wait(30)
+    finally:
+        stop_role(sink)
+    sink = start_role(settings, "sink", "--batch-size", "20", "--flush-ms", "50", log_name="sink2")
+    try:
+        await _logged(Path(settings.data_dir) / "sink2.log", "partitions assigned")
+    finally:
+        assert stop_role(sink) == 0
+    with clickhouse(settings) as ch:
+        db = settings.clickhouse_database
+        rows = ch.query(
+            f"SELECT Partition, max(NextOffset) FROM {db}.sink_offsets FINAL GROUP BY Partition"
+        ).result_rows
+        assert int(str(ch.command(f"SELECT count() FROM {db}.otel_traces"))) == 400
+    assert {partition: offset for partition, offset in rows} == {tp.partition: end for tp, end in ends.items()}
 
 
 async def test_undecodable_record_goes_to_the_dlq_and_the_sink_keeps_going(settings: Settings) -> None:
