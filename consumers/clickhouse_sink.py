@@ -250,6 +250,7 @@ class TableSink:
         assert self.consumer is not None
         applied = await asyncio.to_thread(self.applied_offsets)
         positions: dict[int, int] = {}
+        resumed: dict[TopicPartition, int] = {}
         for tp in assigned:
             committed = await self.consumer.committed(tp) or 0
             target = max(applied.get(tp.partition, 0), committed)
@@ -257,7 +258,7 @@ class TableSink:
                 log.info("skipping rows already applied", partition=tp.partition, offset=target, committed=committed)
             if target > 0:
                 self.consumer.seek(tp, target)
-                positions[tp.partition] = target
+                positions[tp.partition] = resumed[tp] = target
                 self.applied_next[tp.partition] = max(self.applied_next.get(tp.partition, 0), target)
         # Everything before these positions is in ClickHouse already: fences on it may pass, and
         # the sink_offsets row says so at once. A partition whose rows were all in before a crash
@@ -266,9 +267,8 @@ class TableSink:
         # next record of that partition. The row keeps the highest offset, so writing one that
         # is already there changes nothing.
         self._notify(positions)
-        if positions:
-            applied_now = {TopicPartition(self.topic, p): offset for p, offset in positions.items()}
-            await asyncio.to_thread(self._record_offsets, applied_now)
+        if resumed:
+            await asyncio.to_thread(self._record_offsets, resumed)
 
     def _notify(self, positions: Mapping[int, int]) -> None:
         if self.on_applied is not None and positions:

@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
-from typing import TypeVar, cast
+from typing import TypeVar
 
 from aiokafka.structs import RecordMetadata
 
@@ -256,8 +256,8 @@ class StoreWrites:
             return []
         await asyncio.wait(replies, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
         for reply in replies:
-            if reply.done() and not reply.cancelled() and reply.exception() is not None:
-                raise cast(BaseException, reply.exception())
+            if reply.done() and not reply.cancelled() and (error := reply.exception()) is not None:
+                raise error
         if not all(reply.done() for reply in replies):
             raise no_answer(timeout)
         answers = [reply.result() for reply in replies]
