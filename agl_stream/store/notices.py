@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 from agl_stream.logs import get_logger
 from agl_stream.models import Rollout
@@ -41,7 +42,7 @@ class FinishedRollouts:
     def __init__(self) -> None:
         self._finished: dict[str, Rollout] = {}
         self._watched: dict[str, float] = {}  # rollout id -> when hearing of it was last confirmed
-        self._seen = asyncio.Event()
+        self._waits: list[_Wait] = []  # the waits in progress, each told of what it waits for
         self._reported_unknown: set[str] = set()  # ids a wait warned about once
 
     def heard(self, rollout: Rollout) -> bool:
@@ -51,7 +52,8 @@ class FinishedRollouts:
             return False
         remember(self._finished, {rollout.rollout_id: rollout}, _FINISHED_MEMORY)
         self._watched.pop(rollout.rollout_id, None)  # nothing more to hear of it
-        self._seen.set()
+        for waiting in self._waits:
+            waiting.heard(rollout)
         return True
 
     def watching(self, rollout_id: str) -> None:
@@ -92,17 +94,36 @@ class FinishedRollouts:
         ]
 
     async def wait(self, rollout_ids: Sequence[str], timeout: float | None) -> dict[str, Rollout]:
-        """Those of ``rollout_ids`` heard finished before ``timeout``, by id."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        got: dict[str, Rollout] = {}  # kept here: the memory of finished ones is bounded
-        while True:
-            self._seen.clear()
-            got.update((rid, self._finished[rid]) for rid in rollout_ids if rid not in got and rid in self._finished)
-            left = None if deadline is None else deadline - time.monotonic()
-            if len(got) == len(rollout_ids) or (left is not None and left <= 0):
-                return got
-            with contextlib.suppress(TimeoutError):  # then one last look
-                await asyncio.wait_for(self._seen.wait(), left)
+        """Those of ``rollout_ids`` heard finished before ``timeout``, by id. A notice costs the
+        waits in progress one set lookup each, whatever the number of ids they wait for (the
+        seed's algorithm waits on thousands at once, and each notice used to rescan them all)."""
+        waiting = _Wait({rid: self._finished[rid] for rid in rollout_ids if rid in self._finished})
+        waiting.missing.update(rid for rid in rollout_ids if rid not in waiting.got)
+        if not waiting.missing or (timeout is not None and timeout <= 0):
+            return waiting.got
+        self._waits.append(waiting)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiting.all_heard.wait(), timeout)
+        finally:
+            self._waits.remove(waiting)
+        return waiting.got
+
+
+@dataclass
+class _Wait:
+    """One wait_for_rollouts in progress: what it got, and the ids it still waits for."""
+
+    got: dict[str, Rollout]  # kept here: the memory of finished ones is bounded
+    missing: set[str] = field(default_factory=set)
+    all_heard: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def heard(self, rollout: Rollout) -> None:
+        if rollout.rollout_id in self.missing:
+            self.missing.discard(rollout.rollout_id)
+            self.got[rollout.rollout_id] = rollout
+            if not self.missing:
+                self.all_heard.set()
 
 
 class ClaimQueues:
