@@ -249,7 +249,6 @@ class TableSink:
     async def seek_past_applied(self, assigned: list[TopicPartition]) -> None:
         assert self.consumer is not None
         applied = await asyncio.to_thread(self.applied_offsets)
-        positions: dict[int, int] = {}
         resumed: dict[TopicPartition, int] = {}
         for tp in assigned:
             committed = await self.consumer.committed(tp) or 0
@@ -258,7 +257,7 @@ class TableSink:
                 log.info("skipping rows already applied", partition=tp.partition, offset=target, committed=committed)
             if target > 0:
                 self.consumer.seek(tp, target)
-                positions[tp.partition] = resumed[tp] = target
+                resumed[tp] = target
                 self.applied_next[tp.partition] = max(self.applied_next.get(tp.partition, 0), target)
         # Everything before these positions is in ClickHouse already: fences on it may pass, and
         # the sink_offsets row says so at once. A partition whose rows were all in before a crash
@@ -266,7 +265,7 @@ class TableSink:
         # last wrote one, and a reader waiting on it there (a ClickHouse server) waited for the
         # next record of that partition. The row keeps the highest offset, so writing one that
         # is already there changes nothing.
-        self._notify(positions)
+        self._notify({tp.partition: offset for tp, offset in resumed.items()})
         if resumed:
             await asyncio.to_thread(self._record_offsets, resumed)
 

@@ -5,7 +5,6 @@ The test plays the reply channel: it calls ``heard`` as the processor's notices 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from agl_stream.models import Rollout
 from agl_stream.store.notices import FinishedRollouts
@@ -15,12 +14,9 @@ def _rollout(rollout_id: str, status: str = "succeeded") -> Rollout:
     return Rollout.model_validate({"rollout_id": rollout_id, "input": {}, "start_time": 1.0, "status": status})
 
 
-async def _until(condition: Callable[[], object], deadline_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while not condition():
-        assert loop.time() < end, "condition not reached in time"
-        await asyncio.sleep(0.001)
+async def _started() -> None:
+    """Let the waits just created run to their first await: a wait registers before it."""
+    await asyncio.sleep(0)
 
 
 async def test_what_was_heard_before_is_answered_at_once() -> None:
@@ -35,7 +31,7 @@ async def test_a_wait_ends_when_the_last_id_is_heard() -> None:
     finished = FinishedRollouts()
     finished.heard(_rollout("r1"))
     waiting = asyncio.create_task(finished.wait(["r1", "r2", "r3"], timeout=600))
-    await _until(lambda: finished._waits)
+    await _started()
     finished.heard(_rollout("r3", status="failed"))
     finished.heard(_rollout("other"))  # nobody waits for it
     await asyncio.sleep(0)
@@ -49,7 +45,7 @@ async def test_a_wait_ends_when_the_last_id_is_heard() -> None:
 async def test_a_wait_that_times_out_answers_what_it_heard() -> None:
     finished = FinishedRollouts()
     waiting = asyncio.create_task(finished.wait(["r1", "r2"], timeout=0.05))
-    await _until(lambda: finished._waits)
+    await _started()
     finished.heard(_rollout("r2"))
     got = await asyncio.wait_for(waiting, 60)
     assert list(got) == ["r2"]
@@ -60,7 +56,7 @@ async def test_concurrent_waits_each_hear_their_own_ids() -> None:
     finished = FinishedRollouts()
     first = asyncio.create_task(finished.wait(["a", "shared"], timeout=600))
     second = asyncio.create_task(finished.wait(["b", "shared"], timeout=600))
-    await _until(lambda: len(finished._waits) == 2)
+    await _started()
     for rid in ("shared", "a", "b"):
         finished.heard(_rollout(rid))
     assert set(await asyncio.wait_for(first, 60)) == {"a", "shared"}
@@ -70,7 +66,7 @@ async def test_concurrent_waits_each_hear_their_own_ids() -> None:
 async def test_a_cancelled_wait_stops_listening() -> None:
     finished = FinishedRollouts()
     waiting = asyncio.create_task(finished.wait(["r1"], timeout=None))
-    await _until(lambda: finished._waits)
+    await _started()
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     assert finished._waits == []
