@@ -13,9 +13,7 @@ import agl_stream
 
 def _type_checking_names() -> set[str]:
     tree = ast.parse(Path(agl_stream.__file__).read_text())
-    block = next(
-        node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
-    )
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
     names: set[str] = set()
     for node in ast.walk(block):
         if isinstance(node, ast.ImportFrom):
