@@ -304,10 +304,13 @@ def test_resubmit_refuses_foreign_topics_asks_first_and_sends_back(
     asyncio.run(publish())
     sent = _cli(settings, "resubmit", ids["garbage"], ids["resources"], stdin="y\n")
     assert sent.exit_code == 0, sent.output
-    offsets = {
-        line.split()[1]: int(line.rsplit(" ", 1)[1]) for line in sent.stdout.splitlines() if line.startswith("sent ")
+    # "sent <id> -> <topic> partition <p> offset <o>": a position is a partition and an offset
+    # (the topic has several partitions, so an offset alone names a record in each of them).
+    positions = {
+        words[1]: (int(words[5]), int(words[7]))
+        for words in (line.split() for line in sent.stdout.splitlines() if line.startswith("sent "))
     }
-    assert set(offsets) == {ids["garbage"], ids["resources"]}
+    assert set(positions) == {ids["garbage"], ids["resources"]}
     assert asyncio.run(_total(settings, "task-requests")) == before + 2
 
     async def outcome() -> list[Any]:
@@ -326,7 +329,7 @@ def test_resubmit_refuses_foreign_topics_asks_first_and_sends_back(
         dlq_records(
             settings,
             1,
-            lambda r: r.source_topic == source and r.source_offset == offsets[ids["garbage"]],
+            lambda r: r.source_topic == source and (r.source_partition, r.source_offset) == positions[ids["garbage"]],
             timeout=120,
         )
     )
@@ -334,6 +337,6 @@ def test_resubmit_refuses_foreign_topics_asks_first_and_sends_back(
     resent = [
         m
         for m in asyncio.run(read_to_end(settings, source))
-        if m.offset == offsets[ids["garbage"]] and m.key == again[0].key
+        if (m.partition, m.offset) == positions[ids["garbage"]] and m.key == again[0].key
     ]
     assert dict(resent[0].headers)[RESUBMITTED_HEADER] == f"{settings.topic('dlq')}:{ids['garbage']}".encode()
