@@ -26,7 +26,7 @@ from agl_stream.domain.trace_collector import finishes_an_attempt
 from agl_stream.domain.watchdog import due_verdicts, next_deadline
 from agl_stream.ids import new_event_id
 from agl_stream.models import Attempt, AttemptStarted, RolloutEnqueued, RolloutEvent, RolloutState, StoreRequest
-from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES
+from agl_stream.models.base import QUEUING_STATUSES, TERMINAL_STATUSES, stored_seconds
 from agl_stream.models.replies import ReplyOutcome
 from agl_stream.wire.codec import Codec
 
@@ -429,7 +429,13 @@ class RolloutCore:
         )
 
     def watchdog_events(self, now: float) -> list[RolloutEvent]:
-        """The watchdog's verdicts on every rollout whose deadline passed."""
+        """The watchdog's verdicts on every rollout whose deadline passed.
+
+        Judged at ``now`` as the events will carry it (to the microsecond), the time the fold
+        re-checks them at: judged at the unrounded time, a verdict due by less than half a
+        microsecond would be folded as not yet due and ignored.
+        """
+        now = stored_seconds(now)
         events = []
         for rollout_id, deadline in list(self.deadlines.items()):
             state = self.states.get(rollout_id)

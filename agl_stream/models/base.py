@@ -30,11 +30,12 @@ EpochSeconds: TypeAlias = Annotated[float, Field(ge=0.0, le=MAX_EPOCH_SECONDS, a
 1e300 are refused with a clear error at the edge instead of failing in the engine)."""
 
 
-def _to_microsecond(value: float) -> float:
+def stored_seconds(value: float) -> float:
+    """``value`` to the nearest microsecond: the time an event or state will carry once built."""
     return round(value * 1_000_000) / 1_000_000
 
 
-StoredSeconds: TypeAlias = Annotated[EpochSeconds, AfterValidator(_to_microsecond)]
+StoredSeconds: TypeAlias = Annotated[EpochSeconds, AfterValidator(stored_seconds)]
 """A time of the store's state (rollouts, attempts, workers, resources, their events): to the
 nearest microsecond, as its tables keep it (DateTime64(6); the ingest SQL rounds the same way,
 in the same float arithmetic), so a time read back from ClickHouse equals the one the processor

@@ -8,8 +8,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agl_stream.domain.fold import fold
+from agl_stream.domain.rollout_core import Folded, RolloutCore
 from agl_stream.domain.watchdog import due_verdicts, next_deadline, verdict_for
-from agl_stream.models import Attempt, AttemptStatus, Rollout, RolloutConfig, RolloutState
+from agl_stream.models import (
+    Attempt,
+    AttemptStatus,
+    Rollout,
+    RolloutConfig,
+    RolloutEnqueued,
+    RolloutEvent,
+    RolloutState,
+)
+from agl_stream.models.base import stored_seconds
+from agl_stream.wire.codec import Codec
 
 RID = "ro-0123456789ab"
 T0 = 1_700_000_000.0
@@ -217,3 +229,40 @@ def test_next_deadline_is_exactly_the_first_due_time(
     assert due_verdicts(state, math.nextafter(deadline, -math.inf)) == []
     # and it stays due afterwards (the conditions are monotone in time)
     assert due_verdicts(state, deadline + 1.0) != []
+
+
+# --------------------------------------------------------------------------------------------
+# the processor's verdicts, folded
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    start=st.floats(T0, T0 + 10_000.0).map(stored_seconds),
+    timeout=st.floats(0.001, 100.0) | st.integers(1, 100).map(float),
+    late=st.floats(0.0, 2e-6),
+)
+def test_a_verdict_the_processor_makes_is_one_the_fold_applies(start: float, timeout: float, late: float) -> None:
+    """The processor judges at the time its event will carry (to the microsecond), the time the
+    fold judges at: a verdict it sends is never one the fold finds not yet due."""
+    core = RolloutCore(Codec.default(), retention_s=3600.0, watchdog_interval_s=0.1, max_queued=None)
+    rollout = Rollout(
+        rollout_id=RID, input=None, start_time=start, status="queuing", config=RolloutConfig(timeout_seconds=timeout)
+    )
+    attempt = Attempt(rollout_id=RID, attempt_id="at-00000001", sequence_id=1, start_time=start)
+    enqueued = RolloutEvent(
+        event_id="ev-1",
+        rollout_id=RID,
+        time=start,
+        writer="test",
+        payload=RolloutEnqueued(rollout=rollout, attempt=attempt),
+    )
+    assert core.fold_event(enqueued, 0, 0, None, False, Folded()) is None
+    state = core.states[RID]
+    deadline = core.deadlines[RID]
+    events = core.watchdog_events(deadline + late)
+    for event in events:
+        assert fold(state, event).outcome == "applied", (event.time, state.attempts[0].start_time)
+    if not events:  # not yet due at the microsecond its event would carry: it is at the next one
+        [event] = core.watchdog_events(deadline + 1e-6)
+        assert fold(state, event).outcome == "applied"
