@@ -24,6 +24,10 @@ Exactly-once without transactions:
   never in two batches and never lost, whenever the process dies.
 - A batch whose acknowledgement is lost is sent again with the same id and content (ids are
   a digest of the members); readers key on batch_id.
+- The triplet builder may emit an attempt's record twice (it re-reads from its own commit point
+  after a restart). The batcher drops the repeat: from memory while it runs, and after its own
+  restart from the attempts of the batches it reads back, which reach ``_REPEAT_LOOKBACK`` source
+  offsets before the commit point.
 
 Records behind the newest policy version are kept within ``--max-staleness`` (the trainer
 corrects them with importance sampling) and counted per batch (``kept_stale``,
@@ -59,6 +63,9 @@ PROCESSOR = "processor.batcher"
 _MAX_POLL_S = 0.5  # idle poll, which also bounds how late a linger flush or a stop can be
 _JOURNAL_WINDOW = 16  # batches read per step when scanning the output backwards (doubles)
 _JOURNAL_WINDOW_MAX = 64  # batches can be MBs each: bound what one step holds in memory
+# Source offsets before the commit point whose batched attempts a restart learns, to drop the
+# triplet builder's repeats of them (it re-emits what it finished after its own commit point).
+_REPEAT_LOOKBACK = 10_000
 
 
 def group_id(settings: Settings, source: str | None = None) -> str:
@@ -220,6 +227,7 @@ class BatcherProcessor:
                 partition=tp.partition,
                 committed=committed,
                 already_batched=len(recovery.decided),
+                recent_attempts=len(recovery.recent),
                 sequence=recovery.sequence,
                 newest_policy_version=recovery.newest_version,
             )
@@ -278,7 +286,7 @@ class BatcherProcessor:
         after ``committed`` (see :class:`agl_stream.domain.batching.Recovery`)."""
         journal = self._journal
         assert journal is not None
-        recovery = Recovery(partition, committed)
+        recovery = Recovery(partition, committed, lookback=_REPEAT_LOOKBACK)
         tp = TopicPartition(self.output, partition % self._output_partitions)
         begin = (await journal.beginning_offsets([tp]))[tp]
         high = (await journal.end_offsets([tp]))[tp]

@@ -177,6 +177,7 @@ class JournalEntry:
     input_position: int
     newest_policy_version: int | None
     decided: tuple[int, ...]  # input offsets plus dropped offsets
+    keys: tuple[tuple[str, str], ...] = ()  # (rollout id, attempt id) of the batched records
 
     @classmethod
     def of(cls, batch: TripletBatch) -> JournalEntry:
@@ -186,6 +187,7 @@ class JournalEntry:
             batch.input_position,
             batch.newest_policy_version,
             (*batch.input_offsets, *batch.dropped_offsets),
+            tuple((r.rollout_id, r.attempt_id) for r in batch.records),
         )
 
     @classmethod
@@ -197,6 +199,7 @@ class JournalEntry:
             int(batch.get("input_position") or 0),
             batch.get("newest_policy_version"),
             (*batch.get("input_offsets", ()), *batch.get("dropped_offsets", ())),
+            tuple((str(r.get("rollout_id")), str(r.get("attempt_id"))) for r in batch.get("records", ())),
         )
 
 
@@ -214,14 +217,23 @@ class Recovery:
 
     The newest batch also carries the sequence number to continue from and the newest policy
     version seen, which staleness is measured against.
+
+    Repeats: the triplet builder may emit an attempt's record again after a restart (it re-reads
+    from its own commit point), possibly after this partition's commit point moved past the first
+    copy. The running batcher drops such a repeat from memory; a restarted one learns the
+    attempts batched from the ``lookback`` source offsets before the commit point (``recent``,
+    newest first), so a repeat of those is dropped too. A repeat of an attempt batched earlier
+    than that is not recognised: ``lookback`` bounds what a restart reads.
     """
 
     partition: int
     committed: int
+    lookback: int = 0
     sequence: int = 0
     newest_version: int | None = None
     high_offset: int = 0
     decided: set[int] = field(default_factory=set)
+    recent: list[tuple[str, str]] = field(default_factory=list)
     found: bool = False  # a batch of this partition was seen
     done: bool = False
 
@@ -236,10 +248,11 @@ class Recovery:
             self.sequence = entry.sequence
             self.newest_version = entry.newest_policy_version
             self.high_offset = entry.input_position
-        if entry.input_position <= self.committed:
+        if entry.input_position <= self.committed - self.lookback:
             self.done = True
             return True
         self.decided.update(o for o in entry.decided if o >= self.committed)
+        self.recent.extend(reversed(entry.keys))
         return False
 
 
@@ -301,6 +314,8 @@ class Batcher:
         self._pending_keys: set[tuple[str, str]] = set()
         self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._recent_capacity = recent_attempts
+        for key in reversed(recovery.recent) if recovery else ():
+            self._remember(key)
         self.stats = BatcherStats()
 
     # -- input ------------------------------------------------------------------------------

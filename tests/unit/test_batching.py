@@ -327,8 +327,8 @@ def test_policy_validation() -> None:
 # -- restarts -----------------------------------------------------------------------------------
 
 
-def recover(journal: Sequence[TripletBatch], partition: int, committed: int) -> Recovery:
-    recovery = Recovery(partition, committed)
+def recover(journal: Sequence[TripletBatch], partition: int, committed: int, lookback: int = 0) -> Recovery:
+    recovery = Recovery(partition, committed, lookback=lookback)
     for batch in reversed(journal):
         if recovery.offer(JournalEntry.of(batch)):
             break
@@ -352,6 +352,33 @@ def test_a_restart_skips_what_the_batches_already_hold_and_continues_their_numbe
     assert [members(b) for b in journal] == [[1, 2, 3], [4, 5, 7], [0, 6, 8]]
     assert [b.sequence for b in journal] == [1, 2, 3]
     assert restarted.stats.replayed == 3
+
+
+def test_a_restarted_batcher_drops_the_builders_repeat_of_an_attempt_batched_before_the_commit_point() -> None:
+    # The triplet builder re-emits after its own restart what it finished since its commit point:
+    # here the attempts of offsets 1 and 4 come again at offsets 8 and 9, after the batcher
+    # (restarted too) committed past their first copies.
+    policy = BatchPolicy(max_rollouts=2, linger_s=None)
+    first = [rec(i) for i in range(6)]
+    batcher = Batcher(policy, partition=0)
+    journal = feed(batcher, first)
+    committed = batcher.commit_offset()
+    assert committed == 6 and [members(b) for b in journal] == [[0, 1], [2, 3], [4, 5]]
+    then = [rec(6), rec(7), rec(1), rec(4)]
+
+    def restarted(lookback: int) -> tuple[list[list[int]], list[int], int]:
+        recovery = recover(journal, 0, committed, lookback=lookback)
+        again = Batcher(policy, partition=0, start_offset=committed, recovery=recovery)
+        out = feed(again, then, start=6)
+        return [members(b) for b in out], again.pending_offsets(), again.stats.dropped["duplicate"]
+
+    # Reaching back to offset 0: every batched attempt is known, both repeats are dropped.
+    # (A drop stays pending until the next batch reports it.)
+    assert restarted(lookback=6) == ([[6, 7]], [8, 9], 2)
+    # Back to offset 3: the batches [2, 3] and [4, 5] are read, [0, 1] is not: 8 waits for a batch.
+    assert restarted(lookback=3) == ([[6, 7]], [8, 9], 1)
+    # Nothing before the commit point: both repeats are batched again.
+    assert restarted(lookback=0) == ([[6, 7], [8, 9]], [], 0)
 
 
 def test_recovery_stops_at_the_first_batch_made_before_the_commit_point() -> None:
