@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -116,3 +119,38 @@ def bench_settings(data_dir: Path, prefix: str) -> Any:
         port, controller = free_ports(2)
         settings = settings.model_copy(update={"kafka_port": port, "kafka_controller_port": controller})
     return settings
+
+
+COUNTED = {
+    "agl_kafka_requests_total": ("kafka_requests", ("role", "api")),
+    "agl_records_out_total": ("records_out", ("role", "topic")),
+    "agl_sink_flush_seconds_count": ("clickhouse_inserts", ("sink",)),
+    "agl_sink_records_total": ("clickhouse_inserted_records", ("sink",)),
+    "agl_clickhouse_reads_total": ("clickhouse_reads", ("table",)),
+    "agl_http_request_seconds_count": ("http_requests", ("role", "method", "route")),
+}
+"""What --count reads from the stack's roles (their /metrics), and the labels it groups by."""
+
+
+def scrape_counts(metrics_dir: Path | None) -> dict[str, dict[str, float]]:
+    """Every stack role's counters of :data:`COUNTED`, summed by the listed labels: {kind: {labels: value}}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agl_stream import metrics
+
+    counts: dict[str, dict[str, float]] = {kind: {} for kind, _ in COUNTED.values()}
+    if metrics_dir is None or not metrics_dir.is_dir():
+        return counts
+    for endpoint in metrics_dir.glob("*.json"):
+        try:
+            [found] = metrics.parse_target_groups(json.loads(endpoint.read_text()), endpoint)
+            text = httpx.get(found.url, timeout=10).text
+        except (OSError, ValueError, KeyError, httpx.HTTPError):
+            continue  # a role that left meanwhile
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in COUNTED:
+                    kind, labels = COUNTED[sample.name]
+                    key = " ".join(str(sample.labels.get(label, "")) for label in labels)
+                    counts[kind][key] = counts[kind].get(key, 0.0) + sample.value
+    return counts

@@ -4,7 +4,8 @@ Starts the local stack (`agl-stream up`: broker, processor, gateway, ingress; ``
 adds the triplet builder and the batcher), lets it settle, then measures each process's CPU over
 ``--seconds``: first with no client, then with ``--runners`` runner coroutines in one process
 long-polling an empty queue (``dequeue_rollout(wait=...)``, as `agl-stream runner` claims), each
-with its periodic heartbeat. Prints % of one core per process and in all; JSON to
+with its periodic heartbeat. Prints % of one core per process and in all, and each window's
+Kafka requests per second by role and API (from the roles' /metrics); JSON to
 benchmarks/results/idle.json.
 
 Run: ``python benchmarks/idle.py`` (``--seconds 30 --runners 8 --training``).
@@ -21,9 +22,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _measure import cpu_seconds, tree_cpu_seconds
+from _measure import cpu_seconds, scrape_counts, tree_cpu_seconds  # type: ignore[import-not-found]
 
-from agl_stream import connect
+from agl_stream import connect, metrics
 from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.local import stack
@@ -38,11 +39,20 @@ def _cpu(processes: dict[str, int]) -> dict[str, float]:
     }
 
 
-async def _measure(processes: dict[str, int], seconds: float) -> dict[str, float]:
+async def _measure(processes: dict[str, int], metrics_dir: Path, seconds: float) -> tuple[dict[str, float], Any]:
+    """% of a core per process over the window, and Kafka requests per second by role and API."""
+    requests_before = scrape_counts(metrics_dir)["kafka_requests"]
     before, began = _cpu(processes), time.monotonic()
     await asyncio.sleep(seconds)  # the measured window itself
     after, took = _cpu(processes), time.monotonic() - began
-    return {name: round((after[name] - before[name]) / took * 100, 2) for name in processes}
+    requests_after = scrape_counts(metrics_dir)["kafka_requests"]
+    rates = {
+        key: round((n - requests_before.get(key, 0.0)) / took, 2)
+        for key, n in sorted(requests_after.items())
+        if n > requests_before.get(key, 0.0)
+    }
+    cpu = {name: round((after[name] - before[name]) / took * 100, 2) for name in processes}
+    return cpu, {"all": round(sum(rates.values()), 1), **rates}
 
 
 async def _idle_runners(settings: Settings, runners: int, stop: asyncio.Event) -> None:
@@ -68,12 +78,13 @@ async def _idle_runners(settings: Settings, runners: int, stop: asyncio.Event) -
 
 async def measure(settings: Settings, processes: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
     live = stack.local_stack_settings(settings)
+    metrics_dir = settings.run_dir / metrics.ENDPOINTS_DIR
     await asyncio.sleep(args.settle)  # starts and first flushes out of the window
-    quiet = await _measure(processes, args.seconds)
+    quiet, quiet_requests = await _measure(processes, metrics_dir, args.seconds)
     stop = asyncio.Event()
     clients = asyncio.create_task(_idle_runners(live, args.runners, stop))
     await asyncio.sleep(args.settle)
-    polled = await _measure(processes, args.seconds)
+    polled, polled_requests = await _measure(processes, metrics_dir, args.seconds)
     stop.set()
     await clients
     return {
@@ -82,6 +93,8 @@ async def measure(settings: Settings, processes: dict[str, int], args: argparse.
         "training": args.training,
         "cpu_percent_no_client": {**quiet, "all": round(sum(quiet.values()), 2)},
         "cpu_percent_idle_runners": {**polled, "all": round(sum(polled.values()), 2)},
+        "kafka_requests_per_second_no_client": quiet_requests,
+        "kafka_requests_per_second_idle_runners": polled_requests,
     }
 
 
