@@ -23,9 +23,11 @@ the embedded engine that record is written every few seconds: see OFFSETS_ROW_IN
 Each sink is a handler on the processor skeleton (``agl_stream.kafka.processor``) that holds
 records: a fetch joins the batch being filled, the batch is inserted when it is full, its
 linger has passed or a reader waits (``wanted``), and ``committable`` keeps the commit below
-the batch's first record until then. Concurrency model: per sink, the skeleton's one loop task
-calls every method (rebalances under the loop's lock); the INSERT runs in a worker thread on
-the sink's own engine client.
+the batch's first record until then. The sinks of a process share one consumer, one group
+member for all their topics (``run_sinks``): an idle gateway makes one heartbeat and one fetch
+where eight sinks made eight. Concurrency model: the skeleton's one loop task calls every
+method of every sink (rebalances under the loop's lock); the sinks' work on one fetch runs as
+concurrent coroutines, each sink's INSERT in a worker thread on its own engine client.
 
 Bad input never stops a sink: records with an unknown fingerprint, another record type or an
 undecodable body go to agl.dlq. Records written with an older schema version are decoded,
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -76,6 +78,7 @@ from consumers.sink_specs import (
     AlsoReads,
     SinkSpec,
     ingest_ddl,
+    sinks_group_id,
 )
 
 log = get_logger("agl.sink")
@@ -276,28 +279,21 @@ class TableSink:
     # -- running on the skeleton: assigned, revoked, handle, tick, committable --------------
 
     async def run(self) -> SinkStats:
+        """Run this sink alone, as the member of its own group (``spec.group_id``), until stopped."""
         await asyncio.to_thread(self.prepare_tables)
-        async with Outbox.started(self.settings, f"sink.{self.spec.name}") as self.outbox:
-            log.info(
-                "sink started",
-                topic=self.topic,
-                tables=[t.table for t in self.spec.targets],
-                group=self.spec.group_id(self.settings),
-            )
-            try:
-                await run_processor(
-                    self.settings,
-                    self,
-                    name=f"sink.{self.spec.name}",
-                    group_id=self.spec.group_id(self.settings),
-                    topics=[self.topic],
-                    stop=self._stopping,
-                    max_records=self.batch_size,
-                    on_start=self._started,
-                )
-            finally:
-                self.stats.dead_lettered = self.outbox.dead_lettered
-            await asyncio.to_thread(self._record_offsets, {})  # a clean stop leaves the row current
+        await run_sinks(self.settings, [self], group_id=self.spec.group_id(self.settings), stop=self._stopping)
+        return await self.stopped()
+
+    def bind(self, consumer: AIOKafkaConsumer, outbox: Outbox, group: str) -> None:
+        """The consumer it reads through (positions, seeks) and the outbox of its dead letters."""
+        self.consumer, self.outbox = consumer, outbox
+        log.info("sink started", topic=self.topic, tables=[t.table for t in self.spec.targets], group=group)
+
+    async def stopped(self) -> SinkStats:
+        """After its consumer stopped: the sink_offsets row made current, the totals logged."""
+        if self.outbox is not None:
+            self.stats.dead_lettered = self.outbox.dead_lettered
+        await asyncio.to_thread(self._record_offsets, {})  # a clean stop leaves the row current
         log.info(
             "sink stopped",
             sink=self.spec.name,
@@ -307,9 +303,6 @@ class TableSink:
             tombstones=self.stats.tombstones,
         )
         return self.stats
-
-    def _started(self, consumer: AIOKafkaConsumer) -> None:
-        self.consumer = consumer
 
     async def assigned(self, partitions: set[TopicPartition]) -> None:
         await self.seek_past_applied(sorted(partitions, key=lambda tp: tp.partition))
@@ -519,11 +512,108 @@ class TableSink:
         self._offsets_due = now + self._offsets_every
 
 
+class _SinkSet:
+    """The skeleton's handler for sinks that share one consumer (one group member for all their
+    topics: one heartbeat and one fetch where each sink had its own).
+
+    Each topic's partitions, records and commit point belong to its sink. The sinks' work on
+    one fetch (and their timers) runs concurrently, and every one finishes before the skeleton
+    goes on, so a sink that fails leaves none of the others mid-batch when the skeleton starts
+    over. A sink gets at most ``batch_size`` records per call, as from a consumer of its own.
+    """
+
+    def __init__(self, sinks: Sequence[TableSink]) -> None:
+        self.sinks = {sink.topic: sink for sink in sinks}
+        if len(self.sinks) != len(sinks):
+            raise ValueError("two sinks of one topic cannot share a consumer")
+
+    def _split(self, partitions: Iterable[TopicPartition]) -> dict[TableSink, set[TopicPartition]]:
+        split: dict[TableSink, set[TopicPartition]] = {}
+        for tp in partitions:
+            split.setdefault(self.sinks[tp.topic], set()).add(tp)
+        return split
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        for sink, tps in self._split(partitions).items():
+            await sink.assigned(tps)
+
+    def revoked(self, partitions: set[TopicPartition]) -> None:
+        for sink, tps in self._split(partitions).items():
+            sink.revoked(tps)
+
+    async def handle(self, batch: Batch) -> None:
+        per_sink: dict[TableSink, Batch] = {}
+        for tp, records in batch.items():
+            per_sink.setdefault(self.sinks[tp.topic], {})[tp] = records
+        await _all(self._handle(sink, part) for sink, part in per_sink.items())
+
+    @staticmethod
+    async def _handle(sink: TableSink, batch: Batch) -> None:
+        limit = sink.batch_size
+        chunk: Batch = {}
+        size = 0
+        for tp, records in batch.items():
+            for start in range(0, len(records), limit):
+                piece = records[start : start + limit]
+                if chunk and size + len(piece) > limit:
+                    await sink.handle(chunk)
+                    chunk, size = {}, 0
+                chunk[tp] = piece
+                size += len(piece)
+        if chunk:
+            await sink.handle(chunk)
+
+    async def tick(self) -> None:
+        await _all(sink.tick() for sink in self.sinks.values())
+
+    def poll_timeout(self) -> float:
+        return min(sink.poll_timeout() for sink in self.sinks.values())
+
+    def committable(self, tp: TopicPartition, handled: int) -> int:
+        return self.sinks[tp.topic].committable(tp, handled)
+
+
+async def _all(calls: Iterable[Awaitable[None]]) -> None:
+    """Await every call concurrently; once all have ended, raise the first error, if any."""
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+async def run_sinks(settings: Settings, sinks: Sequence[TableSink], *, group_id: str, stop: asyncio.Event) -> None:
+    """Run ``sinks`` (tables prepared) on one consumer, as one member of ``group_id``, until ``stop``.
+
+    One producer carries every sink's dead letters (each sink keeps an outbox of its own on it,
+    named after the sink)."""
+    async with Outbox.started(settings, "sink") as shared:
+        outboxes = [Outbox(settings, shared.producer, f"sink.{sink.spec.name}") for sink in sinks]
+
+        def started(consumer: AIOKafkaConsumer) -> None:
+            for sink, outbox in zip(sinks, outboxes, strict=True):
+                sink.bind(consumer, outbox, group_id)
+
+        await run_processor(
+            settings,
+            _SinkSet(sinks),
+            name="sinks",
+            group_id=group_id,
+            topics=[sink.topic for sink in sinks],
+            stop=stop,
+            # One fetch is at most one batch of the span sink (the high-volume topic, whose
+            # batch size `agl-stream sink --batch-size` sets), so commits follow its batches.
+            max_records=next(
+                (s.batch_size for s in sinks if s.spec.name == SPANS.name), max(s.batch_size for s in sinks)
+            ),
+            on_start=started,
+        )
+
+
 class SinkGroup:
-    """Several sinks in one process and event loop, each with its own engine client.
+    """Several sinks in one process and event loop, on one consumer (group
+    :func:`~consumers.sink_specs.sinks_group_id`), each with its own engine client.
 
     Clients on one chDB path run in parallel, so one sink's INSERT does not wait for another's.
-    If one sink fails the others are stopped and the error propagates: the process exits and its
+    If one sink fails the consumer stops and the error propagates: the process exits and its
     supervisor restarts it, resuming every sink from what it applied.
     """
 
@@ -543,9 +633,11 @@ class SinkGroup:
         self.options = options or {}
         self.sinks: list[TableSink] = []
         self._stop_requested = False
+        self._stop = asyncio.Event()
 
     def stop(self) -> None:
         self._stop_requested = True
+        self._stop.set()
         for sink in self.sinks:
             sink.stop()
 
@@ -567,18 +659,13 @@ class SinkGroup:
             ]
             if self._stop_requested:
                 return {}
-            tasks = [asyncio.create_task(sink.run(), name=f"sink:{sink.spec.name}") for sink in self.sinks]
+            for sink in self.sinks:
+                await asyncio.to_thread(sink.prepare_tables)
             try:
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                await run_sinks(self.settings, self.sinks, group_id=sinks_group_id(self.settings), stop=self._stop)
             finally:
-                # One failed, all stopped, or we are cancelled: stop the rest cleanly (each
-                # writes and commits what it holds) before the clients close.
-                self.stop()
-                await asyncio.wait(tasks)
-            for task in tasks:
-                if task.exception() is not None:
-                    raise cast(BaseException, task.exception())
-            return {sink.spec.name: task.result() for sink, task in zip(self.sinks, tasks, strict=True)}
+                self.stop()  # failed or cancelled: the sinks hear it too
+            return {sink.spec.name: await sink.stopped() for sink in self.sinks}
         finally:
             for client in clients:
                 client.close()

@@ -77,7 +77,13 @@ class SinkSpec:
         return self.targets[0].table
 
     def group_id(self, settings: Settings) -> str:
+        """The group of this sink run on its own (``TableSink.run``)."""
         return f"{settings.topic_prefix}.sink.{self.name}"
+
+
+def sinks_group_id(settings: Settings) -> str:
+    """The group of the sinks run together on one consumer (the gateway's, ``agl-stream sink``)."""
+    return f"{settings.topic_prefix}.sinks"
 
 
 # agl.spans carries agl.SpanBatch records (one attempt's spans) and single agl.Span records:

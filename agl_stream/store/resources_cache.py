@@ -22,6 +22,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
+from agl_stream.kafka.io import IDLE_FETCH_WAIT_MS
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import ResourcesUpdate
 from agl_stream.wire.codec import Codec
@@ -50,7 +51,12 @@ class ResourcesCache:
 
     async def start(self) -> None:
         consumer = AIOKafkaConsumer(
-            **self.settings.kafka_client_options(), enable_auto_commit=False, isolation_level="read_committed"
+            **self.settings.kafka_client_options(),
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+            # A new snapshot ends the broker's hold at once; a long hold only makes an idle
+            # follower ask less often (topic ends are asked on ``_ends``, never behind it).
+            fetch_max_wait_ms=IDLE_FETCH_WAIT_MS,
         )
         await consumer.start()
         found = consumer.partitions_for_topic(self.topic)

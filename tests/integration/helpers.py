@@ -67,11 +67,14 @@ def serve(settings: Settings, *args: str, name: str, url: str) -> subprocess.Pop
     return process
 
 
-async def wait_committed_at_least(settings: Settings, group: str, total: int, *, timeout: float = 60.0) -> int:
-    """Wait until the group's committed offsets add up to at least `total`; return the sum."""
+async def wait_committed_at_least(
+    settings: Settings, group: str, total: int, *, timeout: float = 60.0, topic: str | None = None
+) -> int:
+    """Wait until the group's committed offsets (of `topic`'s partitions, if given) add up to at
+    least `total`; return the sum."""
     deadline = time.monotonic() + timeout
     while True:
-        done = sum((await committed_offsets(settings, group)).values())
+        done = sum(o for tp, o in (await committed_offsets(settings, group)).items() if topic in (None, tp.topic))
         if done >= total:
             return done
         if time.monotonic() > deadline:

@@ -48,7 +48,7 @@ from agl_stream.store.queries import (
 from agl_stream.store.readside import GATEWAY_FILE, GatewayReadSide, fence_of, read_gateway_file
 from agl_stream.wire.codec import Codec
 from consumers.gateway import AppliedOffsets, jsonable
-from consumers.sink_specs import ROLLOUT_STATE, SPECS
+from consumers.sink_specs import ROLLOUT_STATE, SPECS, sinks_group_id
 from tests.integration.helpers import start_role, stop_role
 
 pytestmark = pytest.mark.integration
@@ -218,7 +218,7 @@ async def rewind_state_sinks(settings: Settings) -> None:
             continue
         topic = settings.topic(spec.topic)
         ends = await end_offsets(settings, topic)
-        consumer = make_consumer(settings, group_id=spec.group_id(settings))
+        consumer = make_consumer(settings, group_id=sinks_group_id(settings))
         await consumer.start()
         try:
             consumer.assign(list(ends))

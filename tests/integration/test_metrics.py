@@ -20,7 +20,7 @@ from agl_stream.config import Settings
 from agl_stream.kafka.admin import group_positions
 from agl_stream.local import monitor
 from agl_stream.local.processes import role_alive, role_environment
-from consumers.sink_specs import ROLLOUT_STATE
+from consumers.sink_specs import ROLLOUT_STATE, sinks_group_id
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +87,7 @@ async def test_counters_match_the_log_lag_returns_to_zero_and_status_shows_roles
     settings = stack_settings
     rollouts, states = settings.topic("rollouts"), settings.topic("rollout-state")
     processor = f"{settings.topic_prefix}.processor.rollouts"
-    sink = ROLLOUT_STATE.group_id(settings)
+    sink = sinks_group_id(settings)
 
     in_0, end_0 = await _settled(settings, "processor", processor, rollouts)
     sink_0, state_end_0 = await _settled(settings, "gateway", sink, states)

@@ -23,6 +23,7 @@ from agl_stream.kafka.offsets import committed_offsets, wait_for_group
 from agl_stream.models import DlqRecord
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import span_dict_records
+from consumers.sink_specs import sinks_group_id
 from producers.synthetic_spans import produce_spans, synthetic_span
 from tests.integration.helpers import (
     clickhouse,
@@ -38,7 +39,7 @@ TOTAL = 10_000
 
 
 def _group(settings: Settings) -> str:
-    return f"{settings.topic_prefix}.sink.clickhouse-spans"
+    return sinks_group_id(settings)  # the `sink` role's: one consumer for every sink
 
 
 @pytest.mark.parametrize("per_record", [1, 7])
@@ -53,12 +54,13 @@ async def test_kill_9_halfway_loses_nothing_and_duplicates_nothing(settings: Set
     batch_size = str(200 // per_record)
     sink = start_role(settings, "sink", "--batch-size", batch_size, "--flush-ms", "50", log_name="sink1")
     try:
-        await wait_committed_at_least(settings, group, records // 5, timeout=120)
+        await wait_committed_at_least(settings, group, records // 5, timeout=120, topic=settings.topic("spans"))
         sink.send_signal(signal.SIGKILL)
         sink.wait(30)
     finally:
         stop_role(sink)
-    at_kill = sum((await committed_offsets(settings, group)).values())
+    spans_topic = settings.topic("spans")
+    at_kill = sum(o for tp, o in (await committed_offsets(settings, group)).items() if tp.topic == spans_topic)
     assert at_kill < records, "the sink finished before it was killed; lower its batch size"
 
     # Offsets are committed only after the rows are durable: the table holds at least as much.
@@ -149,7 +151,7 @@ async def test_undecodable_record_goes_to_the_dlq_and_the_sink_keeps_going(setti
 
     sink = start_role(settings, "sink", "--flush-ms", "50", log_name="sink")
     try:
-        await wait_committed_at_least(settings, _group(settings), 7, timeout=60)
+        await wait_committed_at_least(settings, _group(settings), 7, timeout=60, topic=settings.topic("spans"))
     finally:
         assert stop_role(sink) == 0
 
@@ -188,7 +190,7 @@ async def test_a_block_clickhouse_rejects_is_split_and_only_the_bad_record_dead_
 
     sink = start_role(settings, "sink", "--flush-ms", "200", log_name="sink")
     try:
-        await wait_committed_at_least(settings, _group(settings), len(spans), timeout=60)
+        await wait_committed_at_least(settings, _group(settings), len(spans), timeout=60, topic=settings.topic("spans"))
     finally:
         assert stop_role(sink) == 0
 
@@ -230,7 +232,9 @@ async def test_bad_span_batches_are_dead_lettered_whole_beside_good_batches_and_
 
     sink = start_role(settings, "sink", "--flush-ms", "200", log_name="sink")
     try:
-        await wait_committed_at_least(settings, _group(settings), len(values), timeout=60)
+        await wait_committed_at_least(
+            settings, _group(settings), len(values), timeout=60, topic=settings.topic("spans")
+        )
     finally:
         assert stop_role(sink) == 0
 
