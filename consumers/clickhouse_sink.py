@@ -23,9 +23,9 @@ the embedded engine that record is written every few seconds: see OFFSETS_ROW_IN
 Each sink is a handler on the processor skeleton (``agl_stream.kafka.processor``) that holds
 records: a fetch joins the batch being filled, the batch is inserted when it is full, its
 linger has passed or a reader waits (``wanted``), and ``committable`` keeps the commit below
-the batch's first record until then. The sinks of a process share one consumer, one group
-member for all their topics (``run_sinks``): an idle gateway makes one heartbeat and one fetch
-where eight sinks made eight. Concurrency model: the skeleton's one loop task calls every
+the batch's first record until then. The sinks of a process share a consumer per lane
+(``run_sinks``, ``SinkSpec.lane``): an idle gateway makes two heartbeats and two fetches where
+eight sinks made eight. Concurrency model: the skeleton's one loop task calls every
 method of every sink (rebalances under the loop's lock); the sinks' work on one fetch runs as
 concurrent coroutines, each sink's INSERT in a worker thread on its own engine client.
 
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -76,6 +76,7 @@ from consumers.sink_specs import (
     SPANS,
     SPECS,
     AlsoReads,
+    Lane,
     SinkSpec,
     ingest_ddl,
     sinks_group_id,
@@ -545,7 +546,7 @@ class _SinkSet:
         per_sink: dict[TableSink, Batch] = {}
         for tp, records in batch.items():
             per_sink.setdefault(self.sinks[tp.topic], {})[tp] = records
-        await _all(self._handle(sink, part) for sink, part in per_sink.items())
+        await _all([self._handle(sink, part) for sink, part in per_sink.items()])
 
     @staticmethod
     async def _handle(sink: TableSink, batch: Batch) -> None:
@@ -564,7 +565,8 @@ class _SinkSet:
             await sink.handle(chunk)
 
     async def tick(self) -> None:
-        await _all(sink.tick() for sink in self.sinks.values())
+        # Only sinks holding a batch have a timer: the loop ticks every few ms while one lingers.
+        await _all([sink.tick() for sink in self.sinks.values() if sink.buffer_next])
 
     def poll_timeout(self) -> float:
         return min(sink.poll_timeout() for sink in self.sinks.values())
@@ -573,8 +575,11 @@ class _SinkSet:
         return self.sinks[tp.topic].committable(tp, handled)
 
 
-async def _all(calls: Iterable[Awaitable[None]]) -> None:
+async def _all(calls: list[Coroutine[Any, Any, None]]) -> None:
     """Await every call concurrently; once all have ended, raise the first error, if any."""
+    if len(calls) == 1:
+        await calls[0]  # the common case: no task to make
+        return
     for outcome in await asyncio.gather(*calls, return_exceptions=True):
         if isinstance(outcome, BaseException):
             raise outcome
@@ -609,7 +614,7 @@ async def run_sinks(settings: Settings, sinks: Sequence[TableSink], *, group_id:
 
 
 class SinkGroup:
-    """Several sinks in one process and event loop, on one consumer (group
+    """Several sinks in one process and event loop, on one consumer per lane (group
     :func:`~consumers.sink_specs.sinks_group_id`), each with its own engine client.
 
     Clients on one chDB path run in parallel, so one sink's INSERT does not wait for another's.
@@ -661,10 +666,24 @@ class SinkGroup:
                 return {}
             for sink in self.sinks:
                 await asyncio.to_thread(sink.prepare_tables)
+            lanes: dict[Lane, list[TableSink]] = {}
+            for sink in self.sinks:
+                lanes.setdefault(sink.spec.lane, []).append(sink)
+            tasks = [
+                asyncio.create_task(
+                    run_sinks(self.settings, sinks, group_id=sinks_group_id(self.settings, lane), stop=self._stop),
+                    name=f"sinks:{lane}",
+                )
+                for lane, sinks in lanes.items()
+            ]
             try:
-                await run_sinks(self.settings, self.sinks, group_id=sinks_group_id(self.settings), stop=self._stop)
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             finally:
-                self.stop()  # failed or cancelled: the sinks hear it too
+                self.stop()  # one failed, or we are cancelled: the other lane stops cleanly too
+                await asyncio.wait(tasks)
+            for task in tasks:
+                if task.exception() is not None:
+                    raise cast(BaseException, task.exception())
             return {sink.spec.name: await sink.stopped() for sink in self.sinks}
         finally:
             for client in clients:

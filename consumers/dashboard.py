@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar, get_args
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaError
@@ -32,7 +32,7 @@ from agl_stream.kafka.admin import admin_client
 from agl_stream.resources import resource_path
 from consumers import dashboard_sql as dsql
 from consumers.gateway_sql import SqlRefusedError
-from consumers.sink_specs import sinks_group_id
+from consumers.sink_specs import Lane, sinks_group_id
 
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
 DASHBOARD_PAGES = "/dashboard"
@@ -182,7 +182,7 @@ class Backlog:
         try:
             # The gateway's own sinks are reported by what they applied to ClickHouse (where they
             # resume from), not by their groups' commits, which would list each of them twice.
-            own = {sinks_group_id(self.settings)}
+            own = {sinks_group_id(self.settings, lane) for lane in get_args(Lane)}
             listed = await admin.list_consumer_groups()
             groups = sorted(str(g[0]) for g in listed if str(g[0]).startswith(prefix) and str(g[0]) not in own)
             for group in groups:

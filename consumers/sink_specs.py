@@ -19,6 +19,14 @@ from agl_stream.wire import span_records
 from agl_stream.wire.codec import dump_json
 
 ResumePolicy = Literal["data", "committed"]
+Lane = Literal["store", "training"]
+"""The sinks of a process (the gateway's, ``agl-stream sink``) share one consumer per lane:
+``store``, the tables the store's fenced reads wait on (spans, rollout states, workers,
+resources), busy with every rollout; ``training``, the bulky training tables (triplets, batches,
+trainer steps) and the dead letters, whose records come in bursts and MBs. A fetch lists every
+partition of its consumer's topics (aiokafka has no incremental fetch sessions), so one consumer
+for all of them made each of the store's fetches carry the idle training partitions; two keep
+the idle stack's requests low and a store read from waiting behind a batch's INSERT."""
 
 PythonRows = Callable[[Any], dict[str, Any]]
 """Turns a decoded record (the topic's model) into one row; raises CodecError if it cannot."""
@@ -67,6 +75,8 @@ class SinkSpec:
     explode: str | None = None
     also: tuple[AlsoReads, ...] = ()  # other record types of the topic, turned into `record`
     batch_bytes: int = 64 << 20  # a batch also ends once its records hold this many bytes
+    # Which of the process's sink consumers reads the topic (see sinks_group_id).
+    lane: Lane = "store"
     # Compacted state topics: of several records of one key in a batch only the newest makes a
     # row (the table keeps the newest version anyway); the others count as applied.
     latest_per_key: bool = False
@@ -81,9 +91,9 @@ class SinkSpec:
         return f"{settings.topic_prefix}.sink.{self.name}"
 
 
-def sinks_group_id(settings: Settings) -> str:
-    """The group of the sinks run together on one consumer (the gateway's, ``agl-stream sink``)."""
-    return f"{settings.topic_prefix}.sinks"
+def sinks_group_id(settings: Settings, lane: Lane = "store") -> str:
+    """The group of the sinks of ``lane`` run together on one consumer."""
+    return f"{settings.topic_prefix}.sinks.{lane}"
 
 
 # agl.spans carries agl.SpanBatch records (one attempt's spans) and single agl.Span records:
@@ -177,6 +187,7 @@ TRIPLETS = SinkSpec(
     (Target("triplets", "triplets.sql"), Target("triplet_records", "triplet_records.sql")),
     ingest="triplets",
     batch_size=500,
+    lane="training",
 )
 # A batch becomes its batches row and one batch_samples row per sample (the lineage: which
 # attempts and spans a batch trained on, infra/clickhouse/008_batch_samples.sql).
@@ -188,6 +199,7 @@ TRIPLET_BATCHES = SinkSpec(
     ingest="triplet_batches",
     batch_size=50,
     flush_ms=0,
+    lane="training",
 )
 TRAINER_STEPS = SinkSpec(
     "clickhouse-trainer-steps",
@@ -196,6 +208,7 @@ TRAINER_STEPS = SinkSpec(
     (Target("trainer_steps", "trainer_steps.sql"),),
     ingest="trainer_steps",
     flush_ms=0,
+    lane="training",
 )
 # Dead letters (agl.dlq), counted by reason and source in SQL and on the dashboard; their bytes
 # are not copied (infra/clickhouse/010_dead_letters.sql says why). A DLQ record the engine
@@ -209,6 +222,7 @@ DEAD_LETTERS = SinkSpec(
     ingest="dead_letters",
     batch_size=1000,  # a DLQ record holds up to 64 KiB of what it rejected
     flush_ms=200,
+    lane="training",
 )
 SPECS: tuple[SinkSpec, ...] = (
     SPANS,

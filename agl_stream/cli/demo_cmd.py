@@ -54,7 +54,7 @@ async def _smoke(settings: Settings, spans: int, console: Console) -> float:
     from agl_stream.kafka import admin
     from agl_stream.kafka.offsets import wait_for_group
     from agl_stream.local.processes import start_role, stop_role
-    from consumers.sink_specs import sinks_group_id
+    from consumers.sink_specs import SPANS, sinks_group_id
     from producers import synthetic_spans as synthetic
 
     plan = await admin.apply(settings)
@@ -75,7 +75,7 @@ async def _smoke(settings: Settings, spans: int, console: Console) -> float:
 
             ends = await synthetic.produce_spans(settings, spans, on_progress=on_produced)
             # Fence on the sink's committed offsets: they pass ours only after the INSERT.
-            await wait_for_group(settings, sinks_group_id(settings), ends, timeout=300, on_progress=on_sunk)
+            await wait_for_group(settings, sinks_group_id(settings, SPANS.lane), ends, timeout=300, on_progress=on_sunk)
         return time.monotonic() - started
     finally:
         if stop_role(sink) != 0:

@@ -218,7 +218,7 @@ async def rewind_state_sinks(settings: Settings) -> None:
             continue
         topic = settings.topic(spec.topic)
         ends = await end_offsets(settings, topic)
-        consumer = make_consumer(settings, group_id=sinks_group_id(settings))
+        consumer = make_consumer(settings, group_id=sinks_group_id(settings, spec.lane))
         await consumer.start()
         try:
             consumer.assign(list(ends))

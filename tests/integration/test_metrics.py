@@ -87,7 +87,7 @@ async def test_counters_match_the_log_lag_returns_to_zero_and_status_shows_roles
     settings = stack_settings
     rollouts, states = settings.topic("rollouts"), settings.topic("rollout-state")
     processor = f"{settings.topic_prefix}.processor.rollouts"
-    sink = sinks_group_id(settings)
+    sink = sinks_group_id(settings, ROLLOUT_STATE.lane)
 
     in_0, end_0 = await _settled(settings, "processor", processor, rollouts)
     sink_0, state_end_0 = await _settled(settings, "gateway", sink, states)

@@ -23,7 +23,7 @@ from agl_stream.kafka.offsets import committed_offsets, wait_for_group
 from agl_stream.models import DlqRecord
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import span_dict_records
-from consumers.sink_specs import sinks_group_id
+from consumers.sink_specs import SPANS, sinks_group_id
 from producers.synthetic_spans import produce_spans, synthetic_span
 from tests.integration.helpers import (
     clickhouse,
@@ -39,7 +39,7 @@ TOTAL = 10_000
 
 
 def _group(settings: Settings) -> str:
-    return sinks_group_id(settings)  # the `sink` role's: one consumer for every sink
+    return sinks_group_id(settings, SPANS.lane)  # the `sink` role's consumer of the store's tables
 
 
 @pytest.mark.parametrize("per_record", [1, 7])
