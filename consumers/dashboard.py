@@ -181,8 +181,10 @@ class Backlog:
         await admin.start()
         try:
             # The gateway's own sinks are reported by what they applied to ClickHouse (where they
-            # resume from), not by their groups' commits, which would list each of them twice.
+            # resume from), not by their groups' commits, which would list each of them twice;
+            # nor by the per-sink groups they had before the lanes (left behind by an upgrade).
             own = {sinks_group_id(self.settings, lane) for lane in get_args(Lane)}
+            own |= {f"{prefix}sink.{name}" for name in self.sinks}
             listed = await admin.list_consumer_groups()
             groups = sorted(str(g[0]) for g in listed if str(g[0]).startswith(prefix) and str(g[0]) not in own)
             for group in groups:
