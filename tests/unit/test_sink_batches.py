@@ -1,9 +1,16 @@
-"""The sink's pure batch rules."""
+"""The sink's pure batch rules, and how sinks sharing a consumer get their records (no Kafka)."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+from aiokafka import TopicPartition
+
 from agl_stream.kafka.io import Fetched
-from consumers.clickhouse_sink import newest_per_key
+from consumers.clickhouse_sink import _SinkSet, newest_per_key
 from consumers.sink_specs import ROLLOUT_STATE, SPANS
 
 
@@ -26,3 +33,63 @@ def test_only_the_newest_record_of_a_key_in_a_batch_makes_a_row() -> None:
 
 def test_state_topics_keep_the_newest_per_key_and_spans_keep_everything() -> None:
     assert ROLLOUT_STATE.latest_per_key and not SPANS.latest_per_key
+
+
+class _Sink:
+    """Stands in for a TableSink in the dispatch: records each call's records per partition."""
+
+    def __init__(self, topic: str, batch_size: int, fail: bool = False, turns: int = 1) -> None:
+        self.topic, self.batch_size, self.fail, self.turns = topic, batch_size, fail, turns
+        self.calls: list[dict[int, list[int]]] = []
+        self.buffer_next: dict[TopicPartition, int] = {}
+        self.ticks = 0
+
+    async def handle(self, batch: dict[TopicPartition, list[Any]]) -> None:
+        for _ in range(self.turns):
+            await asyncio.sleep(0)  # another sink's call runs meanwhile
+        self.calls.append({tp.partition: [r.offset for r in records] for tp, records in batch.items()})
+        if self.fail:
+            raise RuntimeError(f"{self.topic} failed")
+
+    async def tick(self) -> None:
+        self.ticks += 1
+
+
+def _fetched(topic: str, partition: int, offsets: range) -> tuple[TopicPartition, list[Any]]:
+    return TopicPartition(topic, partition), [SimpleNamespace(offset=o) for o in offsets]
+
+
+def test_shared_consumer_hands_each_sink_its_topic_in_calls_of_at_most_its_batch_size() -> None:
+    states, training = _Sink("states", batch_size=4), _Sink("training", batch_size=100)
+    sinks = _SinkSet(cast(Any, [states, training]))
+    batch = dict(
+        [
+            _fetched("states", 0, range(0, 6)),
+            _fetched("training", 2, range(10, 13)),
+            _fetched("states", 1, range(20, 23)),
+        ]
+    )
+    asyncio.run(sinks.handle(batch))
+    # Partition 0's six records split in order; partition 1 joins a call only while it fits.
+    assert states.calls == [{0: [0, 1, 2, 3]}, {0: [4, 5]}, {1: [20, 21, 22]}]
+    assert training.calls == [{2: [10, 11, 12]}]
+
+
+def test_a_failing_sink_fails_the_fetch_only_after_the_others_finished() -> None:
+    bad, good = _Sink("bad", batch_size=10, fail=True), _Sink("good", batch_size=10, turns=10)
+    sinks = _SinkSet(cast(Any, [bad, good]))
+    with pytest.raises(RuntimeError, match="bad failed"):
+        asyncio.run(sinks.handle(dict([_fetched("bad", 0, range(2)), _fetched("good", 0, range(3))])))
+    assert good.calls == [{0: [0, 1, 2]}]
+
+
+def test_only_sinks_holding_a_batch_are_ticked() -> None:
+    idle, lingering = _Sink("idle", batch_size=10), _Sink("lingering", batch_size=10)
+    lingering.buffer_next = {TopicPartition("lingering", 0): 5}
+    asyncio.run(_SinkSet(cast(Any, [idle, lingering])).tick())
+    assert (idle.ticks, lingering.ticks) == (0, 1)
+
+
+def test_two_sinks_of_one_topic_cannot_share_a_consumer() -> None:
+    with pytest.raises(ValueError, match="one topic"):
+        _SinkSet(cast(Any, [_Sink("t", 1), _Sink("t", 2)]))
