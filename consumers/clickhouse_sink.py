@@ -520,7 +520,7 @@ class _SinkSet:
     Each topic's partitions, records and commit point belong to its sink. The sinks' work on
     one fetch (and their timers) runs concurrently, and every one finishes before the skeleton
     goes on, so a sink that fails leaves none of the others mid-batch when the skeleton starts
-    over. A sink gets at most ``batch_size`` records per call, as from a consumer of its own.
+    over.
     """
 
     def __init__(self, sinks: Sequence[TableSink]) -> None:
@@ -542,27 +542,18 @@ class _SinkSet:
         for sink, tps in self._split(partitions).items():
             sink.revoked(tps)
 
+    @property
+    def fetch_limit(self) -> int:
+        """Records per fetch: the smallest batch of its sinks, so no sink gets more in one call
+        than it inserts at once and every sink's commits follow its batches (as on a consumer
+        of its own; `agl-stream sink --batch-size` sets the span sink's)."""
+        return min(sink.batch_size for sink in self.sinks.values())
+
     async def handle(self, batch: Batch) -> None:
         per_sink: dict[TableSink, Batch] = {}
         for tp, records in batch.items():
             per_sink.setdefault(self.sinks[tp.topic], {})[tp] = records
-        await _all([self._handle(sink, part) for sink, part in per_sink.items()])
-
-    @staticmethod
-    async def _handle(sink: TableSink, batch: Batch) -> None:
-        limit = sink.batch_size
-        chunk: Batch = {}
-        size = 0
-        for tp, records in batch.items():
-            for start in range(0, len(records), limit):
-                piece = records[start : start + limit]
-                if chunk and size + len(piece) > limit:
-                    await sink.handle(chunk)
-                    chunk, size = {}, 0
-                chunk[tp] = piece
-                size += len(piece)
-        if chunk:
-            await sink.handle(chunk)
+        await _all([sink.handle(part) for sink, part in per_sink.items()])
 
     async def tick(self) -> None:
         # Only sinks holding a batch have a timer: the loop ticks every few ms while one lingers.
@@ -597,18 +588,15 @@ async def run_sinks(settings: Settings, sinks: Sequence[TableSink], *, group_id:
             for sink, outbox in zip(sinks, outboxes, strict=True):
                 sink.bind(consumer, outbox, group_id)
 
+        handler = _SinkSet(sinks)
         await run_processor(
             settings,
-            _SinkSet(sinks),
+            handler,
             name="sinks",
             group_id=group_id,
             topics=[sink.topic for sink in sinks],
             stop=stop,
-            # One fetch is at most one batch of the span sink (the high-volume topic, whose
-            # batch size `agl-stream sink --batch-size` sets), so commits follow its batches.
-            max_records=next(
-                (s.batch_size for s in sinks if s.spec.name == SPANS.name), max(s.batch_size for s in sinks)
-            ),
+            max_records=handler.fetch_limit,
             on_start=started,
         )
 

@@ -59,20 +59,21 @@ def _fetched(topic: str, partition: int, offsets: range) -> tuple[TopicPartition
     return TopicPartition(topic, partition), [SimpleNamespace(offset=o) for o in offsets]
 
 
-def test_shared_consumer_hands_each_sink_its_topic_in_calls_of_at_most_its_batch_size() -> None:
+def test_shared_consumer_hands_each_sink_its_topic_and_fetches_at_most_the_smallest_batch() -> None:
     states, training = _Sink("states", batch_size=4), _Sink("training", batch_size=100)
     sinks = _SinkSet(cast(Any, [states, training]))
+    # No sink gets more in one call than it inserts at once: a fetch is the smallest batch.
+    assert sinks.fetch_limit == 4
     batch = dict(
         [
-            _fetched("states", 0, range(0, 6)),
-            _fetched("training", 2, range(10, 13)),
-            _fetched("states", 1, range(20, 23)),
+            _fetched("states", 0, range(0, 2)),
+            _fetched("training", 2, range(10, 12)),
+            _fetched("states", 1, range(20, 22)),
         ]
     )
     asyncio.run(sinks.handle(batch))
-    # Partition 0's six records split in order; partition 1 joins a call only while it fits.
-    assert states.calls == [{0: [0, 1, 2, 3]}, {0: [4, 5]}, {1: [20, 21, 22]}]
-    assert training.calls == [{2: [10, 11, 12]}]
+    assert states.calls == [{0: [0, 1], 1: [20, 21]}]
+    assert training.calls == [{2: [10, 11]}]
 
 
 def test_a_failing_sink_fails_the_fetch_only_after_the_others_finished() -> None:
