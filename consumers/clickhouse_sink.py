@@ -236,6 +236,10 @@ class TableSink:
 
     def prepare_tables(self) -> None:
         migrate(self.client, self.db, ttl_days=self.settings.clickhouse_ttl_days)
+        self.prepare_ingest()
+
+    def prepare_ingest(self) -> None:
+        """The Null table and views of this sink's writer schema (the tables migrated already)."""
         schema = self.codec.contract.schema(self.spec.record)
         for statement in ingest_ddl(self.spec, self.db, schema.fingerprint_hex, schema.expanded):
             self.client.command(statement)
@@ -637,8 +641,10 @@ class SinkGroup:
     async def run(self) -> dict[str, SinkStats]:
         clients = [await asyncio.to_thread(get_client, self.settings) for _ in self.specs]
         try:
-            # Migrate once before the sinks start, so they do not race on the same DDL.
-            await asyncio.to_thread(migrate, clients[0], self.settings.clickhouse_database)
+            # Migrate once for all the sinks; each then adds only its ingest tables.
+            await asyncio.to_thread(
+                migrate, clients[0], self.settings.clickhouse_database, ttl_days=self.settings.clickhouse_ttl_days
+            )
             self.sinks = [
                 TableSink(
                     self.settings,
@@ -653,7 +659,7 @@ class SinkGroup:
             if self._stop_requested:
                 return {}
             for sink in self.sinks:
-                await asyncio.to_thread(sink.prepare_tables)
+                await asyncio.to_thread(sink.prepare_ingest)
             lanes: dict[Lane, list[TableSink]] = {}
             for sink in self.sinks:
                 lanes.setdefault(sink.spec.lane, []).append(sink)
