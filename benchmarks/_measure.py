@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +157,40 @@ def scrape_counts(metrics_dir: Path | None) -> dict[str, dict[str, float]]:
                     key = " ".join(str(sample.labels.get(label, "")) for label in labels)
                     counts[kind][key] = counts[kind].get(key, 0.0) + sample.value
     return counts
+
+
+@contextlib.contextmanager
+def profiled(pid: int, out: Path | None, name: str) -> Iterator[None]:
+    """py-spy records ``pid`` while the block runs (when ``out`` is given)."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    spy = Path(sys.executable).parent / "py-spy"
+    recorders = [
+        subprocess.Popen(
+            [
+                str(spy),
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "50",
+                "--format",
+                fmt,
+                "--output",
+                str(out / f"{name}.{ext}"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for fmt, ext in (("flamegraph", "svg"), ("raw", "txt"))
+    ]
+    try:
+        yield
+    finally:
+        for recorder in recorders:
+            recorder.send_signal(2)  # py-spy writes its output on SIGINT
+        for recorder in recorders:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                recorder.wait(60)

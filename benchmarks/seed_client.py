@@ -27,11 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _measure import tree_cpu_seconds  # type: ignore[import-not-found]
+from _measure import profiled, tree_cpu_seconds  # type: ignore[import-not-found]
 from compare_seed import (  # type: ignore[import-not-found]
     HERE,
     Store,
@@ -77,43 +76,6 @@ def extract_benchmark(checkout: Path, into: Path) -> Path:
             raise SystemExit(f"cannot read tests/benchmark/{name} at {TAG} from {checkout}: {shown.stderr.strip()}")
         (package / name).write_text(shown.stdout)
     return into
-
-
-@contextlib.contextmanager
-def profiled(pid: int, out: Path | None, name: str) -> Iterator[None]:
-    """py-spy records ``pid`` while the block runs (when ``out`` is given)."""
-    if out is None:
-        yield
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    spy = Path(sys.executable).parent / "py-spy"
-    recorders = [
-        subprocess.Popen(
-            [
-                str(spy),
-                "record",
-                "--pid",
-                str(pid),
-                "--rate",
-                "50",
-                "--format",
-                fmt,
-                "--output",
-                str(out / f"{name}.{ext}"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for fmt, ext in (("flamegraph", "svg"), ("raw", "txt"))
-    ]
-    try:
-        yield
-    finally:
-        for recorder in recorders:
-            recorder.send_signal(2)  # py-spy writes its output on SIGINT
-        for recorder in recorders:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                recorder.wait(60)
 
 
 def run_client(store: Store, url: str, bench: Path, args: argparse.Namespace, profile: Path | None) -> dict[str, Any]:
