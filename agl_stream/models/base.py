@@ -23,6 +23,10 @@ WorkerStatus: TypeAlias = Literal["idle", "busy", "unknown"]
 RolloutMode: TypeAlias = Literal["train", "val", "test"]
 StatusCode: TypeAlias = Literal["UNSET", "OK", "ERROR"]
 
+Int32: TypeAlias = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+"""An Avro ``int``. Avro reads one as a varint of any length, so a damaged record can carry a
+value past 32 bits that no writer could write back: refused here, at the model."""
+
 MAX_EPOCH_SECONDS = 9_200_000_000.0
 """2261-07-18: the last second ClickHouse's DateTime64(9) can hold (nanoseconds in an Int64)."""
 EpochSeconds: TypeAlias = Annotated[float, Field(ge=0.0, le=MAX_EPOCH_SECONDS, allow_inf_nan=False)]

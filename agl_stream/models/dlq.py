@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field
-
-from agl_stream.models.base import AglModel
+from agl_stream.models.base import AglModel, Int32
 
 
 class DlqRecord(AglModel):
@@ -15,7 +13,7 @@ class DlqRecord(AglModel):
     avro_name: ClassVar[str] = "agl.DlqRecord"
 
     source_topic: str
-    source_partition: int = Field(ge=-(2**31), le=2**31 - 1)
+    source_partition: Int32
     source_offset: int
     key: bytes | None = None
     value: bytes

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
 from agl_stream.models.base import (
     AglModel,
     AttemptStatus,
+    Int32,
     JsonObject,
     JsonValue,
     RolloutMode,
@@ -25,7 +26,7 @@ class RolloutConfig(AglModel):
 
     timeout_seconds: float | None = None
     unresponsive_seconds: float | None = None
-    max_attempts: int = Field(default=1, ge=1, le=2**31 - 1)
+    max_attempts: Annotated[Int32, Field(ge=1)] = 1
     retry_condition: list[AttemptStatus] = Field(default_factory=list)
 
 

@@ -133,7 +133,7 @@ def _for_annotation(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[A
         return st.booleans()
     if annotation is int:
         lo, hi = INT64
-        for item in metadata:
+        for item in _flat(metadata):
             if isinstance(item, annotated_types.Ge):
                 lo = max(lo, int(item.ge))  # type: ignore[call-overload]
             if isinstance(item, annotated_types.Le):
