@@ -239,7 +239,8 @@ class RolloutProcessor(RolloutCore):
         await self._reply(out.answers + out.notices(), bodies)
 
     async def _reply(self, answers: list[Answer], bodies: dict[int, bytes]) -> None:
-        """Phase two: each answer on its writer's topic; a topic that is gone loses its answers.
+        """Phase two: the answers to each writer in one record on its topic (an ``agl.Reply``,
+        or an ``agl.ReplyBatch`` of several, in order); a topic that is gone loses its answers.
 
         Waits a bounded time for the acknowledgements: a writer that vanished (its topic deleted
         a moment ago) must not hold up everyone else's answers; slow sends finish in the
@@ -248,7 +249,7 @@ class RolloutProcessor(RolloutCore):
         if not answers:
             return
         await self.reply_topics.refresh({a.reply_to for a in answers})
-        deliveries = []
+        per_topic: dict[str, list[bytes]] = {}
         for answer in answers:
             if not self.reply_topics.exists(answer.reply_to):
                 self.counts["replies_to_missing_topics"] += 1
@@ -257,16 +258,22 @@ class RolloutProcessor(RolloutCore):
             if answer.state is not None and (body := bodies.get(id(answer.state))) is None:
                 # An intermediate state of the batch: encoded once.
                 body = bodies[id(answer.state)] = self.replies_wire.state_body(self.codec.encode(answer.state))
-            value = self.replies_wire.encode(
-                answer.request_id,
-                answer.outcome,
-                state_body=body,
-                error=answer.error,
-                state_partition=self.partition_of.get(rid, -1) if rid and rid in self.state_offset else -1,
-                state_offset=self.state_offset.get(rid, -1) if rid else -1,
-                covered_partitions=answer.covered,
+            per_topic.setdefault(answer.reply_to, []).append(
+                self.replies_wire.body(
+                    answer.request_id,
+                    answer.outcome,
+                    state_body=body,
+                    error=answer.error,
+                    state_partition=self.partition_of.get(rid, -1) if rid and rid in self.state_offset else -1,
+                    state_offset=self.state_offset.get(rid, -1) if rid else -1,
+                    covered_partitions=answer.covered,
+                )
             )
-            deliveries.append(asyncio.create_task(self._deliver(answer.reply_to, value)))
+        deliveries = [
+            asyncio.create_task(self._deliver(topic, record))
+            for topic, replies in per_topic.items()
+            for record in self.replies_wire.records(replies)
+        ]
         if deliveries:
             await asyncio.wait(deliveries, timeout=REPLY_WAIT_S)
             metrics.count_out(self.settings.topic("replies"), len(deliveries))  # one label for all clients

@@ -37,7 +37,7 @@ from agl_stream.models.events import (
     SpanSequenceRequested,
     WatchdogFired,
 )
-from agl_stream.models.replies import Reply, ReplyOutcome, StoreRequest, StoreRequestKind
+from agl_stream.models.replies import Reply, ReplyBatch, ReplyOutcome, StoreRequest, StoreRequestKind
 from agl_stream.models.resources import (
     LLM,
     ModelCheckpoint,
@@ -90,6 +90,7 @@ RECORD_MODELS: tuple[type[AglModel], ...] = (
     DlqRecord,
     StoreRequest,
     Reply,
+    ReplyBatch,
 )
 """Every wire record model; each mirrors ``schemas/<Name>.avsc``."""
 
@@ -123,6 +124,7 @@ __all__ = [
     "PromptTemplate",
     "ProxyLLM",
     "Reply",
+    "ReplyBatch",
     "ReplyOutcome",
     "Resource",
     "ResourcesUpdate",

@@ -6,7 +6,7 @@ from typing import ClassVar, Literal, TypeAlias
 
 from pydantic import Field
 
-from agl_stream.models.base import AglModel
+from agl_stream.models.base import AglModel, Int32
 from agl_stream.models.events import RolloutState
 
 StoreRequestKind: TypeAlias = Literal["claim", "watch"]
@@ -36,6 +36,16 @@ class Reply(AglModel):
     outcome: ReplyOutcome
     state: RolloutState | None = None
     error: str | None = None
-    state_partition: int = -1
+    state_partition: Int32 = -1
     state_offset: int = -1
-    covered_partitions: list[int] = Field(default_factory=list)
+    covered_partitions: list[Int32] = Field(default_factory=list)
+
+
+class ReplyBatch(AglModel):
+    """Several answers to one writer in one record (see ``schemas/ReplyBatch.avsc``): a reply
+    topic carries these beside single :class:`Reply` records, and its reader takes both
+    (``agl_stream.wire.reply_wire.replies_of``)."""
+
+    avro_name: ClassVar[str] = "agl.ReplyBatch"
+
+    replies: list[Reply] = Field(default_factory=list)

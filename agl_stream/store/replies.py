@@ -33,6 +33,7 @@ from agl_stream.kafka.io import IDLE_FETCH_WAIT_MS
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import Reply
 from agl_stream.wire.codec import Codec
+from agl_stream.wire.reply_wire import replies_of
 
 __all__ = [
     "REPLY_HEADER",
@@ -251,14 +252,18 @@ class ReplyChannel:
                 continue
             for messages in batches.values():
                 for message in messages:
-                    self._on_reply(message.value or b"")
+                    self._on_record(message.value or b"")
 
-    def _on_reply(self, value: bytes) -> None:
+    def _on_record(self, value: bytes) -> None:
         try:
-            reply = self.codec.decode(value, Reply)
+            replies = replies_of(self.codec, value)
         except CodecError as error:
             log.warning("undecodable reply", error=describe(error))
             return
+        for reply in replies:
+            self._on_reply(reply)
+
+    def _on_reply(self, reply: Reply) -> None:
         if reply.state is not None and self.on_state is not None:
             self.on_state(reply)
         if self.on_queue is not None and reply.state is None and reply.covered_partitions:

@@ -595,9 +595,9 @@ async def test_a_client_receives_only_answers_to_its_own_requests(stack_settings
             sent[index].add(request_id)
             return expect(request_id)
 
-        def recording_on_reply(value: bytes, index: int = index, on_reply: Any = on_reply) -> None:
-            received[index].append(Codec.default().decode(value, Reply))
-            on_reply(value)
+        def recording_on_reply(reply: Reply, index: int = index, on_reply: Any = on_reply) -> None:
+            received[index].append(reply)
+            on_reply(reply)
 
         channel.expect = recording_expect  # type: ignore[method-assign]
         channel._on_reply = recording_on_reply  # type: ignore[method-assign]

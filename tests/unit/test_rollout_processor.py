@@ -33,6 +33,7 @@ from agl_stream.models import (
 )
 from agl_stream.store.replies import REPLY_HEADER
 from agl_stream.wire.codec import Codec
+from agl_stream.wire.reply_wire import replies_of
 from processors.rollouts import PROCESSOR, RolloutProcessor
 
 SETTINGS = Settings(topic_prefix="t")
@@ -130,7 +131,7 @@ class Harness:
         return [(i, v, h) for i, (t, _, v, h) in enumerate(self.producer.sent) if t == topic]
 
     def answers(self) -> list[Reply]:
-        return [self.codec.decode(v or b"", Reply) for t, _, v, _ in self.replies.sent if t == CLIENT]
+        return [reply for t, _, v, _ in self.replies.sent if t == CLIENT for reply in replies_of(self.codec, v or b"")]
 
     def events_sent(self) -> list[ConsumerRecord[bytes, bytes]]:
         """The processor's own events on agl.rollouts, as records a consumer would deliver."""
@@ -187,6 +188,18 @@ async def test_the_state_an_attempt_finished_in_is_written_even_when_the_batch_c
     assert finishes_an_attempt(finished) and finished.attempts[-1].status == "succeeded"
     assert not finishes_an_attempt(newest) and newest.cause_time == 13.0
     assert newest.attempts[-1].end_time == finished.cause_time == 10.0
+
+
+async def test_one_batchs_answers_to_a_client_are_one_record_in_event_order() -> None:
+    h = Harness()
+    enqueues = [h.enqueue() for _ in range(5)]
+    await h.handle(*enqueues)
+    [record] = [v for t, _, v, _ in h.replies.sent if t == CLIENT]
+    assert h.codec.decode_dict(record or b"")[0] == "agl.ReplyBatch"
+    assert [a.request_id for a in h.answers()] == [_event_id(e, h.codec) for e in enqueues]
+    assert {a.outcome for a in h.answers()} == {"applied"}
+    await h.handle(h.enqueue())  # a lone answer goes as a plain agl.Reply
+    assert h.codec.decode_dict(h.replies.sent[-1][2] or b"")[0] == "agl.Reply"
 
 
 def _event_id(record: ConsumerRecord[bytes, bytes], codec: Codec) -> str:
