@@ -300,7 +300,8 @@ def _enqueued(
         )
     if rollout.status != "queuing":
         return _rejected(f"a new rollout must be queuing, not {rollout.status} (rollout {rollout.rollout_id})")
-    rollout = rollout.model_copy(update={"end_time": None})
+    if rollout.end_time is not None:  # a new rollout has not ended (a copy only when one says so)
+        rollout = rollout.model_copy(update={"end_time": None})
     attempts: list[Attempt] = []
     if payload.attempt is not None:
         if payload.attempt.rollout_id != rollout.rollout_id:
