@@ -66,6 +66,14 @@ class Settings(BaseSettings):
     kafka_port: int = Field(9092, ge=1, le=65535, description="Client port of the local broker.")
     kafka_controller_port: int = Field(9093, ge=1, le=65535, description="KRaft controller port of the local broker.")
     kafka_heap: str = Field("512m", description="JVM heap (-Xmx) of the local broker.")
+    kafka_jit: Literal["tiered", "c1"] = Field(
+        "tiered",
+        description=(
+            "JIT compilers of the local broker's JVM: `tiered` (Java's default, C1 then C2: the cheaper "
+            "broker once warm, after ~10 s of load) or `c1` (C1 only: no C2 compiling while a short-lived "
+            "broker works, as in tests, benchmarks and the demo)."
+        ),
+    )
     kafka_brokers: int = Field(
         1,
         ge=1,

@@ -14,6 +14,10 @@ from typing import Any
 
 import httpx
 
+SHORT_LIVED_JIT = os.environ.setdefault("AGL_KAFKA_JIT", "c1")
+"""Benchmarks start brokers that live seconds to minutes: the C1-only JIT unless AGL_KAFKA_JIT
+says otherwise (``benchmarks/broker_jit.py`` compares both on a broker kept under load)."""
+
 
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile of ``values`` (nearest rank), NaN when there are none."""

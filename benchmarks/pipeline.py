@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _measure import SHORT_LIVED_JIT  # type: ignore[import-not-found]  # noqa: F401  (C1 brokers)
+
 from agl_stream.clickhouse import avro_ingest
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings

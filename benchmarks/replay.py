@@ -42,6 +42,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.replay_history, from the repository root
 
+from _measure import SHORT_LIVED_JIT  # type: ignore[import-not-found]  # noqa: F401  (C1 brokers)
+
 from agl_stream.config import Settings
 from agl_stream.domain.adapter import AdapterConfig, extract_triplets
 from agl_stream.domain.adapter.lean import LeanSpan

@@ -19,6 +19,10 @@ from agl_stream.config import Settings
 from agl_stream.kafka import broker
 from agl_stream.ports import free_ports
 
+# The brokers of a test live seconds to minutes: C1 only, so no C2 compiling takes the cores
+# while they work (AGL_KAFKA_JIT; roles and CLI runs the tests start inherit it).
+os.environ.setdefault("AGL_KAFKA_JIT", "c1")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Tests that run the seed's own python (`-m seed` selects them, `-m "not seed"` skips the

@@ -122,6 +122,8 @@ def demo(
     stops everything it started.
     """
     settings = settings_of(ctx)
+    if "kafka_jit" not in settings.model_fields_set:  # a broker that lives minutes: C1 only
+        settings = settings.model_copy(update={"kafka_jit": "c1"})
     console = output.console()
     if smoke:
         _run_smoke(settings, spans, keep_broker, console)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -70,6 +70,15 @@ def start(
             max=9,
         ),
     ] = None,
+    jit: Annotated[
+        Literal["tiered", "c1"] | None,
+        typer.Option(
+            help=(
+                "JIT compilers of the broker's JVM (env AGL_KAFKA_JIT, default tiered): tiered (C1 then "
+                "C2) is the cheaper broker once warm; c1 (C1 only) suits a broker that lives seconds."
+            ),
+        ),
+    ] = None,
     wait: Annotated[float, typer.Option(help="Seconds to wait for the broker to answer before giving up.")] = 60.0,
 ) -> None:
     """Start the broker (or every node not running) in the background and wait until all answer."""
@@ -77,7 +86,12 @@ def start(
 
     console = output.console()
     settings = _with_overrides(
-        settings_of(ctx), kafka_port=port, kafka_controller_port=controller_port, kafka_heap=heap, kafka_brokers=brokers
+        settings_of(ctx),
+        kafka_port=port,
+        kafka_controller_port=controller_port,
+        kafka_heap=heap,
+        kafka_brokers=brokers,
+        kafka_jit=jit,
     )
     info = broker.start(settings, wait_timeout=wait)
     if info.external:

@@ -137,16 +137,17 @@ def _new_cluster_id() -> str:
             return value
 
 
-def _java(java: Path, libs: Path, paths: NodePaths, heap: str | None, main: str, argument: str) -> list[str]:
+def _java(java: Path, libs: Path, paths: NodePaths, heap: str | None, main: str, argument: str, jit: str) -> list[str]:
     """The command line of a JVM running ``main`` from the Kafka jars for this node."""
     options = [
         "-XX:+UseG1GC",
         "-XX:MaxGCPauseMillis=20",
-        # The C1 compiler only: a fresh broker otherwise spends its first minutes of load mostly
-        # in C2 compiler threads (measured: ~80% of its CPU, several CPU-seconds per minute), which
-        # on a small machine takes the cores from the pipeline. C1 code is fast enough for a
-        # local broker, whose own request handling is a small part of its CPU.
-        "-XX:TieredStopAtLevel=1",
+        # ``jit="c1"``: the C1 compiler only. A fresh broker under load otherwise spends its first
+        # ~10 s mostly in C2 compiler threads (several CPU-seconds), which on a small machine takes
+        # the cores from the pipeline: right for a broker that lives seconds (tests, benchmarks,
+        # the demo). A long-lived one is cheaper with C2 once warm (benchmarks/broker_jit.py:
+        # ~0.38 against ~0.62 ms of broker CPU per rollout), so that is the default.
+        *(["-XX:TieredStopAtLevel=1"] if jit == "c1" else []),
         "-XX:+ExitOnOutOfMemoryError",  # a broker out of memory is better dead than wedged
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={resource_path('infra/kafka/log4j2.properties')}",
@@ -177,7 +178,7 @@ def prepare(java: Path, libs: Path, paths: NodePaths, settings: Settings, proper
     write_private(args_file, "".join(f"{argument}\n" for argument in arguments))
     try:
         result = subprocess.run(
-            _java(java, libs, paths, "256m", "kafka.tools.StorageTool", f"@{args_file}"),
+            _java(java, libs, paths, "256m", "kafka.tools.StorageTool", f"@{args_file}", jit="c1"),
             capture_output=True,
             text=True,
             check=False,
@@ -197,7 +198,7 @@ def launch(java: Path, libs: Path, paths: NodePaths, settings: Settings) -> subp
     """Start the node's JVM, in a session of its own, and record its pid."""
     with open(paths.console_log, "wb") as console:
         child = subprocess.Popen(
-            _java(java, libs, paths, settings.kafka_heap, KAFKA_MAIN, str(paths.config)),
+            _java(java, libs, paths, settings.kafka_heap, KAFKA_MAIN, str(paths.config), settings.kafka_jit),
             stdin=subprocess.DEVNULL,
             stdout=console,
             stderr=subprocess.STDOUT,
