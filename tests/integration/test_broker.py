@@ -92,16 +92,21 @@ async def _first_value(settings: Settings, topic: str) -> bytes:
     return record.value
 
 
+def _jvm_options(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
 # -- the real broker ----------------------------------------------------------------------
 
 
 @pytest.mark.integration
 @needs_java
 def test_start_answer_stop_restart_on_same_data(tmp_path: Path) -> None:
-    first = _local(tmp_path)
+    first = _local(tmp_path, kafka_jit="c1")
     info = broker.start(first)
     try:
         assert info.started and not info.external and info.pid is not None
+        assert "-XX:TieredStopAtLevel=1" in _jvm_options(info.pid)  # C1 only, as asked
         assert info.bootstrap == f"127.0.0.1:{first.kafka_port}"
         # Starting again is a no-op that reports the running broker.
         again = broker.start(first)
@@ -120,11 +125,13 @@ def test_start_answer_stop_restart_on_same_data(tmp_path: Path) -> None:
     assert not broker.status(first).running
     assert broker.stop(first) is False  # nothing left to stop
 
-    # Same data dir, other ports: the existing storage is reused, not reformatted.
-    second = _local(tmp_path)
+    # Same data dir, other ports: the existing storage is reused, not reformatted. The JIT of
+    # a long-lived broker (the default): Java's tiered compilers.
+    second = _local(tmp_path, kafka_jit="tiered")
     info2 = broker.start(second)
     try:
         assert info2.started and info2.pid != info.pid
+        assert info2.pid is not None and not any("TieredStopAtLevel" in o for o in _jvm_options(info2.pid))
         assert info2.bootstrap == f"127.0.0.1:{second.kafka_port}"
         assert "keep" in asyncio.run(_topics(second))
         assert asyncio.run(_first_value(second, "keep")) == b"survives a restart"

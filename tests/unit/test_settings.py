@@ -54,3 +54,20 @@ def test_bad_values_are_rejected_with_the_field_name() -> None:
         Settings(clickhouse_url="tcp://x:9000")
     with pytest.raises(ValidationError, match="topic_prefix"):
         Settings(topic_prefix="bad prefix")
+
+
+def test_a_local_broker_is_set_up_for_a_long_life_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agl_stream.kafka.jvm import _java
+    from agl_stream.kafka.layout import NodePaths
+
+    monkeypatch.delenv("AGL_KAFKA_JIT", raising=False)  # the test session sets c1 for its own brokers
+    assert Settings().kafka_jit == "tiered"
+    monkeypatch.setenv("AGL_KAFKA_JIT", "c1")
+    assert Settings().kafka_jit == "c1"
+    monkeypatch.setenv("AGL_KAFKA_JIT", "c2")
+    with pytest.raises(ValidationError, match="kafka_jit"):
+        Settings()
+    paths = NodePaths.of(Settings(kafka_jit="c1"), 1)
+    c1 = _java(Path("java"), Path("libs"), paths, "512m", "Main", "server.properties", "c1")
+    tiered = _java(Path("java"), Path("libs"), paths, "512m", "Main", "server.properties", "tiered")
+    assert "-XX:TieredStopAtLevel=1" in c1 and not any("Tiered" in option for option in tiered)
