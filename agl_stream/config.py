@@ -34,6 +34,10 @@ def _default_kafka_libs_dir() -> Path:
     return Path(base) / "agl-stream" / f"kafka-{KAFKA_VERSION}" / "libs"
 
 
+KafkaJit = Literal["tiered", "c1"]
+"""The local broker's JIT compilers (``Settings.kafka_jit``)."""
+
+
 class Settings(BaseSettings):
     """Every setting of agl-stream. Each field ``x`` is read from ``AGL_X``."""
 
@@ -66,7 +70,7 @@ class Settings(BaseSettings):
     kafka_port: int = Field(9092, ge=1, le=65535, description="Client port of the local broker.")
     kafka_controller_port: int = Field(9093, ge=1, le=65535, description="KRaft controller port of the local broker.")
     kafka_heap: str = Field("512m", description="JVM heap (-Xmx) of the local broker.")
-    kafka_jit: Literal["tiered", "c1"] = Field(
+    kafka_jit: KafkaJit = Field(
         "tiered",
         description=(
             "JIT compilers of the local broker's JVM: `tiered` (Java's default, C1 then C2: the cheaper "

@@ -71,7 +71,7 @@ def start(
         ),
     ] = None,
     jit: Annotated[
-        Literal["tiered", "c1"] | None,
+        Literal["tiered", "c1"] | None,  # config.KafkaJit (config is imported lazily here)
         typer.Option(
             help=(
                 "JIT compilers of the broker's JVM (env AGL_KAFKA_JIT, default tiered): tiered (C1 then "

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agl_stream.auth import write_private
-from agl_stream.config import Settings
+from agl_stream.config import KafkaJit, Settings
 from agl_stream.errors import BrokerError
 from agl_stream.kafka import probe, security
 from agl_stream.kafka.jars import tail
@@ -137,7 +137,9 @@ def _new_cluster_id() -> str:
             return value
 
 
-def _java(java: Path, libs: Path, paths: NodePaths, heap: str | None, main: str, argument: str, jit: str) -> list[str]:
+def _java(
+    java: Path, libs: Path, paths: NodePaths, heap: str | None, main: str, argument: str, jit: KafkaJit
+) -> list[str]:
     """The command line of a JVM running ``main`` from the Kafka jars for this node."""
     options = [
         "-XX:+UseG1GC",

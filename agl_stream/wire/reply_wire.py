@@ -12,7 +12,6 @@ of those Reply bodies (one block: the count, the bodies, then the end marker).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -53,10 +52,6 @@ class ReplyEncoder:
     def state_body(encoded_state: bytes) -> bytes:
         """The Avro body of an encoded RolloutState message (without its single-object header)."""
         return encoded_state[HEADER_SIZE:]
-
-    def encode(self, request_id: str, outcome: ReplyOutcome, **fields: Any) -> bytes:
-        """A single-object ``agl.Reply`` (fields as :meth:`body` takes them)."""
-        return self.header + self.body(request_id, outcome, **fields)
 
     def records(self, bodies: Sequence[bytes], limit: int = MAX_RECORD_BYTES) -> list[bytes]:
         """Reply bodies (from :meth:`body`) as few records as fit ``limit`` bytes each, in order:

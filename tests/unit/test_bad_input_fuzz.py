@@ -85,7 +85,7 @@ from agl_stream.models import (
 from agl_stream.models.base import MAX_EPOCH_SECONDS
 from agl_stream.wire import otlp
 from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec
-from agl_stream.wire.reply_wire import ReplyEncoder
+from agl_stream.wire.reply_wire import ReplyEncoder, replies_of
 from agl_stream.wire.span_records import SPAN_BATCH, batch_body_of_span, span_dict_records, span_dicts_of, spans_of
 from consumers.clickhouse_sink import EnvelopeBody
 from consumers.sink_specs import SPECS
@@ -1060,17 +1060,20 @@ def test_replies_spliced_from_state_bytes_read_back_or_fail_as_malformed(
         "state_offset": state_offset,
         "covered_partitions": covered,
     }
-    reply = REPLIES.encode(request_id, outcome, state_body=state_body, error=error, **fields)
-    decoded = CODEC.decode(reply, Reply)
+    body = REPLIES.body(request_id, outcome, state_body=state_body, error=error, **fields)
+    decoded = CODEC.decode(REPLIES.header + body, Reply)
     expected = Reply(request_id=request_id, outcome=outcome, state=state, error=error, **fields)
     assert CODEC.encode(decoded) == CODEC.encode(expected)
+    [batch] = REPLIES.records([body, body])  # two answers to one writer: one agl.ReplyBatch
+    assert [CODEC.encode(r) for r in replies_of(CODEC, batch)] == [CODEC.encode(expected)] * 2
     if encoded_state is not None:  # a state body damaged on its way: the reply is refused, typed
         damaged_state = data.draw(corrupted(encoded_state))
-        damaged = REPLIES.encode(request_id, outcome, state_body=REPLIES.state_body(damaged_state), **fields)
-        try:
-            CODEC.encode(CODEC.decode(damaged, Reply))
-        except CodecError as failure:
-            assert str(failure)
+        damaged = REPLIES.body(request_id, outcome, state_body=REPLIES.state_body(damaged_state), **fields)
+        for record in (REPLIES.header + damaged, *REPLIES.records([body, damaged])):
+            try:
+                [CODEC.encode(r) for r in replies_of(CODEC, record)]
+            except CodecError as failure:
+                assert str(failure)
 
 
 @settings(FUZZ, max_examples=20)
