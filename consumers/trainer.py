@@ -36,7 +36,7 @@ from agl_stream import metrics as agl_metrics  # `metrics` here names a step's n
 from agl_stream.config import Settings
 from agl_stream.errors import AglError, CodecError
 from agl_stream.ids import new_resources_id
-from agl_stream.kafka.io import IDLE_FETCH_WAIT_MS, Outbox, Rejected
+from agl_stream.kafka.io import IDLE_WAITS, Outbox, Rejected
 from agl_stream.local.processes import run_until_stopped
 from agl_stream.logs import get_logger
 from agl_stream.models import ModelCheckpoint, ProxyLLM, ResourcesUpdate, TrainerStep, TripletBatch
@@ -190,7 +190,7 @@ class PolicyTrainer:
             isolation_level="read_committed",
             max_partition_fetch_bytes=64 << 20,
             fetch_max_bytes=128 << 20,
-            fetch_max_wait_ms=IDLE_FETCH_WAIT_MS,  # a new batch ends the hold at once
+            **IDLE_WAITS,  # a new batch ends the hold at once
         )
         await consumer.start()
         try:

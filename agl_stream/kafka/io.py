@@ -59,6 +59,17 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
 
 IDLE_FETCH_WAIT_MS = 2000
 """How long the broker holds a consumer's fetch that finds no data (a new record ends it)."""
+IDLE_WAITS: dict[str, int] = {
+    # A fetch the broker holds until data arrives: it answers at once when there is some, so a
+    # longer hold only makes an idle consumer ask less often (500 ms by default).
+    "fetch_max_wait_ms": IDLE_FETCH_WAIT_MS,
+    # How often aiokafka's fetcher task wakes with nothing to do (200 ms by default: five times a
+    # second per consumer, each time going over every assigned partition). A fetch answered, a
+    # record consumed, a seek, a reset or a rebalance wakes it at once, so this is only its
+    # safety net.
+    "consumer_timeout_ms": IDLE_FETCH_WAIT_MS,
+}
+"""The waits of every long-lived consumer: an idle one asks the broker, and wakes, rarely."""
 
 
 def make_consumer(settings: Settings, *topics: str, group_id: str | None, **overrides: Any) -> AIOKafkaConsumer:
@@ -71,9 +82,7 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None, **over
         "isolation_level": "read_committed",
         "max_partition_fetch_bytes": 8 << 20,
         "fetch_max_bytes": 64 << 20,
-        # A fetch the broker holds until data arrives: it answers at once when there is some,
-        # so a longer hold only makes an idle consumer ask less often (500 ms by default).
-        "fetch_max_wait_ms": IDLE_FETCH_WAIT_MS,
+        **IDLE_WAITS,
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)

@@ -141,11 +141,17 @@ class _Loop:
         self.commits_failed = metrics.COMMITS.labels(self.role, group, "failed")
         self.rebalances = metrics.REBALANCES.labels(self.role, group)
         self._lag_reported = 0.0
+        # Per owned partition: the fetch position at assignment, while nothing is handled yet
+        # (asked once, not at every report), and the lag gauge's child with the value last set.
+        self._fetch_start: dict[TopicPartition, int] = {}
+        self._lag: dict[TopicPartition, tuple[Any, int]] = {}
 
     def forget(self, partitions: Iterable[TopicPartition]) -> None:
         for tp in partitions:
             self.positions.pop(tp, None)
             self.committed.pop(tp, None)
+            self._fetch_start.pop(tp, None)
+            self._lag.pop(tp, None)
             with contextlib.suppress(KeyError):  # never reported: nothing to drop
                 metrics.CONSUMER_LAG.remove(self.role, self.group, tp.topic, str(tp.partition))
 
@@ -163,22 +169,28 @@ class _Loop:
 
     async def report_lag(self) -> None:
         """Each owned partition's lag: its high watermark (from the last fetch response) minus
-        the next offset to handle. A partition with no fetch response yet is not reported."""
+        the next offset to handle. A partition with no fetch response yet is not reported. An
+        idle stack reports every second, so a report that changes nothing costs a few lookups."""
         self._lag_reported = time.monotonic()
         for tp in self.consumer.assignment():
             try:
                 high = self.consumer.highwater(tp)
-                handled = self.positions.get(tp)
-                if high is not None and handled is None:
+                if high is None:
+                    continue
+                handled = self.positions.get(tp, self._fetch_start.get(tp))
+                if handled is None:
                     # Nothing handled since assignment: the fetch position (valid once a fetch
                     # answered; the short wait only guards against a reset in flight).
-                    handled = await asyncio.wait_for(self.consumer.position(tp), 0.1)
+                    handled = self._fetch_start[tp] = await asyncio.wait_for(self.consumer.position(tp), 0.1)
             except (AssertionError, IllegalStateError, TimeoutError):  # moved away meanwhile
                 continue
-            if high is None or handled is None:
-                continue
             lag = max(0, high - handled)
-            metrics.CONSUMER_LAG.labels(self.role, self.group, tp.topic, str(tp.partition)).set(lag)
+            gauge, reported = self._lag.get(tp, (None, -1))
+            if lag != reported:
+                if gauge is None:
+                    gauge = metrics.CONSUMER_LAG.labels(self.role, self.group, tp.topic, str(tp.partition))
+                gauge.set(lag)
+                self._lag[tp] = (gauge, lag)
 
     async def commit(self) -> None:
         self._last_commit = time.monotonic()
@@ -228,6 +240,7 @@ class _Loop:
                 await self.commit()
 
     async def _rewind(self) -> None:
+        self._fetch_start.clear()
         for tp in self.consumer.assignment():
             committed = await self.consumer.committed(tp)
             if committed is None:

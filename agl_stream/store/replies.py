@@ -29,7 +29,7 @@ from agl_stream.config import Settings
 from agl_stream.domain.queue import QUEUE_FULL
 from agl_stream.errors import AglError, CodecError
 from agl_stream.kafka.admin import admin_client, broker_count
-from agl_stream.kafka.io import IDLE_FETCH_WAIT_MS
+from agl_stream.kafka.io import IDLE_WAITS
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import Reply
 from agl_stream.wire.codec import Codec
@@ -170,7 +170,7 @@ class ReplyChannel:
             **self.settings.kafka_client_options(),
             enable_auto_commit=False,
             isolation_level="read_committed",
-            fetch_max_wait_ms=IDLE_FETCH_WAIT_MS,  # an answer ends the hold at once
+            **IDLE_WAITS,  # an answer ends the hold at once
         )
         await consumer.start()
         partition = TopicPartition(self.topic, 0)

@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from agl_stream.config import Settings
 from agl_stream.errors import AglError
-from agl_stream.kafka.io import IDLE_FETCH_WAIT_MS
+from agl_stream.kafka.io import IDLE_WAITS
 from agl_stream.logs import describe, get_logger
 from agl_stream.models import ResourcesUpdate
 from agl_stream.wire.codec import Codec
@@ -56,7 +56,7 @@ class ResourcesCache:
             isolation_level="read_committed",
             # A new snapshot ends the broker's hold at once; a long hold only makes an idle
             # follower ask less often (topic ends are asked on ``_ends``, never behind it).
-            fetch_max_wait_ms=IDLE_FETCH_WAIT_MS,
+            **IDLE_WAITS,
         )
         await consumer.start()
         found = consumer.partitions_for_topic(self.topic)

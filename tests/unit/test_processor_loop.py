@@ -122,3 +122,35 @@ async def test_a_stop_cuts_the_backoff_of_a_failing_start_over_short() -> None:
     stop.set()
     await asyncio.wait_for(step, 60)  # returns at once instead of retrying for ever
     assert loop.failures >= 2
+
+
+async def test_lag_is_the_high_watermark_less_the_next_offset_to_handle() -> None:
+    from prometheus_client import REGISTRY
+
+    from agl_stream import metrics
+
+    consumer, handler = Consumer(_records(6)), Handler(tick_failures=0)
+    consumer.at = 2  # the committed offset a fetch starts from
+    asked: list[TopicPartition] = []
+    position = consumer.position
+
+    async def counted_position(tp: TopicPartition) -> int:
+        asked.append(tp)
+        return await position(tp)
+
+    consumer.position = counted_position  # type: ignore[method-assign]
+    loop = _loop(consumer, handler, group="g-lag")
+    labels = {"role": metrics.role(), "group": "g-lag", "topic": TP.topic, "partition": "0"}
+
+    def lag() -> float | None:
+        return REGISTRY.get_sample_value("agl_consumer_lag_records", labels)
+
+    await loop.report_lag()
+    await loop.report_lag()
+    assert lag() == 4  # nothing handled yet: from the fetch position, asked once, not per report
+    assert asked == [TP]
+    await loop.step(asyncio.Event())  # handles offsets 2-3 (and reports, a second having passed)
+    await loop.report_lag()
+    assert lag() == 2 and asked == [TP]
+    loop.forget([TP])  # a revoked partition's gauge goes
+    assert lag() is None
