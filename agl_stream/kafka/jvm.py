@@ -151,6 +151,8 @@ def _java(
         # ~0.38 against ~0.62 ms of broker CPU per rollout), so that is the default.
         *(["-XX:TieredStopAtLevel=1"] if jit == "c1" else []),
         "-XX:+ExitOnOutOfMemoryError",  # a broker out of memory is better dead than wedged
+        # No hsperfdata file, and no sampling of it 20 times a second (only jstat/jps read it).
+        "-XX:-UsePerfData",
         "-Djava.awt.headless=true",
         f"-Dlog4j2.configurationFile={resource_path('infra/kafka/log4j2.properties')}",
         f"-Dkafka.logs.dir={paths.kafka_dir}",

@@ -7,6 +7,7 @@ the start and stop ``broker.py``'s.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,10 @@ def check_start_settings(settings: Settings) -> list[Node]:
     return cluster_nodes(settings)
 
 
+def _request_threads(cpus: int) -> dict[str, str]:
+    return {"num.io.threads": str(max(2, min(8, cpus))), "num.network.threads": str(max(1, min(3, cpus // 2)))}
+
+
 def server_properties(settings: Settings, paths: NodePaths, node: Node, nodes: list[Node]) -> str:
     host = settings.kafka_host
     secured = security.secured(settings)
@@ -190,6 +195,10 @@ def server_properties(settings: Settings, paths: NodePaths, node: Node, nodes: l
         # The controller writes a no-op record to the metadata log when it has written nothing
         # for this long (Kafka's default, 500 ms, was a fifth of an idle stack's broker CPU).
         "metadata.max.idle.interval.ms": "5000",
+        # Request threads for the cores there are (Kafka's defaults, 8 and 3, are a server's):
+        # each idle thread wakes a few times a second, and under load more threads than cores
+        # only take turns.
+        **_request_threads(os.cpu_count() or 1),
         # Topics come from topic declarations (agl-stream's topic tool), never from a typo.
         "auto.create.topics.enable": "false",
         "num.partitions": "1",

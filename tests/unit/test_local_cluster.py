@@ -105,3 +105,14 @@ def test_a_cluster_refuses_a_secured_listener(tmp_path: Path) -> None:
 def test_stop_node_names_the_nodes_there_are(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nodes 1 to 3"):
         broker.stop_node(_settings(tmp_path, kafka_brokers=3), 4)
+
+
+@pytest.mark.parametrize(("cpus", "io", "network"), [(1, "2", "1"), (2, "2", "1"), (4, "4", "2"), (64, "8", "3")])
+def test_request_threads_follow_the_cores_up_to_kafkas_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, io: str, network: str
+) -> None:
+    monkeypatch.setattr(layout.os, "cpu_count", lambda: cpus)
+    settings = _settings(tmp_path)
+    [node] = layout.cluster_nodes(settings)
+    props = _properties(layout.server_properties(settings, layout.NodePaths.of(settings), node, [node]))
+    assert (props["num.io.threads"], props["num.network.threads"]) == (io, network)
