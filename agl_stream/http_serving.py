@@ -99,7 +99,32 @@ def server_config(app: ASGIApp, *, head_timeout_s: float = HEAD_TIMEOUT_S) -> uv
 
 
 class QuietServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the role that runs it decides when it stops."""
+    """uvicorn without its own signal handling: the role that runs it decides when it stops
+    (``should_exit = True``, from the server's event loop).
+
+    uvicorn's main loop wakes ten times a second to look at ``should_exit``; here setting it
+    wakes the loop, which otherwise ticks once a second (the Date header's resolution): an
+    idle role's event loop sleeps."""
+
+    TICK_S = 1.0
+
+    @property  # type: ignore[override]
+    def should_exit(self) -> bool:
+        return self._exit.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if "_exit" not in self.__dict__:  # uvicorn's __init__ sets the flag first
+            self._exit = asyncio.Event()
+        if value:
+            self._exit.set()
+        else:
+            self._exit.clear()
+
+    async def main_loop(self) -> None:
+        while not await self.on_tick(0):  # counter 0: the Date header is renewed at every tick
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exit.wait(), self.TICK_S)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
