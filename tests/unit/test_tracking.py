@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,14 @@ def test_a_wandb_offline_run_holds_every_step(
     tracker = _drive(config, steps)
     assert tracker.failed == {}
     [run_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    history = dict(_wandb_history(run_file))
+    # wandb's own service process writes the file: run.finish() can return while it holds only
+    # its 7-byte header (seen about once in six runs), so the rows are waited for.
+    history: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + 60
+    while len(history) < len(steps) and time.monotonic() < deadline:
+        history = dict(_wandb_history(run_file))
+        if len(history) < len(steps):
+            time.sleep(0.1)  # a poll of a file another process writes: no event to wait on
     assert sorted(history) == [s.policy_version for s in steps]
     for step in steps:
         row = history[step.policy_version]
