@@ -22,7 +22,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from agl_stream.config import Settings
 from agl_stream.errors import BrokerError, PrerequisiteError
-from agl_stream.kafka import broker, jars
+from agl_stream.kafka import broker, jars, layout
 from agl_stream.ports import free_ports
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None and not os.environ.get("JAVA_HOME"), reason="no Java here")
@@ -107,6 +107,14 @@ def test_start_answer_stop_restart_on_same_data(tmp_path: Path) -> None:
     try:
         assert info.started and not info.external and info.pid is not None
         assert "-XX:TieredStopAtLevel=1" in _jvm_options(info.pid)  # C1 only, as asked
+        # No JVM perf-data file (nothing samples it), and request threads sized to the cores.
+        assert "-XX:-UsePerfData" in _jvm_options(info.pid)
+        assert not list(Path("/tmp").glob(f"hsperfdata_*/{info.pid}"))  # HotSpot's fixed place
+        written = layout.NodePaths.of(first).config
+        properties = dict(
+            line.split("=", 1) for line in written.read_text().splitlines() if "=" in line and not line.startswith("#")
+        )
+        assert int(properties["num.io.threads"]) == max(2, min(8, os.cpu_count() or 1))
         assert info.bootstrap == f"127.0.0.1:{first.kafka_port}"
         # Starting again is a no-op that reports the running broker.
         again = broker.start(first)

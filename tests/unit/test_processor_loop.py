@@ -149,7 +149,7 @@ async def test_lag_is_the_high_watermark_less_the_next_offset_to_handle() -> Non
     await loop.report_lag()
     assert lag() == 4  # nothing handled yet: from the fetch position, asked once, not per report
     assert asked == [TP]
-    await loop.step(asyncio.Event())  # handles offsets 2-3 (and reports, a second having passed)
+    await loop.step(asyncio.Event())  # handles offsets 2-3
     await loop.report_lag()
     assert lag() == 2 and asked == [TP]
     loop.forget([TP])  # a revoked partition's gauge goes
