@@ -18,7 +18,6 @@ import heapq
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from agl_stream.domain.fold import fold
 from agl_stream.domain.queue import QUEUE_FULL, Admission, ClaimQueue, claim_attempt_id
@@ -291,10 +290,12 @@ class RolloutCore:
             if state is not None:
                 applied(state)
             return None
-        update: dict[str, Any] = {"input_offset": offset}
+        # The fold built this state for this call and nothing else holds it: set, not copied
+        # (a model_copy per event was about a tenth of the processor's work on an enqueue).
+        new_state = result.state
+        new_state.input_offset = offset
         if reply_to and state is None:  # the enqueuer hears when its rollout finishes
-            update["watchers"] = [reply_to]
-        new_state = result.state.model_copy(update=update)
+            new_state.watchers = [reply_to]
         previous = out.touched.get(rollout_id)
         if previous is not None and previous.cause_time != new_state.cause_time and finishes_an_attempt(previous):
             out.finishing.append(previous)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import re
 import warnings
 from typing import Any
 
@@ -38,7 +39,7 @@ from agl_stream.models import (
     Span,
     TaskRequest,
 )
-from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec, dump_json
+from agl_stream.wire.codec import HEADER_SIZE, MAGIC, Codec, _may_not_reencode, dump_json
 from agl_stream.wire.contract import Contract, canonical_form
 from tests.unit.test_models import model_strategy, typed
 
@@ -452,3 +453,20 @@ def test_canonical_form_matches_the_avro_package(name: str) -> None:
 def test_every_bundled_schema_parses_in_the_avro_package() -> None:
     for schema in Contract.load().current.values():
         _parse_with_avro(schema.expanded)
+
+
+_ONE_PATTERN = re.compile(r"\\u[dD][89a-fA-F]|[eE]\+?\d{3}|\d{300}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(["\\ud800", "\\uDFFF", "\\u00e9", "e", "E+", "1", "9" * 150, "x", '"', "\\\\", "e+30", "E308"]),
+        max_size=12,
+    ).map("".join)
+)
+def test_the_json_reencode_check_flags_exactly_what_one_search_for_all_three_cases_would(text: str) -> None:
+    """The check before re-encoding a decoded JSON field (three plain searches, two skipped when
+    they cannot match) flags the same texts as one search for a surrogate escape, a three-digit
+    exponent or 300 digits."""
+    assert _may_not_reencode(text) == (_ONE_PATTERN.search(text) is not None)
