@@ -97,6 +97,10 @@ BUSY_WINDOW_S = 0.1
 # writes a part per block: exploded span batches pass the byte threshold (measured: 100k spans
 # of 1.9 KB made two parts). Rows off, bytes out of reach: the whole INSERT is one block.
 _ONE_PART_SETTINGS = {"min_insert_block_size_rows": 0, "min_insert_block_size_bytes": 1 << 40}
+# The engine plans every view of an ingest table again for each INSERT, whatever its rows. The
+# plan's optimization passes find nothing to improve in a projection over an ARRAY JOIN and
+# cost ~15 ms of the ~50 ms it takes to plan the span view (most of a small INSERT's cost).
+_INGEST_SETTINGS = {"query_plan_enable_optimizations": 0}
 
 
 class EngineRefusedError(AglError):
@@ -490,8 +494,8 @@ class TableSink:
             self.client.insert(self.table, [[row[c] for c in columns] for row in rows], column_names=columns)
         elif records:
             block = avro_ingest.container(self.header, [(r.partition, r.offset, r.value) for r in records])
-            one_part = _ONE_PART_SETTINGS if self.spec.resume == "data" else None
-            self.client.raw_insert(self.ingest_table, insert_block=block, fmt="Avro", settings=one_part)
+            settings = _INGEST_SETTINGS | _ONE_PART_SETTINGS if self.spec.resume == "data" else _INGEST_SETTINGS
+            self.client.raw_insert(self.ingest_table, insert_block=block, fmt="Avro", settings=settings)
 
     def _python_row(self, record: Fetched[memoryview]) -> dict[str, Any]:
         assert self.spec.python_rows is not None
