@@ -41,6 +41,7 @@ from agl_stream.errors import (
     UnknownFingerprintError,
 )
 from agl_stream.models import AVRO_CONTEXT, MODELS, TYPE_KEY, AglModel
+from agl_stream.wire.avro_writer import Declined, compile_writer
 from agl_stream.wire.contract import JSON_LOGICAL_TYPE, Contract, NamedSchema
 
 MAGIC = b"\xc3\x01"
@@ -384,6 +385,8 @@ def _check_record_tags(subs: dict[str, Walker | None], path: str) -> Walker:
 
     def check(value: Any) -> Any:
         if isinstance(value, tuple):
+            if len(value) != 2:
+                raise CodecError(f"{path}: a value tagged with its record is a (name, record) pair, not {value!r:.80}")
             name, record = value
         elif isinstance(value, dict):
             name, record = value.get(TYPE_KEY), value
@@ -442,7 +445,7 @@ def _has_record_union(parsed: dict[str, Any]) -> bool:
 
 
 class _Writer:
-    __slots__ = ("header", "name", "needs_tags", "parsed", "prepare")
+    __slots__ = ("compiled", "header", "name", "needs_tags", "parsed", "prepare")
 
     def __init__(self, schema: NamedSchema, parsed: dict[str, Any]) -> None:
         self.name = schema.name
@@ -450,6 +453,7 @@ class _Writer:
         self.parsed = parsed
         self.prepare = _WalkerCompiler(parsed, "encode").root
         self.needs_tags = _has_record_union(parsed)
+        self.compiled = compile_writer(parsed, {f"string-{JSON_LOGICAL_TYPE}": dump_json})
 
 
 class _Reader:
@@ -511,6 +515,12 @@ class Codec:
         writer = self._writers.get(avro_name)
         if writer is None:
             raise CodecError(f"no schema named {avro_name!r} in schemas/")
+        try:
+            return writer.header + writer.compiled(datum)
+        except Declined:
+            pass  # fastavro writes it: the same bytes, or its error
+        except RecursionError as exc:
+            raise CodecError(f"cannot encode {avro_name}: a value is nested too deeply or holds itself") from exc
         if writer.prepare is not None:
             datum = writer.prepare(datum)
         out = BytesIO()
