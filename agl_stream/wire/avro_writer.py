@@ -16,12 +16,12 @@ Pure: no I/O, no state beyond the compiled closures.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agl_stream.wire.avro_primitives import zigzag
 
-__all__ = ["Declined", "compile_writer"]
+__all__ = ["Declined", "Out", "Write", "compile_writer"]
 
 Out = list[bytes]
 Write = Callable[[Any, Out], None]
@@ -35,13 +35,21 @@ class Declined(Exception):
     """This writer cannot be sure of fastavro's bytes for the value: let fastavro write it."""
 
 
-def compile_writer(schema: Any, logical: dict[str, Callable[[Any], Any]] | None = None) -> Callable[[Any], bytes]:
+def compile_writer(
+    schema: Any,
+    logical: Mapping[str, Callable[[Any], Any]] | None = None,
+    *,
+    from_attributes: bool = False,
+    arrays: Mapping[str, Write] | None = None,
+) -> Callable[[Any], bytes]:
     """A function ``datum -> bytes`` for ``schema`` (fastavro's parsed form).
 
     ``logical``: converters for logical types by ``"<type>-<logicalType>"`` (fastavro's key),
     applied before the value is written; any other logical type is declined.
+    ``from_attributes``: records are read as objects (a model's fields), not dicts.
+    ``arrays``: writers of whole arrays by item type (``"long"``: token ids through a table).
     """
-    write = _Compiler(logical or {}).compile(schema)
+    write = _Compiler(logical or {}, from_attributes, arrays or {}).compile(schema)
 
     def encode(datum: Any) -> bytes:
         out: Out = []
@@ -111,8 +119,12 @@ _PRIMITIVES: dict[str, Write] = {
 
 
 class _Compiler:
-    def __init__(self, logical: dict[str, Callable[[Any], Any]]) -> None:
+    def __init__(
+        self, logical: Mapping[str, Callable[[Any], Any]], from_attributes: bool, arrays: Mapping[str, Write]
+    ) -> None:
         self.logical = logical
+        self.from_attributes = from_attributes
+        self.arrays = arrays
         self.named: dict[str, Write] = {}
         self.records: set[str] = set()
 
@@ -131,7 +143,10 @@ class _Compiler:
         if kind == "enum":
             return self._enum(schema)
         if kind == "array":
-            return self._array(self.compile(schema["items"]))
+            items = schema["items"]
+            if isinstance(items, str) and items in self.arrays:
+                return self.arrays[items]
+            return self._array(self.compile(items))
         if kind == "map":
             return self._map(self.compile(schema["values"]))
         if isinstance(kind, str) and kind in _PRIMITIVES:
@@ -177,6 +192,15 @@ class _Compiler:
                     write_field(value[name], out)
             except KeyError:
                 raise Declined from None  # fastavro would write the field's default
+
+        if self.from_attributes:
+
+            def write(value: Any, out: Out) -> None:
+                try:
+                    for name, write_field in fields:
+                        write_field(getattr(value, name), out)
+                except AttributeError:
+                    raise Declined from None
 
         self.named[schema["name"]] = write
         return write

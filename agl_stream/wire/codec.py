@@ -41,7 +41,7 @@ from agl_stream.errors import (
     UnknownFingerprintError,
 )
 from agl_stream.models import AVRO_CONTEXT, MODELS, TYPE_KEY, AglModel
-from agl_stream.wire.avro_writer import Declined, compile_writer
+from agl_stream.wire.avro_writer import Declined, Write, compile_writer
 from agl_stream.wire.contract import JSON_LOGICAL_TYPE, Contract, NamedSchema
 
 MAGIC = b"\xc3\x01"
@@ -126,6 +126,8 @@ def register_json_logical_type() -> None:
 
 
 register_json_logical_type()
+JSON_WRITERS = {f"string-{JSON_LOGICAL_TYPE}": dump_json}
+"""What the compiled writers apply to a JSON field before writing its text."""
 
 
 def _parse(expanded: Mapping[str, Any]) -> dict[str, Any]:
@@ -453,7 +455,7 @@ class _Writer:
         self.parsed = parsed
         self.prepare = _WalkerCompiler(parsed, "encode").root
         self.needs_tags = _has_record_union(parsed)
-        self.compiled = compile_writer(parsed, {f"string-{JSON_LOGICAL_TYPE}": dump_json})
+        self.compiled = compile_writer(parsed, JSON_WRITERS)
 
 
 class _Reader:
@@ -501,6 +503,14 @@ class Codec:
         """Fingerprint of the current schema of ``avro_name``."""
         self._writer(avro_name)
         return self.contract.current[avro_name].fingerprint
+
+    def compiled_writer(
+        self, avro_name: str, *, from_attributes: bool = False, arrays: Mapping[str, Write] | None = None
+    ) -> Callable[[Any], bytes]:
+        """A writer of ``avro_name``'s body compiled from its current schema (``avro_writer``):
+        fastavro's bytes, or :class:`Declined`; for writers with their own fast paths."""
+        parsed = self._writer(avro_name).parsed
+        return compile_writer(parsed, JSON_WRITERS, from_attributes=from_attributes, arrays=arrays)
 
     def _writer(self, avro_name: str) -> _Writer:
         writer = self._writers.get(avro_name)

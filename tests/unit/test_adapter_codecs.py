@@ -250,13 +250,14 @@ def test_the_encoder_writes_the_codecs_bytes() -> None:
 
 
 def test_an_unknown_schema_leaves_encoding_and_decoding_to_the_codec(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agl_stream.domain.adapter import span_decoder, triplet_encoder
+    from agl_stream.domain.adapter import span_decoder
+    from agl_stream.wire.avro_writer import Declined
 
     monkeypatch.setattr(span_decoder, "SPAN_BATCH_FINGERPRINT", 1)
     decoder = SpanRecordDecoder(CODEC)
     value = span_values(attempt_history(1), CODEC, 10)[0]
     assert not decoder.fast and decoder.decode(value) == _reference(value) and decoder.codec_records == 1
-    monkeypatch.setattr(triplet_encoder, "_compile", lambda *args: (_ for _ in ()).throw(span_decoder.NotFast()))
+    monkeypatch.setattr(CODEC, "compiled_writer", lambda *args, **kwargs: (_ for _ in ()).throw(Declined()))
     encoder = TripletRecordEncoder(CODEC)
     [record] = _records(random.Random(1), 1)
     assert not encoder.fast and encoder.encode(record) == CODEC.encode(record)
