@@ -32,7 +32,8 @@ _TYPE_KEY = "-type"  # how a model dump names its branch of a union of records
 
 
 class Declined(Exception):
-    """This writer cannot be sure of fastavro's bytes for the value: let fastavro write it."""
+    """This writer cannot be sure of fastavro's bytes for the value (or, raised by
+    :func:`compile_writer`, for any value of the schema): let fastavro write it."""
 
 
 def compile_writer(
@@ -42,7 +43,10 @@ def compile_writer(
     from_attributes: bool = False,
     arrays: Mapping[str, Write] | None = None,
 ) -> Callable[[Any], bytes]:
-    """A function ``datum -> bytes`` for ``schema`` (fastavro's parsed form).
+    """A function ``datum -> bytes`` for ``schema`` (fastavro's parsed form); :class:`Declined`
+    at once for a schema with a type it does not write (a union of primitives, ``fixed``, an
+    unknown logical type), so that its records go straight to fastavro instead of being tried
+    twice on a hot path.
 
     ``logical``: converters for logical types by ``"<type>-<logicalType>"`` (fastavro's key),
     applied before the value is written; any other logical type is declined.
@@ -151,7 +155,7 @@ class _Compiler:
             return self._map(self.compile(schema["values"]))
         if isinstance(kind, str) and kind in _PRIMITIVES:
             return _PRIMITIVES[kind]
-        return _declined  # fixed, or anything this writer was not written for
+        raise Declined  # fixed, or anything this writer was not written for
 
     def _reference(self, name: str) -> Write:
         named = self.named
@@ -160,14 +164,14 @@ class _Compiler:
             named[name](value, out)
 
         if name not in named:
-            return _declined
+            raise Declined
         return write
 
     def _logical(self, schema: dict[str, Any]) -> Write:
         convert = self.logical.get(f"{schema['type']}-{schema['logicalType']}")
         base = _PRIMITIVES.get(schema["type"])
         if convert is None or base is None:
-            return _declined
+            raise Declined
 
         def write(value: Any, out: Out) -> None:
             try:
@@ -264,7 +268,7 @@ class _Compiler:
         }
         null_index = zigzag(names.index("null")) if "null" in names else None
         if len(records) + (null_index is not None) != len(branches):
-            return _declined  # a union of other kinds: fastavro's search decides
+            raise Declined  # a union of other kinds (span attribute values): fastavro's search decides
 
         def tagged(value: Any, out: Out) -> None:
             if value is None and null_index is not None:
@@ -283,10 +287,6 @@ class _Compiler:
             branch[1](record, out)
 
         return tagged
-
-
-def _declined(value: Any, out: Out) -> None:
-    raise Declined
 
 
 def _branch_name(branch: Any) -> str | None:

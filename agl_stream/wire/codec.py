@@ -455,7 +455,11 @@ class _Writer:
         self.parsed = parsed
         self.prepare = _WalkerCompiler(parsed, "encode").root
         self.needs_tags = _has_record_union(parsed)
-        self.compiled = compile_writer(parsed, JSON_WRITERS)
+        self.compiled: Callable[[Any], bytes] | None
+        try:
+            self.compiled = compile_writer(parsed, JSON_WRITERS)
+        except Declined:
+            self.compiled = None  # a type it does not write (the spans' attribute values): fastavro
 
 
 class _Reader:
@@ -508,7 +512,8 @@ class Codec:
         self, avro_name: str, *, from_attributes: bool = False, arrays: Mapping[str, Write] | None = None
     ) -> Callable[[Any], bytes]:
         """A writer of ``avro_name``'s body compiled from its current schema (``avro_writer``):
-        fastavro's bytes, or :class:`Declined`; for writers with their own fast paths."""
+        fastavro's bytes, or :class:`Declined` (at once: a schema with a type it does not write);
+        for writers with their own fast paths."""
         parsed = self._writer(avro_name).parsed
         return compile_writer(parsed, JSON_WRITERS, from_attributes=from_attributes, arrays=arrays)
 
@@ -525,12 +530,13 @@ class Codec:
         writer = self._writers.get(avro_name)
         if writer is None:
             raise CodecError(f"no schema named {avro_name!r} in schemas/")
-        try:
-            return writer.header + writer.compiled(datum)
-        except Declined:
-            pass  # fastavro writes it: the same bytes, or its error
-        except RecursionError as exc:
-            raise CodecError(f"cannot encode {avro_name}: a value is nested too deeply or holds itself") from exc
+        if writer.compiled is not None:
+            try:
+                return writer.header + writer.compiled(datum)
+            except Declined:
+                pass  # fastavro writes it: the same bytes, or its error
+            except RecursionError as exc:
+                raise CodecError(f"cannot encode {avro_name}: a value is nested too deeply or holds itself") from exc
         if writer.prepare is not None:
             datum = writer.prepare(datum)
         out = BytesIO()

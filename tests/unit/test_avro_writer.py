@@ -47,7 +47,11 @@ def _datum(record: AglModel) -> Any:
 @given(data=st.data())
 def test_a_compiled_writer_writes_fastavros_bytes_or_declines(model: type[AglModel], data: st.DataObject) -> None:
     datum = _datum(data.draw(model_strategy(model)))
-    compiled = compile_writer(CODEC._writer(model.avro_name).parsed, JSON)
+    try:
+        compiled = compile_writer(CODEC._writer(model.avro_name).parsed, JSON)
+    except Declined:  # a schema with a type it does not write: the codec never tries it
+        assert CODEC._writer(model.avro_name).compiled is None
+        return
     try:
         written = compiled(datum)
     except Declined:
@@ -135,3 +139,13 @@ def test_a_missing_field_is_left_to_fastavros_default() -> None:
     with pytest.raises(Declined):
         compile_writer(CODEC._writer("agl.Rollout").parsed, JSON)(datum)
     assert CODEC.encode_dict("agl.Rollout", datum) == CODEC.encode(_ROLLOUT)
+
+
+def test_only_schemas_with_a_type_the_writers_do_not_write_go_straight_to_fastavro() -> None:
+    """The spans' attribute values are a union of primitives and arrays, which the compiled
+    writers leave to fastavro's search: those schemas are refused when compiled (not tried and
+    declined on every record); every other record type has a compiled writer."""
+    refused = {name for name in CODEC._writers if CODEC._writer(name).compiled is None}
+    assert refused == {"agl.OtelResource", "agl.Span", "agl.SpanBatch", "agl.SpanEvent", "agl.SpanLink"}
+    with pytest.raises(Declined):
+        compile_writer(["string", "long"], JSON)
