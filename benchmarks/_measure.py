@@ -130,6 +130,7 @@ def bench_settings(data_dir: Path, prefix: str) -> Any:
 
 COUNTED = {
     "agl_kafka_requests_total": ("kafka_requests", ("role", "api")),
+    "agl_records_in_total": ("records_in", ("role", "topic")),
     "agl_records_out_total": ("records_out", ("role", "topic")),
     "agl_sink_flush_seconds_count": ("clickhouse_inserts", ("sink",)),
     "agl_sink_records_total": ("clickhouse_inserted_records", ("sink",)),

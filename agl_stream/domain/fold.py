@@ -132,6 +132,7 @@ __all__ = [
     "Outcome",
     "fold",
     "latest_attempt",
+    "may_queue",
 ]
 
 Outcome = Literal["applied", "rejected", "ignored"]
@@ -197,6 +198,19 @@ def fold(state: RolloutState | None, event: RolloutEvent, admission: Admission |
 # --------------------------------------------------------------------------------------------
 
 _IGNORED = FoldResult(outcome="ignored")
+
+
+def may_queue(payload: object) -> bool:
+    """Whether folding an event with this payload can put its rollout in a queue (the tables
+    above): an enqueue without an attempt, a rollout set to queuing/requeuing, an attempt
+    ending any other way than succeeded (a retry). Anything unknown counts as able to."""
+    if isinstance(payload, RolloutEnqueued):
+        return payload.attempt is None
+    if isinstance(payload, RolloutUpdated):
+        return payload.status in QUEUING_STATUSES
+    if isinstance(payload, AttemptUpdated):
+        return payload.status in ATTEMPT_FINISHED_STATUSES - {"succeeded"}
+    return not isinstance(payload, (AttemptStarted, AttemptHeartbeat, RolloutCancelled, SpanSequenceRequested))
 
 
 def _rejected(error: str) -> FoldResult:

@@ -244,17 +244,20 @@ class RolloutCore:
         writer's topic, if it waits (``with_state``: for the state too). Returns why the event is
         dead-lettered when it is refused and nobody waits to hear it."""
         rollout_id = event.rollout_id
+        # Our own claim event: the attempt it starts.
+        claim = event.payload if event.writer == PROCESSOR and isinstance(event.payload, AttemptStarted) else None
 
         def applied(state: RolloutState | None) -> None:
             if reply_to:
-                out.answers.append(
-                    Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None)
-                )
+                answer = Answer(reply_to, event.event_id, "applied", rollout_id, state if with_state else None)
+                if claim is not None:
+                    self._claim_served(answer)
+                out.answers.append(answer)
 
         claimed_by: str | None = None  # our own claim event's attempt id: the rollout that has it, if any
-        if event.writer == PROCESSOR and isinstance(event.payload, AttemptStarted):
+        if claim is not None:
             self.queue.release(rollout_id)  # our own claim is decided now, whatever the fold says
-            attempt_id = event.payload.attempt.attempt_id
+            attempt_id = claim.attempt.attempt_id
             self.claims_in_flight.pop(attempt_id, None)
             claimed_by = self.attempts.get(attempt_id)
             if claimed_by not in (None, rollout_id) or self.queue.was_answered_empty(event.event_id):
@@ -362,6 +365,14 @@ class RolloutCore:
         self.queue.answered_empty(request.request_id, now)
         self.empty_listeners.add(request.reply_to)
         answers.append(Answer(request.reply_to, request.request_id, "empty", covered=sorted(self.owned)))
+
+    def _claim_served(self, answer: Answer) -> None:
+        """A claim's answer with its rollout also says when that emptied the queue, as an empty
+        answer does: the claimer's other idle runners skip these partitions (no claim each to
+        learn it) until the notice that work was queued (:meth:`notify_work`)."""
+        if len(self.queue) == 0:
+            answer.covered = sorted(self.owned)
+            self.empty_listeners.add(answer.reply_to)
 
     def expire_claims(self, now: float, answers: list[Answer]) -> None:
         """Answer the waiting claims whose wait is over empty."""

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaProducer
 
 from agl_stream.config import Settings, load_settings
-from agl_stream.domain.fold import latest_attempt
+from agl_stream.domain.fold import latest_attempt, may_queue
 from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.errors import AglError
 from agl_stream.ids import new_attempt_id, new_event_id, new_resources_id, new_rollout_id
@@ -173,9 +173,12 @@ class AglStore(StoreReads):
     async def _submit(self, events: Events, *, with_state: bool) -> list[Reply]:
         if not events:
             return []
-        # An event of ours may queue work (an enqueue, a retry): our next poll asks, whatever
-        # the processor's notice and the answer to this event race to.
-        self._queues.ask_all()
+        # An event of ours that may queue work (an enqueue, a retry): our next poll asks, whatever
+        # the processor's notice and the answer to this event race to. Others leave what the
+        # polls know alone (a runner finishing its attempt must not send every idle runner of
+        # its client to ask an empty queue).
+        if any(may_queue(payload) for _, payload in events):
+            self._queues.ask_all()
         headers = self._state_header if with_state else self._reply_header
         answers = await self._writes.submit(events, headers, self.request_timeout)
         for rollout_id, payload in events:
@@ -351,7 +354,7 @@ class AglStore(StoreReads):
             except RejectedError:
                 continue  # the rollout moved on between the claim and its fold: ask again
             if answer.outcome == "applied" and answer.state is not None:
-                self._queues.answered(partition, found_work=True)
+                self._queues.answered(partition, found_work=True, left_empty=bool(answer.covered_partitions))
                 self._workers.busy(worker_id)
                 return _attempted(answer.state, claim_attempt_id(request.request_id))
             self._queues.answered(partition, found_work=False)

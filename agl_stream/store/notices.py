@@ -138,9 +138,11 @@ class ClaimQueues:
         self._first = 0
 
     def on_queue(self, reply: Reply) -> None:
-        """An empty claim answer marks its processor's partitions empty; its notice that work was
-        queued clears them. Both arrive on the reply topic in the order the processor sent them."""
-        if reply.outcome == "empty":
+        """A claim answer that left its processor's partitions empty (answered empty, or served the
+        last queued rollout) marks them empty; its notice that work was queued clears them. All
+        arrive on the reply topic in the order the processor sent them, and are heard here in
+        that order (a poll that reads its answer later must not mark anything itself)."""
+        if reply.outcome != "notice":
             now = time.monotonic()
             for partition in reply.covered_partitions:
                 self._empty_at[partition] = now
@@ -180,9 +182,12 @@ class ClaimQueues:
         n = len(partitions)
         return next(p for p in (partitions[(self._first + i) % n] for i in range(n)) if p not in covered)
 
-    def answered(self, partition: int, *, found_work: bool) -> None:
+    def answered(self, partition: int, *, found_work: bool, left_empty: bool = False) -> None:
+        """A poll's answer from ``partition``'s processor: a rollout (``found_work``; and
+        ``left_empty`` when the answer said the queue is empty now), or none."""
         if found_work:
-            self._empty_at.clear()  # more may be queued: every poll asks
+            if not left_empty:
+                self._empty_at.clear()  # more may be queued: every poll asks
             self._first = partition  # a processor with work: ask it first next time
         else:
             self._first = partition + 1

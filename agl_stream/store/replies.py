@@ -142,8 +142,9 @@ class ReplyChannel:
         self.on_state: Callable[[Reply], None] | None = None
         """Called with every reply that carries a state (answers and notices alike)."""
         self.on_queue: Callable[[Reply], None] | None = None
-        """Called, in arrival order, with every empty claim answer and every notice that work
-        was queued (a notice without a state that names partitions)."""
+        """Called, in arrival order, with every claim answer that names partitions (empty, or
+        with the rollout that emptied their queues) and every notice that work was queued (a
+        notice without a state that names partitions)."""
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
         self._keepalive: asyncio.Task[None] | None = None
@@ -266,8 +267,8 @@ class ReplyChannel:
     def _on_reply(self, reply: Reply) -> None:
         if reply.state is not None and self.on_state is not None:
             self.on_state(reply)
-        if self.on_queue is not None and reply.state is None and reply.covered_partitions:
-            if reply.outcome in ("empty", "notice"):
+        if self.on_queue is not None and reply.covered_partitions:
+            if reply.outcome in ("empty", "applied") or (reply.outcome == "notice" and reply.state is None):
                 self.on_queue(reply)
         if reply.outcome == "notice":
             return

@@ -18,8 +18,10 @@ from agl_stream import UNSET, AglStore, AttemptedRollout, connect
 from agl_stream.config import Settings
 from agl_stream.domain.queue import claim_attempt_id
 from agl_stream.ids import new_event_id
+from agl_stream.kafka.offsets import end_offsets
 from agl_stream.models import LLM, Reply, RolloutConfig, Span, StoreRequest
 from agl_stream.store import writes as client_module
+from agl_stream.store.notices import EMPTY_TTL_S
 from agl_stream.store.replies import REPLY_HEADER, REPLY_STATE_HEADER, RejectedError
 from agl_stream.wire.codec import Codec
 
@@ -728,3 +730,48 @@ async def test_a_timed_out_attempt_is_requeued_and_reclaimable_on_every_repetiti
         attempts = await store.query_attempts(rollout.rollout_id)
         assert [a.status for a in attempts] == ["timeout", "preparing"], round_
         await store.update_attempt(rollout.rollout_id, "latest", status="succeeded")
+
+
+async def test_idle_runners_of_one_client_do_not_each_ask_an_empty_queue(stack_settings: Settings) -> None:
+    """Eight runners of one client poll the seed's way (a claim, 10 ms apart when nothing is
+    queued) while rollouts arrive one at a time and each is claimed and finished. A claim that
+    takes the last queued rollout says so, and finishing an attempt queues nothing: so the
+    other seven runners do not each ask the processor afterwards (that was seven empty claims a
+    rollout). Counted on the broker: the records of agl.store-requests. What is left: about one
+    claim a rollout, and, when a client's knowledge expires (``EMPTY_TTL_S``, 1 s), at most a
+    claim per runner."""
+    options = stack_settings.model_dump(exclude_none=True)
+    requests_topic = stack_settings.topic("store-requests")
+    runners = 8
+    async with connect(**options) as algorithm, connect(**options) as polling:
+        await _drain(polling)
+        claimed: list[str] = []
+        stop = asyncio.Event()
+
+        async def runner(index: int) -> None:
+            while not stop.is_set():
+                attempt = await polling.dequeue_rollout(worker_id=f"poller-{index}")
+                if attempt is None:
+                    await asyncio.sleep(0.01)  # the seed's polling loop, not a wait on state
+                    continue
+                claimed.append(attempt.rollout_id)
+                await polling.update_attempt(attempt.rollout_id, attempt.attempt.attempt_id, status="succeeded")
+
+        tasks = [asyncio.create_task(runner(i)) for i in range(runners)]
+        try:
+            before = sum((await end_offsets(stack_settings, requests_topic)).values())
+            began = time.monotonic()
+            for _ in range(20):
+                rollout = await algorithm.enqueue_rollout({"poll": "idle"})
+                deadline = time.monotonic() + 60
+                while rollout.rollout_id not in claimed:
+                    assert time.monotonic() < deadline, "a rollout was not claimed in 60 s"
+                    await asyncio.sleep(0.01)
+            took = time.monotonic() - began
+            sent = sum((await end_offsets(stack_settings, requests_topic)).values()) - before
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+    assert len(claimed) == len(set(claimed))
+    # Before: >= 7 x 20 = 140 (every idle runner asked after each claim and each finish).
+    assert sent <= 2 * len(claimed) + runners * (took / EMPTY_TTL_S + 1), (sent, len(claimed), took)

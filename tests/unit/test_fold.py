@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl_stream.domain.fold import FoldResult, fold, latest_attempt
+from agl_stream.domain.fold import FoldResult, fold, latest_attempt, may_queue
 from agl_stream.domain.watchdog import due_verdicts
 from agl_stream.models import (
     QUEUING_STATUSES,
@@ -261,6 +261,7 @@ def test_watchdog_on_unknown_rollout_is_rejected() -> None:
 
 def test_enqueue_queues_the_rollout() -> None:
     event = make_event(RolloutEnqueued(rollout=make_rollout(metadata={"a": 1})), time=T0 + 3)
+    assert may_queue(event.payload)
     result = fold(None, event)
     assert result.outcome == "applied" and result.state is not None
     state = result.state
@@ -982,6 +983,8 @@ def test_random_streams_keep_the_invariants(config: RolloutConfig, start: bool, 
             continue
         new = result.state
         assert new is not None
+        if new.rollout.status in QUEUING_STATUSES and state.rollout.status not in QUEUING_STATUSES:
+            assert may_queue(payload)  # a client that wrote it lets its polls ask again
         if isinstance(payload, AttemptStarted) and not payload.manual:
             assert state.rollout.status in QUEUING_STATUSES
         if isinstance(payload, SpanSequenceRequested):
@@ -1028,3 +1031,15 @@ def test_replay_gives_the_same_states(steps: list[tuple[RolloutEventPayload, flo
         return results
 
     assert replay() == replay()
+
+
+def test_events_that_cannot_queue_a_rollout_are_told_apart() -> None:
+    """What a client's polls rely on: only these leave what they know of the queues alone."""
+    assert not may_queue(RolloutEnqueued(rollout=make_rollout(), attempt=claim(1).attempt))  # start_rollout
+    assert not may_queue(AttemptUpdated.of(aid(1), status="succeeded"))
+    assert not may_queue(AttemptUpdated.of(aid(1), metadata={"k": 1}))
+    assert not may_queue(AttemptHeartbeat(attempt_id=aid(1)))
+    assert not may_queue(RolloutUpdated.of(status="running"))
+    assert not may_queue(RolloutCancelled())
+    assert may_queue(AttemptUpdated.of(aid(1), status="failed"))  # a retry
+    assert may_queue(RolloutUpdated.of(status="requeuing"))

@@ -402,3 +402,26 @@ async def test_a_client_answered_empty_hears_once_that_work_was_queued() -> None
     await h.handle(waiting)
     await h.handle(h.enqueue())  # taken by the waiting claim: nothing left queued to tell of
     assert len(_work_notices(h)) == 1
+
+
+async def test_a_claim_taking_the_last_queued_rollout_says_the_queue_is_empty_and_the_client_hears_of_work() -> None:
+    """The claimer's other idle runners need not each ask to learn the queue is empty: the answer
+    with the rollout names the partitions when nothing is left queued (and only then), and its
+    client then hears, as a client answered empty does, when work is queued again."""
+    h = Harness()
+    await h.handle(h.enqueue(), h.enqueue())
+    first, claim = h.claim(wait=0.0)
+    await h.handle(claim)
+    await h.handle(_claim_event_read_back(h))
+    [served] = _answers_to(h, first)
+    assert served.outcome == "applied" and served.state is not None
+    assert served.covered_partitions == []  # one more is queued: the client's polls go on asking
+    last, claim = h.claim(wait=0.0)
+    await h.handle(claim)
+    await h.handle(_claim_event_read_back(h))
+    [served] = _answers_to(h, last)
+    assert served.outcome == "applied" and served.covered_partitions == [0]
+    assert _work_notices(h) == []
+    await h.handle(h.enqueue())
+    [notice] = _work_notices(h)
+    assert notice.covered_partitions == [0]
