@@ -1,12 +1,15 @@
-"""What a queued rollout costs in the rollout processor's memory (tracemalloc, no broker).
+"""What a queued rollout costs the rollout processor: memory (tracemalloc) or CPU, no broker.
 
 Hands ``--rollouts`` enqueue events (each with ``--input-bytes`` of task input and the client's
 reply topic, as the store client writes them) to the processor's handler in batches of 1,000
 (``RolloutProcessor.handle``: decode, pure fold, tracking, claim queue, state records and
 answers, sent to stand-ins that acknowledge at once) and reports the bytes held per queued
-rollout, with the biggest allocation sites.
+rollout, with the biggest allocation sites. ``--cpu``: instead, the handler's CPU per enqueue
+(no tracemalloc), best and median of ``--repeats`` runs, each with a fresh processor: the
+processor's own share of an enqueue, to compare two trees side by side (run each in its tree).
 
     .venv/bin/python benchmarks/processor_memory.py --rollouts 20000 --input-bytes 200
+    .venv/bin/python benchmarks/processor_memory.py --cpu --repeats 5
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import statistics
 import time
 import tracemalloc
 from typing import Any
@@ -62,6 +66,8 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=20_000)
     parser.add_argument("--input-bytes", type=int, default=200, help="size of each task's input text")
     parser.add_argument("--top", type=int, default=8, help="allocation sites to show")
+    parser.add_argument("--cpu", action="store_true", help="the handler's CPU per enqueue, not memory")
+    parser.add_argument("--repeats", type=int, default=5, help="runs with --cpu (each a fresh processor)")
     args = parser.parse_args()
 
     settings = Settings(topic_prefix="mem", max_queued_per_partition=0)
@@ -90,20 +96,38 @@ def main() -> None:
         )
     record_bytes = sum(len(r.value or b"") for r in records) / len(records)
 
-    producer = _Producer()
-    outbox = Outbox(settings, producer, "memory", codec)  # type: ignore[arg-type]
-    processor: Any = RolloutProcessor(settings, outbox, producer, codec)  # type: ignore[arg-type]
-    processor.reply_topics = _ReplyTopics(processor.reply_topics)
+    def new_processor() -> Any:
+        producer = _Producer()
+        outbox = Outbox(settings, producer, "memory", codec)  # type: ignore[arg-type]
+        processor: Any = RolloutProcessor(settings, outbox, producer, codec)  # type: ignore[arg-type]
+        processor.reply_topics = _ReplyTopics(processor.reply_topics)
+        return processor
 
-    async def fold_all() -> None:
+    async def fold_all(processor: Any) -> None:
         for start in range(0, len(records), 1000):
             await processor.handle({TopicPartition(topic, 0): records[start : start + 1000]})
             await asyncio.sleep(0)  # the answers' deliveries finish
 
+    if args.cpu:
+        runs = []
+        for _ in range(args.repeats):
+            processor = new_processor()
+            gc.collect()
+            started = time.process_time()
+            asyncio.run(fold_all(processor))
+            runs.append((time.process_time() - started) / args.rollouts * 1e6)
+            assert len(processor.queue) == args.rollouts, (len(processor.queue), args.rollouts)
+        print(
+            f"{args.rollouts:,} enqueues, record {record_bytes:,.0f} bytes: handler CPU per enqueue "
+            f"best {min(runs):.1f} us, median {statistics.median(runs):.1f} us ({len(runs)} runs)"
+        )
+        return
+
+    processor = new_processor()
     gc.collect()
     tracemalloc.start(1)
     before = tracemalloc.take_snapshot()
-    asyncio.run(fold_all())
+    asyncio.run(fold_all(processor))
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
