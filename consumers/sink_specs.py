@@ -112,11 +112,13 @@ SPANS = SinkSpec(
     batch_bytes=16 << 20,  # ~10,000 spans' worth, what one INSERT held before batches
     busy_flush_ms=1000,
 )
-# State topics: every INSERT costs the engine ~15 ms whatever its size, so a batch lingers a
-# short window at every load (longer while busy) and one INSERT carries many states; a reader
-# waiting on a fence of the topic ends the window at once (``wanted``), so fenced reads pay no
-# latency for it. (At flush_ms=0 a light load, 20 rollouts/s, made one INSERT per state record:
-# the gateway spent a core on them.)
+# State topics: every INSERT costs the engine ~25-40 ms of CPU whatever its size (the views'
+# plans, a part per target table, their merges), so a batch lingers 1 s at every load, which is
+# ClickHouse's own advice (about one INSERT a second per table), and one INSERT carries many
+# states; a reader waiting on a fence of the topic ends the window at once (``wanted``), so
+# fenced reads pay no latency for it. (At flush_ms=0 a light load, 20 rollouts/s, made one
+# INSERT per state record: the gateway spent a core on them; at 200 ms, 2.4 INSERTs a second
+# per table, 19% of a core.)
 ROLLOUT_STATE = SinkSpec(
     "clickhouse-rollout-state",
     "rollout-state",
@@ -124,8 +126,7 @@ ROLLOUT_STATE = SinkSpec(
     (Target("rollouts", "rollouts.sql"), Target("attempts", "attempts.sql")),
     ingest="rollout_state",
     skip_tombstones=True,
-    flush_ms=200,
-    busy_flush_ms=500,
+    flush_ms=1000,
     latest_per_key=True,
 )
 
@@ -172,8 +173,7 @@ WORKERS = SinkSpec(
     (Target("workers", "workers.sql"),),
     ingest="workers",
     skip_tombstones=True,
-    flush_ms=200,
-    busy_flush_ms=500,
+    flush_ms=1000,
     latest_per_key=True,
 )
 # Training data: a TripletRecord can be MBs of token ids and a TripletBatch up to 16 MiB, so
