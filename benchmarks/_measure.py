@@ -31,6 +31,43 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU time each live thread of a process has used so far, by thread id: (its name, seconds).
+    Names are the kernel's (15 characters): a JVM's "C2 CompilerThre", Python's "python"."""
+    tick = os.sysconf("SC_CLK_TCK")
+    threads: dict[int, tuple[str, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return threads
+
+
+def busiest_threads(
+    before: dict[int, tuple[str, float]],
+    after: dict[int, tuple[str, float]],
+    seconds: float,
+    process_cpu: float,
+    top: int = 8,
+) -> dict[str, float]:
+    """% of a core per thread name between two :func:`thread_cpu_seconds` snapshots, busiest first
+    (threads of one name summed, like a JVM's request handlers). ``process_cpu``: the process's
+    own CPU seconds over the same window; what its live threads do not account for is put under
+    "(threads that ended)" (a JVM starts and stops compiler threads as it needs them)."""
+    by_name: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        by_name[name] = by_name.get(name, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
+    ended = process_cpu - sum(by_name.values())
+    busiest = sorted(by_name.items(), key=lambda item: -item[1])[:top]
+    shares = {name: round(cpu / seconds * 100, 2) for name, cpu in busiest if cpu > 0}
+    if ended > 0:
+        shares["(threads that ended)"] = round(ended / seconds * 100, 2)
+    return shares
+
+
 def descendants(pid: int) -> list[int]:
     """``pid`` and every live process below it (from /proc/<pid>/task/*/children)."""
     found: list[int] = []

@@ -5,8 +5,9 @@ adds the triplet builder and the batcher), lets it settle, then measures each pr
 ``--seconds``: first with no client, then with ``--runners`` runner coroutines in one process
 long-polling an empty queue (``dequeue_rollout(wait=...)``, as `agl-stream runner` claims), each
 with its periodic heartbeat. Prints % of one core per process and in all, and each window's
-Kafka requests per second by role and API (from the roles' /metrics); JSON to
-benchmarks/results/idle.json.
+Kafka requests per second by role and API (from the roles' /metrics), and, with no client,
+each process's busiest threads by name (``/proc/<pid>/task``: where a JVM's idle CPU goes,
+its compilers, request handlers, purgatory reapers); JSON to benchmarks/results/idle.json.
 
 Run: ``python benchmarks/idle.py`` (``--seconds 30 --runners 8 --training``).
 """
@@ -22,7 +23,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _measure import cpu_seconds, scrape_counts, tree_cpu_seconds  # type: ignore[import-not-found]
+from _measure import (  # type: ignore[import-not-found]
+    busiest_threads,
+    cpu_seconds,
+    scrape_counts,
+    thread_cpu_seconds,
+    tree_cpu_seconds,
+)
 
 from agl_stream import connect, metrics
 from agl_stream.config import Settings
@@ -39,12 +46,21 @@ def _cpu(processes: dict[str, int]) -> dict[str, float]:
     }
 
 
-async def _measure(processes: dict[str, int], metrics_dir: Path, seconds: float) -> tuple[dict[str, float], Any]:
-    """% of a core per process over the window, and Kafka requests per second by role and API."""
+async def _measure(
+    processes: dict[str, int], metrics_dir: Path, seconds: float
+) -> tuple[dict[str, float], Any, dict[str, dict[str, float]]]:
+    """% of a core per process over the window, Kafka requests per second by role and API, and
+    each process's busiest threads (% of a core by thread name)."""
     requests_before = scrape_counts(metrics_dir)["kafka_requests"]
+    threads_before = {name: thread_cpu_seconds(pid) for name, pid in processes.items()}
+    own_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
     before, began = _cpu(processes), time.monotonic()
     await asyncio.sleep(seconds)  # the measured window itself
     after, took = _cpu(processes), time.monotonic() - began
+    threads = {
+        name: busiest_threads(threads_before[name], thread_cpu_seconds(pid), took, cpu_seconds(pid) - own_before[name])
+        for name, pid in processes.items()
+    }
     requests_after = scrape_counts(metrics_dir)["kafka_requests"]
     rates = {
         key: round((n - requests_before.get(key, 0.0)) / took, 2)
@@ -52,7 +68,7 @@ async def _measure(processes: dict[str, int], metrics_dir: Path, seconds: float)
         if n > requests_before.get(key, 0.0)
     }
     cpu = {name: round((after[name] - before[name]) / took * 100, 2) for name in processes}
-    return cpu, {"all": round(sum(rates.values()), 1), **rates}
+    return cpu, {"all": round(sum(rates.values()), 1), **rates}, threads
 
 
 async def _idle_runners(settings: Settings, runners: int, stop: asyncio.Event) -> None:
@@ -80,11 +96,11 @@ async def measure(settings: Settings, processes: dict[str, int], args: argparse.
     live = stack.local_stack_settings(settings)
     metrics_dir = settings.run_dir / metrics.ENDPOINTS_DIR
     await asyncio.sleep(args.settle)  # starts and first flushes out of the window
-    quiet, quiet_requests = await _measure(processes, metrics_dir, args.seconds)
+    quiet, quiet_requests, quiet_threads = await _measure(processes, metrics_dir, args.seconds)
     stop = asyncio.Event()
     clients = asyncio.create_task(_idle_runners(live, args.runners, stop))
     await asyncio.sleep(args.settle)
-    polled, polled_requests = await _measure(processes, metrics_dir, args.seconds)
+    polled, polled_requests, _ = await _measure(processes, metrics_dir, args.seconds)
     stop.set()
     await clients
     return {
@@ -95,6 +111,8 @@ async def measure(settings: Settings, processes: dict[str, int], args: argparse.
         "cpu_percent_idle_runners": {**polled, "all": round(sum(polled.values()), 2)},
         "kafka_requests_per_second_no_client": quiet_requests,
         "kafka_requests_per_second_idle_runners": polled_requests,
+        # Where an idle process's CPU goes (a JVM's compiler, request handlers, reapers...).
+        "busiest_threads_percent_no_client": quiet_threads,
     }
 
 
