@@ -25,24 +25,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def _stat_cpu_seconds(stat: Path) -> float:
+    """User + system CPU seconds in a /proc ``stat`` file (a process's or one thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time a process has used so far (user + system), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
 
 
 def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     """CPU time each live thread of a process has used so far, by thread id: (its name, seconds).
     Names are the kernel's (15 characters): a JVM's "C2 CompilerThre", Python's "python"."""
-    tick = os.sysconf("SC_CLK_TCK")
     threads: dict[int, tuple[str, float]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            threads[int(task.name)] = ((task / "comm").read_text().strip(), _stat_cpu_seconds(task / "stat"))
         except OSError:
             continue  # a thread that ended meanwhile
-        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return threads
 
 

@@ -268,8 +268,7 @@ class ReplyChannel:
         if reply.state is not None and self.on_state is not None:
             self.on_state(reply)
         if self.on_queue is not None and reply.covered_partitions:
-            if reply.outcome in ("empty", "applied") or (reply.outcome == "notice" and reply.state is None):
-                self.on_queue(reply)
+            self.on_queue(reply)  # only claim answers and notices of queued work name partitions
         if reply.outcome == "notice":
             return
         future = self._pending.get(reply.request_id)

@@ -3,14 +3,24 @@ channel tells it: pure asyncio, no broker. The test plays the reply channel and 
 
 from __future__ import annotations
 
+import pytest
+
 from agl_stream.config import Settings
 from agl_stream.models import Rollout
 from agl_stream.models.events import RolloutState
 from agl_stream.models.replies import Reply
+from agl_stream.store import notices
 from agl_stream.store.notices import ClaimQueues
 from agl_stream.store.replies import ReplyChannel
 
 PARTITIONS = [0, 1]
+
+
+@pytest.fixture(autouse=True)
+def _marks_do_not_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the polls know expires after 1 s; a stalled busy machine must not make it expire
+    in the middle of a test."""
+    monkeypatch.setattr(notices, "EMPTY_TTL_S", 3600.0)
 
 
 def _state() -> RolloutState:
