@@ -155,21 +155,28 @@ async def test_a_runner_killed_mid_attempt_is_retried_on_another_runner(own_stac
 
 
 async def test_sigterm_finishes_or_releases_every_live_attempt(own_stack: Settings) -> None:
-    first = _runner(own_stack, "--grace", "3", "--concurrency", "4", name="first")
+    first = _runner(own_stack, "--grace", "10", "--concurrency", "4", name="first")
     second: subprocess.Popen[bytes] | None = None
     try:
         async with connect(**own_stack.model_dump(exclude_none=True)) as store:
             slow = await store.enqueue_rollout({"kind": "sleep_first", "seconds": 120})
-            quick = await store.enqueue_rollout({"kind": "sleep", "seconds": 1})
+            quick = await store.enqueue_rollout({"kind": "sleep", "seconds": 4})
 
-            async def both_running() -> bool:
+            async def both_claimed() -> bool:
+                # The read side shows a state up to a second late (the sinks linger), and a busy
+                # machine may add more: the quick attempt may be seen running or already done.
                 rollouts = await store.query_rollouts(rollout_id_in=[slow.rollout_id, quick.rollout_id])
-                return len(rollouts) == 2 and all(r.status == "running" for r in rollouts)
+                status = {r.rollout_id: r.status for r in rollouts}
+                return status.get(slow.rollout_id) == "running" and status.get(quick.rollout_id) in (
+                    "running",
+                    "succeeded",
+                )
 
-            await _until(both_running, 60, "both attempts to run")
+            await _until(both_claimed, 60, "both attempts to run")
             first.send_signal(signal.SIGTERM)
             assert first.wait(timeout=60) == 0
-            # The quick attempt finished within the grace period; the slow one was given back.
+            # The quick attempt finished (within the grace period, if still live); the slow one was
+            # given back.
             finished = await store.wait_for_rollouts(rollout_ids=[quick.rollout_id], timeout=30)
             assert [r.status for r in finished] == ["succeeded"]
 
