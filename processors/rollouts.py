@@ -90,6 +90,7 @@ class RolloutProcessor(RolloutCore):
         self._next_watchdog = 0.0
         self._next_prune = time.monotonic() + PRUNE_EVERY_S
         self._pruning: asyncio.Task[list[str]] | None = None
+        self._answered: set[str] = set()  # the reply topics in the reply producer's metadata
         self.consumer: AIOKafkaConsumer | None = None  # the skeleton's, for positions
 
     # -- assignment --------------------------------------------------------------------------
@@ -248,7 +249,8 @@ class RolloutProcessor(RolloutCore):
         """
         if not answers:
             return
-        await self.reply_topics.refresh({a.reply_to for a in answers})
+        if await self.reply_topics.refresh({a.reply_to for a in answers}):
+            self._forget_gone_topics()
         per_topic: dict[str, list[bytes]] = {}
         for answer in answers:
             if not self.reply_topics.exists(answer.reply_to):
@@ -269,6 +271,7 @@ class RolloutProcessor(RolloutCore):
                     covered_partitions=answer.covered,
                 )
             )
+        self._answered.update(per_topic)
         deliveries = [
             asyncio.create_task(self._deliver(topic, record))
             for topic, replies in per_topic.items()
@@ -277,6 +280,16 @@ class RolloutProcessor(RolloutCore):
         if deliveries:
             await asyncio.wait(deliveries, timeout=REPLY_WAIT_S)
             metrics.count_out(self.settings.topic("replies"), len(deliveries))  # one label for all clients
+
+    def _forget_gone_topics(self) -> None:
+        """aiokafka's producer asks the metadata of every topic it ever sent to, for good (and
+        logs an error for each deleted one at every update): once a lookup shows reply topics
+        gone (their clients closed), it asks only for those that still exist. Never for none:
+        an empty list would make it ask for every topic of the cluster."""
+        live = {topic for topic in self._answered if self.reply_topics.exists(topic)}
+        if live and live != self._answered:
+            self.reply_producer.client.set_topics(live)
+            self._answered = live
 
     async def _deliver(self, topic: str, value: bytes) -> None:
         try:

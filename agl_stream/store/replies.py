@@ -116,15 +116,18 @@ class ReplyTopics:
         """A send found the topic missing: stop answering there until it shows up again."""
         self._known.discard(name)
 
-    async def refresh(self, names: set[str]) -> None:
+    async def refresh(self, names: set[str]) -> bool:
+        """Look the reply topics up again when ``names`` holds one not known, or every few
+        seconds; True when it looked."""
         if names <= self._known and time.monotonic() - self._looked < 5.0:
-            return
+            return False
         self._looked = time.monotonic()
         if self._admin is None:
             self._admin = admin_client(self.settings)
             await self._admin.start()
         topics = await self._admin.list_topics()
         self._known = {t for t in topics if t.startswith(self.prefix)}
+        return True
 
     async def close(self) -> None:
         if self._admin is not None:

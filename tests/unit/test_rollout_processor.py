@@ -50,6 +50,7 @@ class Producer:
     def __init__(self, ends: dict[tuple[str, int], int]) -> None:
         self.ends = ends
         self.sent: list[tuple[str, int, bytes | None, list[tuple[str, bytes]]]] = []
+        self.client = MetadataTopics()
 
     async def send(
         self,
@@ -68,9 +69,20 @@ class Producer:
         return done
 
 
+class MetadataTopics:
+    """The producer's client, as far as the processor uses it: the topics it asks metadata of."""
+
+    def __init__(self) -> None:
+        self.set: list[set[str]] = []
+
+    def set_topics(self, topics: set[str]) -> None:
+        self.set.append(set(topics))
+
+
 class ReplyTopics:
     def __init__(self, real: Any) -> None:
         self.real = real
+        self.deleted: set[str] = set()  # as the next lookup finds them
 
     def valid(self, name: str) -> bool:
         return bool(self.real.valid(name))
@@ -79,13 +91,13 @@ class ReplyTopics:
         return self.real.of(headers)  # type: ignore[no-any-return]
 
     def exists(self, name: str) -> bool:
-        return True
+        return name not in self.deleted
 
     def gone(self, name: str) -> None:
         raise AssertionError(name)
 
-    async def refresh(self, names: set[str]) -> None:
-        return None
+    async def refresh(self, names: set[str]) -> bool:
+        return bool(self.deleted)
 
 
 class Harness:
@@ -107,13 +119,13 @@ class Harness:
         self.ends[(topic, 0)] = offset + 1
         return ConsumerRecord(topic, 0, offset, 0, 0, key.encode(), value, None, len(key), len(value), headers)
 
-    def enqueue(self) -> ConsumerRecord[bytes, bytes]:
+    def enqueue(self, reply_to: str = CLIENT) -> ConsumerRecord[bytes, bytes]:
         rollout = Rollout(rollout_id=new_rollout_id(), input={"n": 1}, start_time=time.time(), metadata={})
         event = RolloutEvent(
             event_id=new_event_id(), rollout_id=rollout.rollout_id, time=time.time(), writer="test",
             payload=RolloutEnqueued(rollout=rollout),
         )  # fmt: skip
-        return self.record(EVENTS, rollout.rollout_id, self.codec.encode(event), [(REPLY_HEADER, CLIENT.encode())])
+        return self.record(EVENTS, rollout.rollout_id, self.codec.encode(event), [(REPLY_HEADER, reply_to.encode())])
 
     def event(self, rollout_id: str, payload: Any, *, at: float) -> ConsumerRecord[bytes, bytes]:
         event = RolloutEvent(event_id=new_event_id(), rollout_id=rollout_id, time=at, writer="test", payload=payload)
@@ -425,3 +437,19 @@ async def test_a_claim_taking_the_last_queued_rollout_says_the_queue_is_empty_an
     await h.handle(h.enqueue())
     [notice] = _work_notices(h)
     assert notice.covered_partitions == [0]
+
+
+async def test_the_reply_producer_stops_asking_metadata_of_reply_topics_that_were_deleted() -> None:
+    """aiokafka's producer would ask the metadata of every client it ever answered, for good,
+    logging an error for each deleted topic at every update: a lookup that finds topics gone
+    narrows it to those that exist, and never to none (that would mean every topic)."""
+    h = Harness()
+    other = f"{SETTINGS.topic('replies')}.client-2"
+    await h.handle(h.enqueue(), h.enqueue(reply_to=other))
+    assert h.replies.client.set == []  # nothing gone
+    h.processor.reply_topics.deleted.add(other)  # type: ignore[attr-defined]
+    await h.handle(h.enqueue())
+    assert h.replies.client.set == [{CLIENT}]
+    h.processor.reply_topics.deleted.add(CLIENT)  # type: ignore[attr-defined]
+    await h.handle(h.enqueue())
+    assert h.replies.client.set == [{CLIENT}]  # not narrowed to nothing
