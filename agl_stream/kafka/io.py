@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import wrapt
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.structs import RecordMetadata
 
 from agl_stream import metrics
@@ -27,6 +29,10 @@ from agl_stream.models import AglModel, DlqRecord
 from agl_stream.wire.codec import Codec
 
 log = get_logger(__name__)
+
+BATCHED_FROM = 8
+"""Records of one ``Outbox.send_all`` to one partition from which they go as producer batches."""
+_PARTITIONER = DefaultPartitioner()  # the producer's default: the same partition for a key
 
 
 def _count_request(wrapped: Callable[..., Any], _instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -206,21 +212,67 @@ class Outbox:
             await producer.stop()
 
     async def send_all(self, records: Iterable[Record]) -> list[RecordMetadata]:
-        """Send the records (one produce batch per partition), then wait for every acknowledgement."""
-        futures = []
-        per_topic: dict[str, int] = {}
-        for r in records:
-            futures.append(
-                await self.producer.send(r.topic, r.value, key=r.key, partition=r.partition, headers=r.headers)
-            )
-            per_topic[r.topic] = per_topic.get(r.topic, 0) + 1
-        settled = await asyncio.gather(*futures, return_exceptions=True)
+        """Send the records, in order per partition, then wait for every acknowledgement.
+
+        Records bound for one partition in number (:data:`BATCHED_FROM` or more) go as producer
+        batches the outbox fills itself: one future and one metadata check per batch instead of
+        per record, and the partitioner once per key either way. The others, and a record too
+        large for a batch of its own, go through ``send`` (which also raises the producer's
+        error for a record over its request size)."""
+        records = list(records)
+        lanes: dict[tuple[str, int | None], list[int]] = {}
+        partitions: dict[str, list[int]] = {}
+        for i, r in enumerate(records):
+            partition = r.partition
+            if partition is None and r.key is not None:  # where the producer would put the key
+                if (known := partitions.get(r.topic)) is None:
+                    known = partitions[r.topic] = sorted(await self.producer.partitions_for(r.topic))
+                partition = int(_PARTITIONER(r.key, known, known))
+            lanes.setdefault((r.topic, partition), []).append(i)
+        acks: list[tuple[list[int], asyncio.Future[RecordMetadata]]] = []
+        for (topic, partition), indices in lanes.items():
+            if partition is None or len(indices) < BATCHED_FROM:
+                acks += [([i], await self._send_one(records[i], partition)) for i in indices]
+            else:
+                acks += await self._send_batches(topic, partition, records, indices)
+        settled = await asyncio.gather(*(future for _, future in acks), return_exceptions=True)
         for result in settled:
             if isinstance(result, BaseException):
                 raise result
+        acknowledged: list[RecordMetadata | None] = [None] * len(records)
+        for (indices, _), first in zip(acks, settled, strict=True):
+            assert isinstance(first, RecordMetadata)
+            for n, i in enumerate(indices):
+                acknowledged[i] = first if n == 0 else first._replace(offset=first.offset + n)
+        per_topic = Counter(r.topic for r in records)
         for topic, n in per_topic.items():
             metrics.count_out(topic, n)
-        return list(settled)
+        return [ack for ack in acknowledged if ack is not None]
+
+    async def _send_one(self, r: Record, partition: int | None) -> asyncio.Future[RecordMetadata]:
+        return await self.producer.send(r.topic, r.value, key=r.key, partition=partition, headers=r.headers)
+
+    async def _send_batches(
+        self, topic: str, partition: int, records: Sequence[Record], indices: Sequence[int]
+    ) -> list[tuple[list[int], asyncio.Future[RecordMetadata]]]:
+        """The records at ``indices`` to one partition as full producer batches, in order."""
+        sent: list[tuple[list[int], asyncio.Future[RecordMetadata]]] = []
+        batch, held = self.producer.create_batch(), []
+        for i in indices:
+            r = records[i]
+            if batch.append(timestamp=None, key=r.key, value=r.value, headers=r.headers or []) is not None:
+                held.append(i)
+                continue
+            if held:  # full: send it and start the next
+                sent.append((held, await self.producer.send_batch(batch, topic, partition=partition)))
+                batch, held = self.producer.create_batch(), []
+                if batch.append(timestamp=None, key=r.key, value=r.value, headers=r.headers or []) is not None:
+                    held.append(i)
+                    continue
+            sent.append(([i], await self._send_one(r, partition)))  # too large for a batch of its own
+        if held:
+            sent.append((held, await self.producer.send_batch(batch, topic, partition=partition)))
+        return sent
 
     async def send(
         self, topic: str, record: AglModel, key: str | None, *, partition: int | None = None

@@ -6,7 +6,7 @@ import pytest
 
 from agl_stream.config import Settings
 from agl_stream.kafka import admin
-from agl_stream.kafka.io import Outbox, decode_as, make_consumer, make_producer, prepare_records
+from agl_stream.kafka.io import Outbox, Record, decode_as, make_consumer, make_producer, prepare_records
 from agl_stream.models import DlqRecord, Worker
 from agl_stream.wire.codec import Codec
 from tests.integration.helpers import read_topic
@@ -53,3 +53,35 @@ async def test_typed_records_round_trip_and_other_record_types_are_dead_lettered
     record = Codec.default().decode(dead.value, DlqRecord)
     assert (record.source_partition, record.source_offset) == (wrong.partition, wrong.offset)
     assert record.error_type == "RecordTypeError" and "agl.Worker" in record.reason
+
+
+async def test_send_all_batches_a_partitions_records_and_answers_each_with_its_own_offset(settings: Settings) -> None:
+    """Records bound for one partition in number go as producer batches the outbox fills: each
+    still lands where the producer's own partitioner puts its key, in order, and is answered
+    with the partition and offset a consumer finds it at; a record too large for a batch of its
+    own and records few to a partition go one by one, in the same call."""
+    await admin.apply(settings)
+    topic = settings.topic("rollout-state")
+    producer = make_producer(settings, max_batch_size=4096)
+    await producer.start()
+    try:
+        outbox = Outbox(settings, producer, "io-test")
+        keyed = [Record(topic, f"ro-{i:04d}".encode(), f"v{i}".encode() * 50) for i in range(120)]
+        large = Record(topic, b"ro-large", b"x" * 6000)  # over the batch size: sent alone
+        pinned = [Record(topic, f"p{i}".encode(), f"p{i}".encode(), partition=1) for i in range(3)]  # too few to batch
+        records = keyed[:60] + [large] + pinned + keyed[60:]
+        acks = await outbox.send_all(records)
+        by_send = await producer.send_and_wait(topic, b"reference", key=keyed[7].key)
+    finally:
+        await producer.stop()
+    assert len(acks) == len(records)
+    assert by_send.partition == acks[7].partition  # the partitioner the producer itself uses
+    assert len({a.partition for a in acks}) > 1 and all(a.topic == topic for a in acks)
+    assert [a.partition for a in acks[61:64]] == [1, 1, 1]
+    read = await read_topic(settings, topic, len(records) + 1)
+    found = {(m.partition, m.offset): (m.key, m.value) for m in read}
+    assert [found[(a.partition, a.offset)] for a in acks] == [(r.key, r.value) for r in records]
+    per_partition: dict[int, list[int]] = {}
+    for a in acks:
+        per_partition.setdefault(a.partition, []).append(a.offset)
+    assert all(offsets == sorted(offsets) for offsets in per_partition.values())  # in order
