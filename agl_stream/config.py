@@ -185,6 +185,12 @@ class Settings(BaseSettings):
         gt=0,
         description="The same for model servers (`inference`, vLLM), whose first load may take many minutes.",
     )
+    gc_threshold: int = Field(
+        50_000,
+        ge=0,
+        description="Allocations between the young-generation collections of Python's garbage collector in a "
+        "role process (Python's default is 700, a cost that grows with what a role holds); 0 keeps Python's.",
+    )
 
     # -- SQL analytics (`GET/POST /v1/sql`, `agl-stream sql`) ----------------------------------
     sql_time_limit_s: float = Field(

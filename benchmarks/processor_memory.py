@@ -34,16 +34,37 @@ from agl_stream.wire.codec import Codec
 from processors.rollouts import RolloutProcessor
 
 
+class _Batch:
+    """A producer batch that takes every record and keeps none."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def append(self, **_: Any) -> bool:
+        self.records += 1
+        return True
+
+
 class _Producer:
-    """Acknowledges every send at once and keeps nothing."""
+    """Acknowledges every send and batch at once and keeps nothing (the producer's own work on
+    a record is not counted, by ``send`` or by a batch)."""
 
     def __init__(self) -> None:
         self.offset = 0
 
     async def send(self, topic: str, value: bytes | None, **_: Any) -> asyncio.Future[RecordMetadata]:
-        self.offset += 1
+        return self._acknowledged(topic, 1)
+
+    def create_batch(self) -> _Batch:
+        return _Batch()
+
+    async def send_batch(self, batch: _Batch, topic: str, *, partition: int) -> asyncio.Future[RecordMetadata]:
+        return self._acknowledged(topic, batch.records, partition)
+
+    def _acknowledged(self, topic: str, records: int, partition: int = 0) -> asyncio.Future[RecordMetadata]:
         done: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
-        done.set_result(RecordMetadata(topic, 0, TopicPartition(topic, 0), self.offset, -1, 0, 0))
+        done.set_result(RecordMetadata(topic, partition, TopicPartition(topic, partition), self.offset, -1, 0, 0))
+        self.offset += records
         return done
 
 

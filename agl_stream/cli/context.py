@@ -12,6 +12,7 @@ command module (tests/unit/test_cli_startup.py keeps it that way).
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,10 @@ class SettingsRequest:
         configure_logging(settings.log_level, settings.log_format)
         if self.role is not None:
             get_logger("agl.cli").info("starting; loading its libraries", role=self.role, pid=os.getpid())
+            if settings.gc_threshold:
+                # A role holds many long-lived objects (the processor every queued rollout): at
+                # Python's default each young collection's promotions keep the older ones busy.
+                gc.set_threshold(settings.gc_threshold, *gc.get_threshold()[1:])
         return settings
 
 

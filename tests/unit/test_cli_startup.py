@@ -3,6 +3,7 @@ grouped in panels and shows no type for flags; settings are built only when a co
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -198,3 +199,17 @@ def test_a_request_becomes_the_settings_once() -> None:
     assert isinstance(first, Settings)
     assert first.topic_prefix == "exp8"
     assert settings_of(ctx) is first
+
+
+def test_a_role_process_collects_garbage_less_often_and_other_commands_keep_pythons_threshold() -> None:
+    before = gc.get_threshold()
+    try:
+        SettingsRequest(overrides={"gc_threshold": 12_345}).build()
+        assert gc.get_threshold() == before  # not a role: a short command keeps Python's
+        SettingsRequest(overrides={"gc_threshold": 12_345}, role="processor").build()
+        assert gc.get_threshold() == (12_345, *before[1:])
+        gc.set_threshold(*before)
+        SettingsRequest(overrides={"gc_threshold": 0}, role="processor").build()
+        assert gc.get_threshold() == before  # 0 keeps Python's
+    finally:
+        gc.set_threshold(*before)
