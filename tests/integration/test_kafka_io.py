@@ -69,7 +69,7 @@ async def test_send_all_batches_a_partitions_records_and_answers_each_with_its_o
         keyed = [Record(topic, f"ro-{i:04d}".encode(), f"v{i}".encode() * 50) for i in range(120)]
         large = Record(topic, b"ro-large", b"x" * 6000)  # over the batch size: sent alone
         pinned = [Record(topic, f"p{i}".encode(), f"p{i}".encode(), partition=1) for i in range(3)]  # too few to batch
-        records = keyed[:60] + [large] + pinned + keyed[60:]
+        records = [*keyed[:60], large, *pinned, *keyed[60:]]
         acks = await outbox.send_all(records)
         by_send = await producer.send_and_wait(topic, b"reference", key=keyed[7].key)
     finally:
