@@ -188,6 +188,7 @@ class Settings(BaseSettings):
     gc_threshold: int = Field(
         50_000,
         ge=0,
+        le=100_000_000,
         description="Allocations between the young-generation collections of Python's garbage collector in a "
         "role process (Python's default is 700, a cost that grows with what a role holds); 0 keeps Python's.",
     )

@@ -131,6 +131,11 @@ class Rejected:
         return cls(record.topic, record.partition, record.offset, record.key, raw, error)
 
 
+def _added(batch: Any, record: Record) -> bool:
+    """Whether ``record`` went into the producer batch (False: it is full)."""
+    return batch.append(timestamp=None, key=record.key, value=record.value, headers=record.headers or []) is not None
+
+
 def decode_as(codec: Codec, avro_name: str | None = None) -> Callable[[bytes], dict[str, Any]]:
     """A ``prepare`` function: the codec's fast-path dict, checking the record type if given."""
 
@@ -216,9 +221,9 @@ class Outbox:
 
         Records bound for one partition in number (:data:`BATCHED_FROM` or more) go as producer
         batches the outbox fills itself: one future and one metadata check per batch instead of
-        per record, and the partitioner once per key either way. The others, and a record too
-        large for a batch of its own, go through ``send`` (which also raises the producer's
-        error for a record over its request size)."""
+        per record, and the partitioner once per key either way (a record larger than a batch
+        gets one of its own, as ``send`` would give it). The others go through ``send``.
+        Callers keep records under the topics' limits (``MAX_RECORD_BYTES``)."""
         records = list(records)
         lanes: dict[tuple[str, int | None], list[int]] = {}
         partitions: dict[str, list[int]] = {}
@@ -239,15 +244,14 @@ class Outbox:
         for result in settled:
             if isinstance(result, BaseException):
                 raise result
-        acknowledged: list[RecordMetadata | None] = [None] * len(records)
+        acknowledged: list[RecordMetadata] = [None] * len(records)  # type: ignore[list-item]  # each set below
         for (indices, _), first in zip(acks, settled, strict=True):
             assert isinstance(first, RecordMetadata)
-            for n, i in enumerate(indices):
+            for n, i in enumerate(indices):  # a batch's records follow its first record's offset
                 acknowledged[i] = first if n == 0 else first._replace(offset=first.offset + n)
-        per_topic = Counter(r.topic for r in records)
-        for topic, n in per_topic.items():
+        for topic, n in Counter(r.topic for r in records).items():
             metrics.count_out(topic, n)
-        return [ack for ack in acknowledged if ack is not None]
+        return acknowledged
 
     async def _send_one(self, r: Record, partition: int | None) -> asyncio.Future[RecordMetadata]:
         return await self.producer.send(r.topic, r.value, key=r.key, partition=partition, headers=r.headers)
@@ -257,19 +261,14 @@ class Outbox:
     ) -> list[tuple[list[int], asyncio.Future[RecordMetadata]]]:
         """The records at ``indices`` to one partition as full producer batches, in order."""
         sent: list[tuple[list[int], asyncio.Future[RecordMetadata]]] = []
-        batch, held = self.producer.create_batch(), []
+        batch, held = self.producer.create_batch(), list[int]()
         for i in indices:
-            r = records[i]
-            if batch.append(timestamp=None, key=r.key, value=r.value, headers=r.headers or []) is not None:
-                held.append(i)
-                continue
-            if held:  # full: send it and start the next
+            if not _added(batch, records[i]):  # full: send it and start the next with this record
                 sent.append((held, await self.producer.send_batch(batch, topic, partition=partition)))
                 batch, held = self.producer.create_batch(), []
-                if batch.append(timestamp=None, key=r.key, value=r.value, headers=r.headers or []) is not None:
-                    held.append(i)
-                    continue
-            sent.append(([i], await self._send_one(r, partition)))  # too large for a batch of its own
+                if not _added(batch, records[i]):
+                    raise AssertionError("an empty producer batch refused a record")  # aiokafka takes any
+            held.append(i)
         if held:
             sent.append((held, await self.producer.send_batch(batch, topic, partition=partition)))
         return sent

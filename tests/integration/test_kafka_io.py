@@ -58,8 +58,8 @@ async def test_typed_records_round_trip_and_other_record_types_are_dead_lettered
 async def test_send_all_batches_a_partitions_records_and_answers_each_with_its_own_offset(settings: Settings) -> None:
     """Records bound for one partition in number go as producer batches the outbox fills: each
     still lands where the producer's own partitioner puts its key, in order, and is answered
-    with the partition and offset a consumer finds it at; a record too large for a batch of its
-    own and records few to a partition go one by one, in the same call."""
+    with the partition and offset a consumer finds it at; a record larger than a batch gets one
+    of its own, and records few to a partition go one by one, in the same call."""
     await admin.apply(settings)
     topic = settings.topic("rollout-state")
     producer = make_producer(settings, max_batch_size=4096)
@@ -67,7 +67,7 @@ async def test_send_all_batches_a_partitions_records_and_answers_each_with_its_o
     try:
         outbox = Outbox(settings, producer, "io-test")
         keyed = [Record(topic, f"ro-{i:04d}".encode(), f"v{i}".encode() * 50) for i in range(120)]
-        large = Record(topic, b"ro-large", b"x" * 6000)  # over the batch size: sent alone
+        large = Record(topic, b"ro-large", b"x" * 6000)  # over the batch size: a batch of its own
         pinned = [Record(topic, f"p{i}".encode(), f"p{i}".encode(), partition=1) for i in range(3)]  # too few to batch
         records = [*keyed[:60], large, *pinned, *keyed[60:]]
         acks = await outbox.send_all(records)
