@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from agl_stream.config import Settings
@@ -45,6 +45,9 @@ class StoreReads:
         # The same per rollout, for reads of one rollout (its spans, its attempts): they wait for
         # this client's writes about that rollout only, not for every write it made since.
         self._key_fences = KeyFences(_KEY_FENCES_MEMORY)
+        # The same per worker: its own records (heartbeats, idle marks) and the states of
+        # rollouts with an attempt of it, for reads of one worker (its status follows from them).
+        self._worker_fences = KeyFences(_KEY_FENCES_MEMORY)
         self.sql = StoreQueries(settings.clickhouse_database)
         self.side: ReadSide | None = None
         self._given_side = read_side  # the process's own read side (the gateway's), used as is
@@ -62,25 +65,42 @@ class StoreReads:
         """Before a read from ``sources`` (of rollout ``key`` only, when given): make sure the
         fence covers every write so far."""
 
-    def _note(self, topic: str, partition: int, offset: int, key: str | None = None) -> None:
+    def _note(
+        self, topic: str, partition: int, offset: int, key: str | None = None, workers: Iterable[str] = ()
+    ) -> None:
         """Raise the fence to a record written or answered; ``key`` (the rollout id of a span
-        batch or a state record) also raises that rollout's own fence."""
+        batch or a state record) also raises that rollout's own fence, and ``workers`` (the
+        worker of a worker record, those with an attempt in a state record) theirs. A record
+        with neither may be about any rollout or worker: it raises every one's fence."""
         fence = self.fence[topic]
         if offset > fence.get(partition, -1):
             fence[partition] = offset
         self._key_fences.note(topic, key, partition, offset)
+        noted = False
+        for worker in workers:
+            self._worker_fences.note(topic, worker, partition, offset)
+            noted = True
+        if key is None and not noted:
+            self._worker_fences.note(topic, None, partition, offset)
 
-    def _fence_for(self, sources: Sequence[str], key: str | None) -> dict[str, dict[int, int]]:
-        """The fence of a read from ``sources``; ``key``: the read is of that rollout only."""
+    def _fence_for(
+        self, sources: Sequence[str], key: str | None, worker: str | None = None
+    ) -> dict[str, dict[int, int]]:
+        """The fence of a read from ``sources``; ``key``: the read is of that rollout only;
+        ``worker``: of that worker only."""
         topics = [self.topics[s] for s in sources]
+        if worker is not None:
+            return {t: f for t in topics if (f := self._worker_fences.of(t, worker))}
         if key is None:
             return {t: dict(self.fence[t]) for t in topics if self.fence.get(t)}
         return {t: f for t in topics if (f := self._key_fences.of(t, key))}
 
-    async def _rows(self, query: Query, *sources: str, key: str | None = None) -> list[dict[str, Any]]:
+    async def _rows(
+        self, query: Query, *sources: str, key: str | None = None, worker: str | None = None
+    ) -> list[dict[str, Any]]:
         assert self.side is not None, "the store is not started"
         await self._settle(sources, key)
-        fence = self._fence_for(sources, key)
+        fence = self._fence_for(sources, key, worker)
         result = await self.side.query(query.sql, query.parameters, fence=fence or None)
         return result.dicts()
 
@@ -95,9 +115,14 @@ class StoreReads:
         return [convert(row) for row in await self._rows(query, *sources, key=key)]
 
     async def _one(
-        self, query: Query, convert: Callable[[Mapping[str, Any]], T], *sources: str, key: str | None = None
+        self,
+        query: Query,
+        convert: Callable[[Mapping[str, Any]], T],
+        *sources: str,
+        key: str | None = None,
+        worker: str | None = None,
     ) -> T | None:
-        rows = await self._rows(query, *sources, key=key)
+        rows = await self._rows(query, *sources, key=key, worker=worker)
         return convert(rows[0]) if rows else None
 
     async def _count(self, query: Query, *sources: str, key: str | None = None) -> int:
@@ -290,8 +315,11 @@ class StoreReads:
         return await self._count(query, "workers", "rollout-state")
 
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
-        """The worker, or None when none has this id."""
-        return await self._one(self.sql.worker_by_id(worker_id), worker_from_row, "workers", "rollout-state")
+        """The worker, or None when none has this id. Fenced on this client's writes about that
+        worker only (its records, the states of rollouts it has an attempt on): a heartbeat's
+        read waits for no other rollout's state to reach the tables."""
+        query = self.sql.worker_by_id(worker_id)
+        return await self._one(query, worker_from_row, "workers", "rollout-state", worker=worker_id)
 
     async def statistics(self) -> StoreStatistics:
         """The seed's ``statistics``: totals of rollouts, attempts, spans, resources and

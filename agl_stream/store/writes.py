@@ -41,6 +41,10 @@ _KNOWN_ATTEMPTS_MEMORY = 20_000
 _STORED_SPANS_MEMORY = 20_000
 """Span keys a client remembers to answer a span sent again as a duplicate (~5 MB)."""
 
+Note = Callable[[str, int, int, str | None, Iterable[str]], None]
+"""Raises the client's read fence to a record: (topic, partition, offset, the rollout it is about,
+the workers it is about)."""
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
@@ -78,8 +82,10 @@ def heartbeats(spans: Sequence[Span]) -> list[tuple[str, AttemptHeartbeat]]:
 class StoreWrites:
     """What one store client writes, and the answers it waits for.
 
-    ``note(topic, partition, offset, key)`` raises the client's read fence to a record (``key``:
-    the rollout a span batch or a state record is about, for reads of that rollout)."""
+    ``note(topic, partition, offset, key, workers)`` raises the client's read fence to a record
+    (``key``: the rollout a span batch or a state record is about, for reads of that rollout;
+    ``workers``: the worker of a worker record and those with an attempt in a state record, for
+    reads of one worker)."""
 
     def __init__(
         self,
@@ -87,7 +93,7 @@ class StoreWrites:
         records: Outbox,
         replies: ReplyChannel,
         writer: str,
-        note: Callable[[str, int, int, str | None], None],
+        note: Note,
     ) -> None:
         self.settings = settings
         self.records = records
@@ -95,6 +101,7 @@ class StoreWrites:
         self.writer = writer
         self.note = note
         self._spans_topic = settings.topic("spans")
+        self._workers_topic = settings.topic("workers")
         # Attempts seen in an answer: they exist (attempts are never deleted), so spans for them
         # need no verdict from the processor (see AglStore.add_many_spans).
         self._known_attempts: dict[tuple[str, str], None] = {}
@@ -144,8 +151,12 @@ class StoreWrites:
         """Send records in one round trip, wait for every acknowledgement and raise the fence."""
         written = await self.records.send_all(records)
         for record, metadata in zip(records, written, strict=True):
-            key = record.key.decode() if record.topic == self._spans_topic and record.key else None
-            self.note(metadata.topic, metadata.partition, metadata.offset, key)
+            key = record.key.decode() if record.key else None
+            if record.topic == self._workers_topic and key is not None:
+                self.note(metadata.topic, metadata.partition, metadata.offset, None, (key,))
+            else:
+                rollout = key if record.topic == self._spans_topic else None
+                self.note(metadata.topic, metadata.partition, metadata.offset, rollout, ())
         return written
 
     # -- spans -------------------------------------------------------------------------------
@@ -270,7 +281,8 @@ class StoreWrites:
         ``rollout_id``: the rollout the answer is about, when it carries no state."""
         if answer.state_partition >= 0:
             key = answer.state.rollout.rollout_id if answer.state is not None else rollout_id
-            self.note(self.settings.topic("rollout-state"), answer.state_partition, answer.state_offset, key)
+            workers = {a.worker_id for a in answer.state.attempts if a.worker_id} if answer.state is not None else ()
+            self.note(self.settings.topic("rollout-state"), answer.state_partition, answer.state_offset, key, workers)
         if answer.state is not None:
             keys = ((a.rollout_id, a.attempt_id) for a in answer.state.attempts)
             remember(self._known_attempts, dict.fromkeys(keys), _KNOWN_ATTEMPTS_MEMORY)

@@ -24,6 +24,7 @@ from agl_stream.store.queries import (
     statistics_from_row,
     worker_from_row,
 )
+from agl_stream.store.reads import StoreReads
 from agl_stream.store.readside import (
     GATEWAY_FILE,
     ClickHouseReadSide,
@@ -289,6 +290,24 @@ def test_forgotten_keys_and_keyless_records_raise_every_keys_fence() -> None:
     fences.note("spans", None, 2, 4)  # a record whose key is not known
     assert fences.of("spans", "ro-a") == {0: 6, 1: 2, 2: 4}
     assert fences.of("workers", "ro-a") == {}
+
+
+def test_a_worker_read_waits_for_that_workers_records_and_the_states_of_its_attempts_only() -> None:
+    reads = StoreReads(Settings())
+    state, workers, spans = (reads.topics[name] for name in ("rollout-state", "workers", "spans"))
+    reads._note(workers, 0, 4, None, ("w1",))  # w1's heartbeat
+    reads._note(workers, 0, 5, None, ("w2",))
+    reads._note(state, 1, 7, "ro-a", {"w1"})  # a state of a rollout w1 has an attempt on
+    reads._note(state, 1, 9, "ro-b", {"w2"})
+    reads._note(state, 0, 3, "ro-c", set())  # no attempt: nobody's
+    reads._note(spans, 0, 11, "ro-a", ())
+    sources = ("workers", "rollout-state")
+    assert reads._fence_for(sources, None, "w1") == {workers: {0: 4}, state: {1: 7}}
+    assert reads._fence_for(sources, None, "w3") == {}  # nothing written about it
+    assert reads._fence_for(sources, None) == {workers: {0: 5}, state: {0: 3, 1: 9}}  # every worker's read
+    reads._note(state, 2, 1, None, ())  # a state whose rollout is not known: may be anyone's
+    assert reads._fence_for(sources, None, "w3") == {state: {2: 1}}
+    assert reads._fence_for(("rollout-state",), "ro-a") == {state: {1: 7, 2: 1}}
 
 
 # -- choosing a read side ----------------------------------------------------------------------
