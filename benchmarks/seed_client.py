@@ -30,7 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _measure import profiled, tree_cpu_seconds  # type: ignore[import-not-found]
+from _measure import (  # type: ignore[import-not-found]
+    busiest_threads,
+    cpu_seconds,
+    profiled,
+    thread_cpu_seconds,
+    tree_cpu_seconds,
+)
 from compare_seed import (  # type: ignore[import-not-found]
     HERE,
     Store,
@@ -81,6 +87,8 @@ def extract_benchmark(checkout: Path, into: Path) -> Path:
 def run_client(store: Store, url: str, bench: Path, args: argparse.Namespace, profile: Path | None) -> dict[str, Any]:
     python = ensure_seed_venv()
     before = _cpu(store.processes)
+    threads_before = {name: thread_cpu_seconds(pid) for name, pid in store.processes.items()}
+    own_before = {name: cpu_seconds(pid) for name, pid in store.processes.items()}
     counts_before = scrape_counts(store.metrics_dir)
     command = [
         str(python),
@@ -116,6 +124,14 @@ def run_client(store: Store, url: str, bench: Path, args: argparse.Namespace, pr
     if client.returncode != 0:
         raise RuntimeError(f"the seed's benchmark exited {client.returncode}:\n{log.read_text()[-3000:]}")
     cpu = {name: round(seconds - before[name], 2) for name, seconds in _cpu(store.processes).items()}
+    # Where each store-side process spent it, by thread name: a gateway's Python threads are all
+    # "python", the embedded ClickHouse engine's have their own names; a broker's its handlers.
+    threads = {
+        name: busiest_threads(
+            threads_before[name], thread_cpu_seconds(pid), wall, cpu_seconds(pid) - own_before[name], top=6
+        )
+        for name, pid in store.processes.items()
+    }
     store_cpu = sum(cpu.values())
     counts = per_rollout(counts_before, scrape_counts(store.metrics_dir), args.total_tasks)
     console.print(f"{store.label}: {wall:.1f} s, store side {store_cpu:.1f} CPU-s {cpu}")
@@ -126,6 +142,7 @@ def run_client(store: Store, url: str, bench: Path, args: argparse.Namespace, pr
         "store_cpu_ms_per_rollout": round(1000 * store_cpu / args.total_tasks, 1),
         "client_cpu_s_at_least": round(client_cpu, 1),
         "counts_per_rollout": counts,
+        "busiest_threads_percent": threads,
     }
 
 
