@@ -152,6 +152,14 @@ class Settings(BaseSettings):
         description="Days ClickHouse keeps spans, rollouts and attempts before deleting them (0: forever); "
         "applied by the migration step (docs/retention.md).",
     )
+    sink_linger_ms: int = Field(
+        5000,
+        ge=0,
+        le=600_000,
+        description="How long the ClickHouse sinks of spans, rollout states and workers hold a batch before inserting "
+        "it; a store read waiting for its records ends the wait at once, so only SQL and the dashboard see up to "
+        "this much behind.",
+    )
 
     # -- gateway (read side) -----------------------------------------------------------------
     gateway_host: str = Field("127.0.0.1", description="Address the gateway (sink + query API) binds to.")

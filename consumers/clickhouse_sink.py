@@ -91,7 +91,6 @@ Wanted = Callable[[str], bool]
 
 _IDLE_POLL_MS = 500  # how long an idle sink waits for a first record (also bounds stop latency)
 _DEMAND_POLL_MS = 10  # while a batch lingers, how often it asks whether a reader waits
-BUSY_WINDOW_S = 0.1
 # One INSERT must make one part for the "data" resume policy. The engine squashes what a view
 # writes into blocks of min_insert_block_size_rows (~1M) or _bytes (256 MB in memory), and
 # writes a part per block: exploded span batches pass the byte threshold (measured: 100k spans
@@ -201,8 +200,9 @@ class TableSink:
         self.wanted = wanted
         self.spec = spec
         self.batch_size = batch_size if batch_size is not None else spec.batch_size
-        self.flush_ms = flush_ms if flush_ms is not None else spec.flush_ms
-        self._last_batch_end = 0.0
+        if flush_ms is None:
+            flush_ms = settings.sink_linger_ms if spec.lingers else spec.flush_ms
+        self.flush_ms = flush_ms
         self.codec = codec or Codec.default()
         self.on_applied = on_applied
         self.topic = settings.topic(spec.topic)
@@ -351,10 +351,7 @@ class TableSink:
         self.buffer.extend(prepared)
         self.buffer_bytes += sum(len(r.raw) for r in prepared)
         if self.deadline is None:
-            linger_ms = self.flush_ms
-            if time.monotonic() - self._last_batch_end < BUSY_WINDOW_S:
-                linger_ms = max(linger_ms, self.spec.busy_flush_ms)
-            self.deadline = time.monotonic() + linger_ms / 1000
+            self.deadline = time.monotonic() + self.flush_ms / 1000
             if self.stats.first_record_at is None:
                 self.stats.first_record_at = time.monotonic()
         if self._due():
@@ -400,8 +397,7 @@ class TableSink:
             self.applied_next[tp.partition] = max(self.applied_next.get(tp.partition, 0), offset)
         self._notify({tp.partition: offset for tp, offset in next_offsets.items()})
         self.stats.batches += 1
-        self._last_batch_end = time.monotonic()
-        metrics.SINK_FLUSH_SECONDS.labels(metrics.role(), self.spec.name).observe(self._last_batch_end - started)
+        metrics.SINK_FLUSH_SECONDS.labels(metrics.role(), self.spec.name).observe(time.monotonic() - started)
 
     async def _insert_with_retry(
         self, records: list[Fetched[memoryview]], next_offsets: dict[TopicPartition, int], outbox: Outbox
@@ -691,8 +687,8 @@ class SinkGroup:
 async def run_sink(settings: Settings, **options: Any) -> dict[str, SinkStats]:
     """Run every sink until SIGTERM/SIGINT; the embedded engine is opened (and locked) here.
 
-    ``batch_size``/``flush_ms`` tune the spans sink, the high-volume one; the state sinks keep
-    their specs' low-latency settings.
+    ``batch_size``/``flush_ms`` tune the spans sink, the high-volume one; the others keep their
+    specs' settings (and AGL_SINK_LINGER_MS).
     """
     group = SinkGroup(settings, on_applied=None, options={SPANS.name: options})
     with stop_on_signals(group.stop):

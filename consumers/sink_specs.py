@@ -63,12 +63,13 @@ class SinkSpec:
     skip_tombstones: bool = False  # compacted topics: a null value forgets a key, it is not an error
     batch_size: int = 10_000
     flush_ms: int = 200  # how long a batch may linger after its first record
-    # While busy (the previous batch ended less than BUSY_WINDOW_S ago) a batch lingers at least
-    # this long: every INSERT (Null table, views, sink_offsets row) costs the engine ~15 ms
-    # whatever its size, so under load small batches cost more than they save in latency. A
-    # reader waiting on a fence of the topic (``wanted``) ends the linger at once, so the long
-    # linger costs latency only to readers the sink cannot hear (a direct ClickHouse client).
-    busy_flush_ms: int = 0
+    # The busy sinks linger AGL_SINK_LINGER_MS instead (5 s by default) at every load: every
+    # INSERT costs the engine tens of ms whatever its size (the views' plans, a part per target
+    # table, their merges), so one INSERT should carry what arrived over seconds, as ClickHouse's
+    # own Kafka engine does (it flushes every 7.5 s). A reader waiting on a fence of the topic
+    # (``wanted``) ends the linger at once, so it costs latency only to readers the sink cannot
+    # hear (SQL, the dashboard).
+    lingers: bool = False
     python_rows: PythonRows | None = None  # decode in Python and insert rows into targets[0]
     # Rows come from the items of this array field of the record (the views read each item as
     # `record`, through an ARRAY JOIN), e.g. the spans of an agl.SpanBatch.
@@ -110,15 +111,14 @@ SPANS = SinkSpec(
     explode="spans",
     also=(AlsoReads(span_records.SPAN, span_records.batch_body_of_span),),
     batch_bytes=16 << 20,  # ~10,000 spans' worth, what one INSERT held before batches
-    busy_flush_ms=1000,
+    # A small span INSERT costs the engine ~60-90 ms (the span view's plan, otel_traces' part,
+    # span_facts' view): a 200 ms linger made up to five a second at a light, steady load.
+    lingers=True,
 )
-# State topics: every INSERT costs the engine ~25-40 ms of CPU whatever its size (the views'
-# plans, a part per target table, their merges), so a batch lingers 1 s at every load, which is
-# ClickHouse's own advice (about one INSERT a second per table), and one INSERT carries many
-# states; a reader waiting on a fence of the topic ends the window at once (``wanted``), so
-# fenced reads pay no latency for it. (At flush_ms=0 a light load, 20 rollouts/s, made one
-# INSERT per state record: the gateway spent a core on them; at 200 ms, 2.4 INSERTs a second
-# per table, 19% of a core.)
+# State topics: every INSERT costs the engine ~25-40 ms of CPU whatever its size, so a batch
+# lingers (``lingers``) and one INSERT carries many states. (At flush_ms=0 a light load, 20
+# rollouts/s, made one INSERT per state record: the gateway spent a core on them; at 200 ms,
+# 2.4 INSERTs a second per table, 19% of a core; at 1 s, one a second per table.)
 ROLLOUT_STATE = SinkSpec(
     "clickhouse-rollout-state",
     "rollout-state",
@@ -126,7 +126,7 @@ ROLLOUT_STATE = SinkSpec(
     (Target("rollouts", "rollouts.sql"), Target("attempts", "attempts.sql")),
     ingest="rollout_state",
     skip_tombstones=True,
-    flush_ms=1000,
+    lingers=True,
     latest_per_key=True,
 )
 
@@ -173,7 +173,7 @@ WORKERS = SinkSpec(
     (Target("workers", "workers.sql"),),
     ingest="workers",
     skip_tombstones=True,
-    flush_ms=1000,
+    lingers=True,
     latest_per_key=True,
 )
 # Training data: a TripletRecord can be MBs of token ids and a TripletBatch up to 16 MiB, so

@@ -29,7 +29,14 @@ if TYPE_CHECKING:
 def sink(
     ctx: typer.Context,
     batch_size: Annotated[int, typer.Option(min=1, help="Most span rows per INSERT.")] = 10_000,
-    flush_ms: Annotated[int, typer.Option(min=1, help="Longest wait to fill a span batch, in ms.")] = 200,
+    flush_ms: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Longest wait to fill a span batch, in ms (default: AGL_SINK_LINGER_MS; a store read waiting "
+            "for the spans ends it at once).",
+        ),
+    ] = None,
 ) -> None:
     """Run the ClickHouse sinks (spans, rollout states, resources, workers, triplets, batches) until SIGTERM.
 

@@ -9,9 +9,10 @@ from typing import Any, cast
 import pytest
 from aiokafka import TopicPartition
 
+from agl_stream.config import Settings
 from agl_stream.kafka.io import Fetched
-from consumers.clickhouse_sink import _SinkSet, newest_per_key
-from consumers.sink_specs import ROLLOUT_STATE, SPANS
+from consumers.clickhouse_sink import TableSink, _SinkSet, newest_per_key
+from consumers.sink_specs import RESOURCES, ROLLOUT_STATE, SPANS, WORKERS
 
 
 def _record(partition: int, offset: int, key: bytes | None) -> Fetched[bytes]:
@@ -33,6 +34,17 @@ def test_only_the_newest_record_of_a_key_in_a_batch_makes_a_row() -> None:
 
 def test_state_topics_keep_the_newest_per_key_and_spans_keep_everything() -> None:
     assert ROLLOUT_STATE.latest_per_key and not SPANS.latest_per_key
+
+
+def test_the_busy_sinks_linger_the_configured_time_and_the_others_their_own() -> None:
+    settings = Settings(sink_linger_ms=1234)
+    client = cast(Any, None)  # not used to construct a sink
+    for spec in (SPANS, ROLLOUT_STATE, WORKERS):
+        assert TableSink(settings, client, spec).flush_ms == 1234
+    assert TableSink(settings, client, RESOURCES).flush_ms == RESOURCES.flush_ms == 0
+    assert TableSink(settings, client, SPANS, flush_ms=50).flush_ms == 50  # the sink role's --flush-ms
+    with pytest.raises(ValueError, match="sink_linger_ms"):
+        Settings(sink_linger_ms=-1)
 
 
 class _Sink:
