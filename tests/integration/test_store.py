@@ -647,9 +647,9 @@ async def test_repeated_waits_ask_the_read_side_only_for_ids_never_seen(
     queries: list[str] = []
     rows = store._rows
 
-    async def counting_rows(query: Any, *sources: str, key: str | None = None) -> Any:
+    async def counting_rows(query: Any, *sources: str, key: str | None = None, worker: str | None = None) -> Any:
         queries.append(str(query))
-        return await rows(query, *sources, key=key)
+        return await rows(query, *sources, key=key, worker=worker)
 
     store._rows = counting_rows  # type: ignore[method-assign]
     ids = [r.rollout_id for r in mine] + [theirs.rollout_id]
