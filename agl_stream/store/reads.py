@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 from agl_stream.config import Settings
@@ -66,7 +66,7 @@ class StoreReads:
         fence covers every write so far."""
 
     def _note(
-        self, topic: str, partition: int, offset: int, key: str | None = None, workers: Iterable[str] = ()
+        self, topic: str, partition: int, offset: int, key: str | None = None, workers: Collection[str] = ()
     ) -> None:
         """Raise the fence to a record written or answered; ``key`` (the rollout id of a span
         batch or a state record) also raises that rollout's own fence, and ``workers`` (the
@@ -76,12 +76,9 @@ class StoreReads:
         if offset > fence.get(partition, -1):
             fence[partition] = offset
         self._key_fences.note(topic, key, partition, offset)
-        noted = False
-        for worker in workers:
+        about: Iterable[str | None] = workers or ([None] if key is None else [])
+        for worker in about:
             self._worker_fences.note(topic, worker, partition, offset)
-            noted = True
-        if key is None and not noted:
-            self._worker_fences.note(topic, None, partition, offset)
 
     def _fence_for(
         self, sources: Sequence[str], key: str | None, worker: str | None = None

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from aiokafka.structs import RecordMetadata
@@ -41,7 +41,7 @@ _KNOWN_ATTEMPTS_MEMORY = 20_000
 _STORED_SPANS_MEMORY = 20_000
 """Span keys a client remembers to answer a span sent again as a duplicate (~5 MB)."""
 
-Note = Callable[[str, int, int, str | None, Iterable[str]], None]
+Note = Callable[[str, int, int, str | None, Collection[str]], None]
 """Raises the client's read fence to a record: (topic, partition, offset, the rollout it is about,
 the workers it is about)."""
 
