@@ -22,12 +22,14 @@ the embedded engine that record is written every few seconds: see OFFSETS_ROW_IN
 
 Each sink is a handler on the processor skeleton (``agl_stream.kafka.processor``) that holds
 records: a fetch joins the batch being filled, the batch is inserted when it is full, its
-linger has passed or a reader waits (``wanted``), and ``committable`` keeps the commit below
+linger has passed or a reader waits (``wanted``; whoever supplies it wakes the sinks when a
+reader starts waiting: ``SinkGroup.wake``), and ``committable`` keeps the commit below
 the batch's first record until then. The sinks of a process share a consumer per lane
 (``run_sinks``, ``SinkSpec.lane``): an idle gateway makes two heartbeats and two fetches where
 eight sinks made eight. Concurrency model: the skeleton's one loop task calls every
 method of every sink (rebalances under the loop's lock); the sinks' work on one fetch runs as
-concurrent coroutines, each sink's INSERT in a worker thread on its own engine client.
+concurrent coroutines, each sink's INSERT in a worker thread on its own engine client. In the
+gateway that loop is a thread of its own (``SinkThread``), apart from the loop serving HTTP.
 
 Bad input never stops a sink: records with an unknown fingerprint, another record type or an
 undecodable body go to agl.dlq. Records written with an older schema version are decoded,
@@ -50,6 +52,8 @@ ClickHouse: the gateway releases its offset fences on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,10 +91,11 @@ log = get_logger("agl.sink")
 OnApplied = Callable[[str, Mapping[int, int]], None]
 """``on_applied(topic, {partition: next offset})``: those records are visible in ClickHouse."""
 Wanted = Callable[[str], bool]
-"""``wanted(topic)``: a reader waits for records of this topic, so a lingering batch flushes now."""
+"""``wanted(topic)``: a reader waits for records of this topic, so a lingering batch flushes now.
+Asked on the sinks' loop after a fetch or a wake; the supplier wakes the sinks (``SinkGroup.wake``)
+when a reader starts waiting, so a lingering sink need not poll it."""
 
 _IDLE_POLL_MS = 500  # how long an idle sink waits for a first record (also bounds stop latency)
-_DEMAND_POLL_MS = 10  # while a batch lingers, how often it asks whether a reader waits
 # One INSERT must make one part for the "data" resume policy. The engine squashes what a view
 # writes into blocks of min_insert_block_size_rows (~1M) or _bytes (256 MB in memory), and
 # writes a part per block: exploded span batches pass the byte threshold (measured: 100k spans
@@ -290,7 +295,9 @@ class TableSink:
     async def run(self) -> SinkStats:
         """Run this sink alone, as the member of its own group (``spec.group_id``), until stopped."""
         await asyncio.to_thread(self.prepare_tables)
-        await run_sinks(self.settings, [self], group_id=self.spec.group_id(self.settings), stop=self._stopping)
+        await run_sinks(
+            self.settings, _SinkSet([self]), group_id=self.spec.group_id(self.settings), stop=self._stopping
+        )
         return await self.stopped()
 
     def bind(self, consumer: AIOKafkaConsumer, outbox: Outbox, group: str) -> None:
@@ -335,10 +342,7 @@ class TableSink:
     def poll_timeout(self) -> float:
         if self.deadline is None:
             return _IDLE_POLL_MS / 1000
-        left = self.deadline - time.monotonic()
-        if self.wanted is not None:
-            left = min(left, _DEMAND_POLL_MS / 1000)
-        return max(0.001, left)
+        return max(0.001, self.deadline - time.monotonic())
 
     async def handle(self, batch: Batch) -> None:
         assert self.outbox is not None
@@ -531,6 +535,9 @@ class _SinkSet:
         self.sinks = {sink.topic: sink for sink in sinks}
         if len(self.sinks) != len(sinks):
             raise ValueError("two sinks of one topic cannot share a consumer")
+        # Set when a reader starts waiting: the skeleton's fetch returns and tick looks at
+        # ``wanted`` (only sinks that have one can be woken).
+        self.woken = asyncio.Event() if any(sink.wanted is not None for sink in sinks) else None
 
     def _split(self, partitions: Iterable[TopicPartition]) -> dict[TableSink, set[TopicPartition]]:
         split: dict[TableSink, set[TopicPartition]] = {}
@@ -580,11 +587,12 @@ async def _all(calls: list[Coroutine[Any, Any, None]]) -> None:
             raise outcome
 
 
-async def run_sinks(settings: Settings, sinks: Sequence[TableSink], *, group_id: str, stop: asyncio.Event) -> None:
-    """Run ``sinks`` (tables prepared) on one consumer, as one member of ``group_id``, until ``stop``.
+async def run_sinks(settings: Settings, handler: _SinkSet, *, group_id: str, stop: asyncio.Event) -> None:
+    """Run ``handler``'s sinks (tables prepared) on one consumer, as one member of ``group_id``, until ``stop``.
 
     One producer carries every sink's dead letters (each sink keeps an outbox of its own on it,
     named after the sink)."""
+    sinks = list(handler.sinks.values())
     async with Outbox.started(settings, "sink") as shared:
         outboxes = [Outbox(settings, shared.producer, f"sink.{sink.spec.name}") for sink in sinks]
 
@@ -592,7 +600,6 @@ async def run_sinks(settings: Settings, sinks: Sequence[TableSink], *, group_id:
             for sink, outbox in zip(sinks, outboxes, strict=True):
                 sink.bind(consumer, outbox, group_id)
 
-        handler = _SinkSet(sinks)
         await run_processor(
             settings,
             handler,
@@ -629,6 +636,7 @@ class SinkGroup:
         self.wanted = wanted
         self.options = options or {}
         self.sinks: list[TableSink] = []
+        self._lanes: list[_SinkSet] = []
         self._stop_requested = False
         self._stop = asyncio.Event()
 
@@ -637,6 +645,12 @@ class SinkGroup:
         self._stop.set()
         for sink in self.sinks:
             sink.stop()
+
+    def wake(self) -> None:
+        """A reader started waiting: every lane's fetch returns and its sinks look at ``wanted``."""
+        for lane in self._lanes:
+            if lane.woken is not None:
+                lane.woken.set()
 
     async def run(self) -> dict[str, SinkStats]:
         clients = [await asyncio.to_thread(get_client, self.settings) for _ in self.specs]
@@ -663,12 +677,13 @@ class SinkGroup:
             lanes: dict[Lane, list[TableSink]] = {}
             for sink in self.sinks:
                 lanes.setdefault(sink.spec.lane, []).append(sink)
+            self._lanes = [_SinkSet(sinks) for sinks in lanes.values()]
             tasks = [
                 asyncio.create_task(
-                    run_sinks(self.settings, sinks, group_id=sinks_group_id(self.settings, lane), stop=self._stop),
+                    run_sinks(self.settings, handler, group_id=sinks_group_id(self.settings, lane), stop=self._stop),
                     name=f"sinks:{lane}",
                 )
-                for lane, sinks in lanes.items()
+                for lane, handler in zip(lanes, self._lanes, strict=True)
             ]
             try:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -682,6 +697,102 @@ class SinkGroup:
         finally:
             for client in clients:
                 client.close()
+
+
+class SinkThread:
+    """A :class:`SinkGroup` on an event loop of its own, in a thread of its own, for a process
+    whose main loop serves requests (the gateway). A slow request there cannot delay the sinks'
+    fetches, INSERTs or group heartbeats (a member that misses its session timeout loses its
+    partitions and reads them again), and the sinks' work on a batch never holds up a request.
+
+    Concurrency model: every sink method runs on the thread's loop (thread ``agl-sinks``). What
+    crosses: :meth:`run` is awaited on the owner's loop and ends (or raises) when the group has
+    stopped; ``on_applied`` is called on the owner's loop, in the order the sinks applied;
+    :meth:`stop` and :meth:`wake` may be called from any thread; ``wanted`` is called on the
+    sinks' thread, so it must be safe there (a read of a counter is).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        specs: Sequence[SinkSpec] = SPECS,
+        *,
+        on_applied: OnApplied | None = None,
+        wanted: Wanted | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        self._on_applied = on_applied
+        handed = self._hand_over if on_applied is not None else None
+        self.group = SinkGroup(settings, specs, on_applied=handed, wanted=wanted, options=options)
+        self._owner: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the sinks' loop while it runs
+        self._lock = threading.Lock()  # guards _loop and _stopped between the two threads
+        self._stopped = False
+
+    async def run(self) -> dict[str, SinkStats]:
+        """Run the sinks in their thread until :meth:`stop`; cancelling this stops them and waits."""
+        self._owner = asyncio.get_running_loop()
+        ended: asyncio.Future[dict[str, SinkStats]] = self._owner.create_future()
+        threading.Thread(target=self._main, args=(ended,), name="agl-sinks", daemon=True).start()
+        try:
+            return await asyncio.shield(ended)
+        except asyncio.CancelledError:
+            self.stop()
+            with contextlib.suppress(Exception):
+                await ended
+            raise
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: stopped already
+                loop.call_soon_threadsafe(self.group.stop)
+
+    def wake(self) -> None:
+        """A reader started waiting (see :meth:`SinkGroup.wake`); from any thread."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.group.wake)
+
+    def _hand_over(self, topic: str, offsets: Mapping[int, int]) -> None:
+        assert self._owner is not None and self._on_applied is not None
+        with contextlib.suppress(RuntimeError):  # the owner's loop closed: nobody waits any more
+            self._owner.call_soon_threadsafe(self._on_applied, topic, dict(offsets))
+
+    def _main(self, ended: asyncio.Future[dict[str, SinkStats]]) -> None:
+        try:
+            outcome: dict[str, SinkStats] | BaseException = asyncio.run(self._serve())
+        except BaseException as error:  # handed to the owner, which raises it
+            outcome = error
+        assert self._owner is not None
+        with contextlib.suppress(RuntimeError):
+            self._owner.call_soon_threadsafe(_settle, ended, outcome)
+
+    async def _serve(self) -> dict[str, SinkStats]:
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            stopped = self._stopped
+        if stopped:  # stopped before the thread started
+            self.group.stop()
+        try:
+            return await self.group.run()
+        finally:
+            with self._lock:
+                self._loop = None
+
+
+def _settle(future: asyncio.Future[T], outcome: T | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, asyncio.CancelledError):
+        future.cancel()
+    elif isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 async def run_sink(settings: Settings, **options: Any) -> dict[str, SinkStats]:

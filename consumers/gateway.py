@@ -1,9 +1,11 @@
 """The gateway: the one process that owns the ClickHouse engine, runs every sink and serves reads.
 
 chDB allows one process per data dir, so the sinks (writers) and the query API (readers) live
-here together: one event loop runs the sinks (consumers/clickhouse_sink.py, a client each) and
-a FastAPI app under uvicorn. Queries run on a small pool of clients of their own, in threads,
-so they run in parallel with each other and with the sinks' INSERTs.
+here together: the sinks (consumers/clickhouse_sink.py, a client each) run on an event loop of
+their own in a thread of their own (``SinkThread``), and a FastAPI app under uvicorn on the main
+loop, so a slow request delays no sink and a sink's batch delays no request. Queries run on a
+small pool of clients of their own, in threads, so they run in parallel with each other and with
+the sinks' INSERTs.
 
 HTTP API (JSON):
 - ``GET /v1/health``: liveness and the sinks it runs.
@@ -80,7 +82,7 @@ from agl_stream.logs import get_logger
 from agl_stream.store.readside import DEFAULT_TIMEOUT, GATEWAY_FILE, Fence, QueryResult, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from agl_stream.wire import otlp
-from consumers.clickhouse_sink import SinkGroup
+from consumers.clickhouse_sink import SinkThread
 from consumers.dashboard import DASHBOARD_PAGES, Backlog, serve_dashboard
 from consumers.gateway_agl import serve_agl
 from consumers.gateway_sql import (
@@ -121,16 +123,19 @@ class UnknownTopicError(ReadSideError):
 class AppliedOffsets:
     """What the sinks have applied (next offset per topic and partition), and waiting on it.
 
-    The sinks call :meth:`update` in this event loop after each batch; every waiter wakes and
-    re-checks its own fence. Waking is an Event swapped on each update, so a waiter never misses
-    one that lands between its check and its wait.
+    :meth:`update` is called in this event loop after each batch of the sinks; every waiter
+    wakes and re-checks its own fence. Waking is an Event swapped on each update, so a waiter
+    never misses one that lands between its check and its wait. :meth:`wanted` may be called
+    from the sinks' thread (a counter read); ``on_wait`` is called when a reader starts waiting
+    (the sinks' wake-up, safe from this thread).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_wait: Callable[[], None] | None = None) -> None:
         self._next: dict[str, dict[int, int]] = {}
         self._changed = asyncio.Event()
         self._closed = False
         self._waiting: Counter[str] = Counter()  # topic -> readers waiting for its records
+        self.on_wait = on_wait
 
     def wanted(self, topic: str) -> bool:
         """Whether a reader waits for records of ``topic``: its sink should flush without lingering."""
@@ -166,6 +171,8 @@ class AppliedOffsets:
             metrics.FENCE_WAIT_SECONDS.labels(metrics.role()).observe(0.0)
             return
         self._waiting.update(behind.keys())
+        if self.on_wait is not None:
+            self.on_wait()  # after the count: a sink woken by it sees this reader waiting
         try:
             await self._wait(fence, deadline, timeout)
         except FenceTimeoutError:
@@ -404,9 +411,10 @@ class Gateway:
         self.specs = tuple(specs)
         self.topics = frozenset(settings.topic(spec.topic) for spec in self.specs)
         self.applied = AppliedOffsets()
-        self.sinks = SinkGroup(
+        self.sinks = SinkThread(
             settings, self.specs, on_applied=self.applied.update, wanted=self.applied.wanted, options=sink_options
         )
+        self.applied.on_wait = self.sinks.wake
         self.queries = QueryRunner(settings, size=query_clients, time_limit_s=query_time_limit_s)
         self.traces = TraceIngest(settings, read_side=LocalReadSide(self))
         self.tasks = TaskSubmitter(settings, query=self.queries.run)  # copies and conflicts answered before sending

@@ -11,7 +11,10 @@ an :class:`agl_stream.kafka.io.Outbox`, which settles every send); then the batc
 become committable. A handler that holds
 records across batches (spans until their attempt finishes, triplets until a batch is full)
 also has ``committable(tp, handled)``: the offset up to which a partition may be committed,
-its lowest pending offset (the lowest-pending-offset commit). A broker error in ``handle`` or
+its lowest pending offset (the lowest-pending-offset commit). A handler whose timers may
+become due before its poll timeout for a reason other than records (a reader waiting on a
+batch the handler lingers on) also has ``woken``, an event set in the loop's thread: a fetch in
+progress then returns at once, and ``tick`` runs. A broker error in ``handle`` or
 ``tick`` makes the handler start over as after a rebalance (its partitions rebuilt from what is
 durable, the records read again from the committed offsets), with backoff (retry.RESTART). Commits are coalesced
 (every ``commit_interval_s``, on revocation and at stop): a crash re-delivers at most that much,
@@ -45,7 +48,7 @@ from agl_stream.kafka.io import make_consumer
 from agl_stream.logs import describe, get_logger
 from agl_stream.retry import RESTART
 
-__all__ = ["Batch", "Handler", "HoldsRecords", "run_processor"]
+__all__ = ["Batch", "Handler", "HoldsRecords", "Wakes", "run_processor"]
 
 log = get_logger("agl.kafka.processor")
 
@@ -80,6 +83,14 @@ class HoldsRecords(Protocol):
     def committable(self, tp: TopicPartition, handled: int) -> int:
         """How far ``tp`` may be committed, given that records before ``handled`` were handled:
         ``handled``, or the lowest offset still pending."""
+
+
+class Wakes(Protocol):
+    """A handler whose fetch waits can be cut short (optional, beside :class:`Handler`)."""
+
+    woken: asyncio.Event
+    """Set in the loop's thread when ``tick`` should run now rather than after the poll timeout;
+    the skeleton clears it before that ``tick``."""
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -130,6 +141,7 @@ class _Loop:
         self.positions: dict[TopicPartition, int] = {}  # next offset after the handled records
         self.committed: dict[TopicPartition, int] = {}
         self._holds = getattr(handler, "committable", None)
+        self._woken: asyncio.Event | None = getattr(handler, "woken", None)
         self._last_commit = time.monotonic()
         self.failures = 0  # failed start-overs in a row: the next waits RESTART.after(this + 1)
         # Metric children, looked up once: the loop touches them once per batch.
@@ -219,7 +231,7 @@ class _Loop:
             raise self.failure
         timeout_ms = max(1, int(self.handler.poll_timeout() * 1000))
         generation = self.generation
-        fetched: Batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records)
+        fetched = await self._fetch(timeout_ms)
         async with self.lock:
             if generation != self.generation:
                 # Partitions moved between the fetch and now: these records may predate what the
@@ -233,11 +245,37 @@ class _Loop:
                 for tp, records in batch.items():
                     self.positions[tp] = records[-1].offset + 1
                 self.count(batch, started)
+            if self._woken is not None:
+                self._woken.clear()  # this tick answers whatever set it; a later set wakes the next fetch
             await self._attempt(self.handler.tick, stop)
             if time.monotonic() - self._lag_reported >= LAG_REPORT_INTERVAL_S:
                 await self.report_lag()
             if time.monotonic() - self._last_commit >= self.commit_interval_s:
                 await self.commit()
+
+    async def _fetch(self, timeout_ms: int) -> Batch:
+        """The records fetched within ``timeout_ms``, or those already here once ``woken`` is set.
+
+        aiokafka's ``getmany`` may be cancelled while it waits: records are taken from the
+        fetcher only when it returns, so none are lost."""
+        woken = self._woken
+        if woken is None or woken.is_set():
+            wait_ms = timeout_ms if woken is None else 0
+            return await self.consumer.getmany(timeout_ms=wait_ms, max_records=self.max_records)
+        fetch = asyncio.ensure_future(self.consumer.getmany(timeout_ms=timeout_ms, max_records=self.max_records))
+        wake = asyncio.ensure_future(woken.wait())
+        try:
+            await asyncio.wait((fetch, wake), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+            if not fetch.done():
+                fetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await fetch
+        if fetch.cancelled():
+            return {}
+        fetched: Batch = fetch.result()
+        return fetched
 
     async def _rewind(self) -> None:
         self._fetch_start.clear()

@@ -25,7 +25,7 @@ from agl_stream.config import Settings
 from agl_stream.errors import FenceTimeoutError, QueryError, ReadSideError
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import make_consumer, make_producer
-from agl_stream.kafka.offsets import end_offsets
+from agl_stream.kafka.offsets import committed_offsets, end_offsets
 from agl_stream.local.processes import start_budget
 from agl_stream.models import (
     LLM,
@@ -382,3 +382,107 @@ async def test_a_gateway_that_requires_its_token_refuses_requests_without_it(set
             assert (await side.query("SELECT 1 AS one")).rows == [[1]]
         finally:
             await side.aclose()
+
+
+# The gateway as `agl-stream gateway` runs it, plus a way to stop its main event loop dead: a
+# line "block" on stdin makes the loop read the next line synchronously, so neither HTTP nor
+# anything else on that loop runs until the test writes "release".
+_BLOCKABLE_GATEWAY = """
+import asyncio, sys
+from agl_stream.config import Settings
+from consumers.gateway import run_gateway
+
+async def main() -> None:
+    def on_line() -> None:
+        if sys.stdin.readline().strip() == "block":
+            print("blocking", flush=True)
+            sys.stdin.readline()  # the main loop stands still until "release"
+            print("released", flush=True)
+
+    asyncio.get_running_loop().add_reader(sys.stdin.fileno(), on_line)
+    await run_gateway(Settings())
+
+asyncio.run(main())
+"""
+
+
+def _start_blockable(settings: Settings) -> subprocess.Popen[bytes]:
+    import sys
+
+    from agl_stream.local.processes import role_environment
+
+    with open(Path(settings.data_dir) / "blockable.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", _BLOCKABLE_GATEWAY],
+            env=role_environment(settings, "gateway"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+
+
+def _read_until(process: subprocess.Popen[bytes], line: bytes) -> None:
+    """Read the child's output (its logs too) up to ``line``; fail if it ends first."""
+    assert process.stdout is not None
+    for read in iter(process.stdout.readline, b""):
+        if read == line:
+            return
+    raise AssertionError(f"the gateway's output ended before {line!r} (exit code {process.poll()})")
+
+
+async def _sink_members(settings: Settings, group: str) -> tuple[str, list[str]]:
+    """The group's state and its members' ids, as the coordinator has them."""
+    client = admin.admin_client(settings)
+    await client.start()
+    try:
+        [response] = await client.describe_consumer_groups([group])
+    finally:
+        await client.close()
+    [described] = response.to_object()["groups"]
+    return described["state"], sorted(m["member_id"] for m in described["members"])
+
+
+async def test_a_main_loop_that_stands_still_stops_no_sink_nor_its_group_membership(settings: Settings) -> None:
+    await admin.apply(settings)
+    settings = settings.model_copy(update={"gateway_port": 0, "sink_linger_ms": 0})
+    group = sinks_group_id(settings, ROLLOUT_STATE.lane)
+    process = _start_blockable(settings)
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        url = _wait_until_serving(settings, process, "blockable")
+        first = await produce(settings, [("rollout-state", "ro-a", rollout_state("ro-a", 1, "queuing"))])
+        async with reader(url) as reads:
+            await reads.query(*_q(Q.rollouts()), fence=fence_of(first), timeout=120)  # the sinks run
+        deadline = time.monotonic() + 120
+        while (members := await _sink_members(settings, group))[0] != "Stable" or len(members[1]) != 1:
+            assert time.monotonic() < deadline, f"the sinks' group never settled: {members}"
+            await asyncio.sleep(0.2)
+
+        process.stdin.write(b"block\n")
+        process.stdin.flush()
+        await asyncio.to_thread(_read_until, process, b"blocking\n")
+        blocked_at = time.monotonic()
+        # While the main loop stands still, the sinks fetch, insert and commit a new record.
+        [written] = await produce(settings, [("rollout-state", "ro-b", rollout_state("ro-b", 1, "queuing"))])
+        tp = TopicPartition(written.topic, written.partition)
+        deadline = time.monotonic() + 120
+        while (await committed_offsets(settings, group)).get(tp, 0) <= written.offset:
+            assert time.monotonic() < deadline, "the sinks did not commit while the main loop stood still"
+            await asyncio.sleep(0.2)
+        # Past the group's session timeout (6 s) a member whose heartbeats stopped is gone; the
+        # sinks' heartbeats do not run on the main loop, so their member stays.
+        await asyncio.sleep(max(0.0, blocked_at + 9 - time.monotonic()))
+        assert await _sink_members(settings, group) == members
+        assert process.poll() is None
+
+        process.stdin.write(b"release\n")
+        process.stdin.flush()
+        await asyncio.to_thread(_read_until, process, b"released\n")
+        async with reader(url) as reads:
+            rows = (await reads.query(*_q(Q.rollouts()), fence=fence_of([written]), timeout=120)).dicts()
+        assert {r["rollout_id"] for r in rows} >= {"ro-a", "ro-b"}
+        assert await _sink_members(settings, group) == members
+    finally:
+        stop_role(process)
+        process.stdin.close()
+        process.stdout.close()

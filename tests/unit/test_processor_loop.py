@@ -154,3 +154,47 @@ async def test_lag_is_the_high_watermark_less_the_next_offset_to_handle() -> Non
     assert lag() == 2 and asked == [TP]
     loop.forget([TP])  # a revoked partition's gauge goes
     assert lag() is None
+
+
+class WaitingConsumer(Consumer):
+    """A fetch with no records waits its whole timeout, as the broker's long poll does."""
+
+    async def getmany(self, *, timeout_ms: int, max_records: int) -> Batch:
+        if self.at >= len(self.records):
+            await asyncio.sleep(timeout_ms / 1000)
+        return await super().getmany(timeout_ms=timeout_ms, max_records=max_records)
+
+
+class WokenHandler(Handler):
+    """Waits an hour between fetches unless woken; counts its ticks and whether it was woken then."""
+
+    def __init__(self) -> None:
+        super().__init__(tick_failures=0)
+        self.woken = asyncio.Event()
+        self.ticks: list[bool] = []
+
+    async def tick(self) -> None:
+        self.ticks.append(self.woken.is_set())
+
+    def poll_timeout(self) -> float:
+        return 3600.0
+
+
+async def test_a_woken_handler_ticks_at_once_instead_of_after_its_poll_timeout() -> None:
+    consumer, handler = WaitingConsumer(_records(2)), WokenHandler()
+    loop = _loop(consumer, handler)
+    stop = asyncio.Event()
+    await loop.step(stop)  # records there: no wait
+    assert handler.handled == [0, 1] and handler.ticks == [False]
+    step = asyncio.create_task(loop.step(stop))  # nothing to fetch: would wait an hour
+    await asyncio.sleep(0.05)
+    assert not step.done()
+    handler.woken.set()
+    await asyncio.wait_for(step, 60)
+    assert handler.ticks == [False, False]  # cleared before the tick that answers it
+    handler.woken.set()  # set while no fetch waits: the next one does not wait at all
+    await asyncio.wait_for(loop.step(stop), 60)
+    assert len(handler.ticks) == 3
+    consumer.records.extend(_records(3)[2:])  # records after a cut-short fetch are still read
+    await asyncio.wait_for(loop.step(stop), 60)
+    assert handler.handled == [0, 1, 2]

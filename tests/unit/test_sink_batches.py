@@ -55,6 +55,7 @@ class _Sink:
         self.calls: list[dict[int, list[int]]] = []
         self.buffer_next: dict[TopicPartition, int] = {}
         self.ticks = 0
+        self.wanted = None
 
     async def handle(self, batch: dict[TopicPartition, list[Any]]) -> None:
         for _ in range(self.turns):
