@@ -6,16 +6,21 @@ Decoding is agl_stream/wire/otlp.py; this module is what happens after it, throu
 
 Semantics of one export (a request, or one poll batch of Kafka messages):
 
+- Spans the store client stored before (an exporter retrying a request that succeeded) are
+  left out: not numbered, counted, written or refused.
 - Per attempt named in it, one SpanSequenceRequested event reserves the ids of its spans that
   carry no ``agentlightning.span_sequence_id`` (in order), and one id when all of them carry
-  their own: the reservation is also how an unknown rollout or attempt is found *before*
-  anything is written. The spans of an attempt the processor refuses are refused with its
-  reason; the other attempts' spans go on.
-- The rest is written with one ``add_many_spans`` (spans, then one heartbeat per attempt). A
-  heartbeat refused after the spans were written (the rollout was forgotten meanwhile) is a
-  warning, not a failure: the spans are stored.
-- Nothing written yet and the store failed (processor silent, broker down, store client not
-  started): :class:`TracesUnavailableError`, and a retry is safe. Failed while writing:
+  their own. It is also the attempt's heartbeat for these spans (their count, the highest id a
+  span brought itself), and how an unknown rollout or attempt is found *before* anything is
+  written. The spans of an attempt the processor refuses are refused with its reason; the
+  other attempts' spans go on.
+- The rest is written with one ``add_many_spans(..., counted=True)``: the spans only, no event
+  (the reservation was their heartbeat). A write that fails after the reservation leaves the
+  attempt counting spans that never came: the triplet builder then waits its settle time for
+  them and hands the attempt out as incomplete.
+- A reservation failed (processor silent, broker down, store client not started): the spans
+  of the attempts reserved are written, then :class:`TracesUnavailableError`, and a retry is
+  safe (the spans stored are left out of it). Failed while writing:
   :class:`TracesWriteError`: some spans may be stored, so a blind retry would store them again
   under new sequence ids.
 """
@@ -23,6 +28,7 @@ Semantics of one export (a request, or one poll batch of Kafka messages):
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,6 +65,9 @@ class Numbered:
 
     spans: dict[int, Span] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
+    # A reservation that failed (not a refusal): its spans are in neither; the others, counted
+    # already, are written before :func:`write_spans` raises, so a retry stores only the rest.
+    unavailable: BaseException | None = None
 
     def accepted(self) -> list[Span]:
         """The numbered spans in input order."""
@@ -75,11 +84,14 @@ async def number_spans(
     store: AglStore, spans: Sequence[otlp.DecodedSpan], max_attempts: int = MAX_ATTEMPTS_PER_EXPORT
 ) -> Numbered:
     """Each span of an attempt the processor knows with its sequence id; the others refused with
-    the processor's reason. One reservation per attempt, all attempts at once; the spans of
-    attempts past the first ``max_attempts`` named are refused unread."""
+    the processor's reason; those the store client stored before in neither. One reservation per
+    attempt, all attempts at once, each the heartbeat of its spans; the spans of attempts past
+    the first ``max_attempts`` named are refused unread."""
+    unstored = {id(span) for span in store.unstored_spans([decoded.span for decoded in spans])}
     by_attempt: dict[tuple[str, str], list[int]] = defaultdict(list)
     for index, decoded in enumerate(spans):
-        by_attempt[(decoded.span.rollout_id, decoded.span.attempt_id)].append(index)
+        if id(decoded.span) in unstored:
+            by_attempt[(decoded.span.rollout_id, decoded.span.attempt_id)].append(index)
     attempts = list(by_attempt)
     result = Numbered()
     for pair in attempts[max_attempts:]:
@@ -89,9 +101,8 @@ async def number_spans(
                 "attempts per exporter)"
             )
     attempts = attempts[:max_attempts]
-    wanted = [max(1, sum(spans[i].needs_sequence_id for i in by_attempt[pair])) for pair in attempts]
     reserved = await asyncio.gather(
-        *(store.get_many_span_sequence_ids([pair] * n) for pair, n in zip(attempts, wanted, strict=True)),
+        *(_reserve(store, pair, [spans[i] for i in by_attempt[pair]]) for pair in attempts),
         return_exceptions=True,
     )
     for pair, ids in zip(attempts, reserved, strict=True):
@@ -100,10 +111,9 @@ async def number_spans(
                 result.refused[index] = f"of an attempt the store refused ({ids})"
             continue
         if isinstance(ids, BaseException):
-            raise TracesUnavailableError(
-                f"reserving span sequence ids failed ({type(ids).__name__}: {ids}); nothing was written, retry later"
-            ) from ids
-        fresh = iter(ids)
+            result.unavailable = ids
+            continue
+        fresh = itertools.count(ids)
         for index in by_attempt[pair]:
             decoded = spans[index]
             result.spans[index] = (
@@ -114,19 +124,33 @@ async def number_spans(
     return result
 
 
-async def write_spans(store: AglStore, spans: Sequence[Span]) -> str:
-    """Write numbered spans (and their heartbeats); a warning when a heartbeat was refused."""
-    if not spans:
-        return ""
-    try:
-        await store.add_many_spans(spans)
-    except ValueError as error:
-        return f"{len(spans)} spans were stored, but their heartbeat was refused: {error}"
-    except Exception as error:
-        raise TracesWriteError(
-            f"writing {len(spans)} spans failed part way ({type(error).__name__}: {error}); some may be stored"
-        ) from error
-    return ""
+async def _reserve(store: AglStore, pair: tuple[str, str], spans: Sequence[otlp.DecodedSpan]) -> int:
+    """The first of the ids reserved for the spans that need one (one id when none does), in
+    the event that is these spans' heartbeat."""
+    own = [decoded.span.sequence_id for decoded in spans if not decoded.needs_sequence_id]
+    needed = sum(decoded.needs_sequence_id for decoded in spans)
+    return await store.reserve_span_sequence_ids(
+        *pair, max(1, needed), spans=len(spans), max_sequence_id=max(own) if own else None
+    )
+
+
+async def write_spans(store: AglStore, numbered: Numbered) -> None:
+    """Write the numbered spans, whose heartbeats their reservations were; then
+    TracesUnavailableError if a reservation failed (a retry stores the rest: what this client
+    stored is left out)."""
+    spans = numbered.accepted()
+    if spans:
+        try:
+            await store.add_many_spans(spans, counted=True)
+        except Exception as error:
+            raise TracesWriteError(
+                f"writing {len(spans)} spans failed part way ({type(error).__name__}: {error}); some may be stored"
+            ) from error
+    if (failed := numbered.unavailable) is not None:
+        raise TracesUnavailableError(
+            f"reserving span sequence ids failed ({type(failed).__name__}: {failed}); the spans of the other "
+            "attempts are stored, retry later for the rest"
+        ) from failed
 
 
 class TraceIngest:
@@ -174,7 +198,7 @@ class TraceIngest:
             numbered = await number_spans(store, decoded.spans)
             rejected.update(numbered.refused.values())
             try:
-                message = await write_spans(store, numbered.accepted())
+                await write_spans(store, numbered)
             except TracesWriteError as error:
                 raise TracesWriteError(f"{error}, so the request is not to be retried") from error
         rejected_count = sum(rejected.values())

@@ -38,12 +38,13 @@ Rollout status transitions (rows: event; columns: rollout status before; ``-`` =
     WatchdogFired             -             [3]/ign  [3]/ign    [3]/ign    [3]/ign  =/ign      =/ign   =/ign
     RolloutUpdated(status=S)  -             S[4]     S[4]       S[4]       S[4]     S[4]       S[4]    S[4]
     RolloutCancelled          -             cancel   cancel     cancel     cancel   -          -       -
-    SpanSequenceRequested     -             =        =          =          =        =          =       =
+    SpanSequenceRequested     -             =[5]     =[5]       =[5]       =[5]     =          =       =
 
     [1] preparing when it carries an attempt (start_rollout).
     [2] when the heartbeat's attempt is the latest one and is running after it.
     [3] a status change of the latest attempt propagates (last table); else ``=``.
     [4] S = preparing/running is rejected while the rollout has no attempt.
+    [5] as AttemptHeartbeat when it carries a span_count.
 
 Attempt status transitions (rows: event; columns: attempt status before; "finished" =
 succeeded, failed, timeout, unresponsive; "live" = preparing, running):
@@ -84,7 +85,9 @@ Notes, per event:
 * RolloutCancelled: rejected when terminal ("already succeeded"). Attempts are untouched: a
   live one stays live until its runner notices (or the watchdog closes it).
 * SpanSequenceRequested: unknown attempt rejected; reserved_sequence_id = next (default 1);
-  next += count.
+  next += count. With span_count > 0 (a writer about to write spans it numbered with these
+  ids) it is that attempt's heartbeat too, as AttemptHeartbeat(span_count, max_sequence_id)
+  after the reservation, in the one new state.
 * WatchdogFired: a status other than timeout/unresponsive is rejected. *Ignored* when the
   attempt is unknown, not preparing/running, its last_heartbeat_time differs from the observed
   one (a newer heartbeat voids the verdict) or the verdict is not due at event time
@@ -368,7 +371,15 @@ def _attempt_started(state: RolloutState, event: RolloutEvent, payload: AttemptS
     )
 
 
-def _heartbeat(state: RolloutState, event: RolloutEvent, payload: AttemptHeartbeat) -> FoldResult:
+def _heartbeat(
+    state: RolloutState,
+    event: RolloutEvent,
+    payload: AttemptHeartbeat,
+    next_ids: dict[str, int] | None = None,
+    reserved_sequence_id: int | None = None,
+) -> FoldResult:
+    """``next_ids``/``reserved_sequence_id``: a reservation folded in the same event (a
+    SpanSequenceRequested that is the heartbeat of its spans too)."""
     index = _find_attempt(state, payload.attempt_id)
     if index is None:
         return _unknown_attempt(state, payload.attempt_id)
@@ -386,13 +397,14 @@ def _heartbeat(state: RolloutState, event: RolloutEvent, payload: AttemptHeartbe
     new_attempt = attempt.model_copy(update=update)
     if is_latest and new_attempt.status == "running" and rollout.status in ("preparing", "requeuing"):
         rollout = rollout.model_copy(update={"status": "running"})
-    next_ids = dict(state.next_sequence_ids)
+    next_ids = dict(state.next_sequence_ids) if next_ids is None else next_ids
     if payload.max_sequence_id is not None:
         next_ids[attempt.attempt_id] = max(next_ids.get(attempt.attempt_id, 1), payload.max_sequence_id + 1)
     counts = state.span_counts
     if payload.span_count:
         counts = {**counts, attempt.attempt_id: counts.get(attempt.attempt_id, 0) + payload.span_count}
-    return _commit(state, event, rollout, _replace(state.attempts, index, new_attempt), next_ids, span_counts=counts)
+    attempts = _replace(state.attempts, index, new_attempt)
+    return _commit(state, event, rollout, attempts, next_ids, reserved_sequence_id, span_counts=counts)
 
 
 def _attempt_updated(state: RolloutState, event: RolloutEvent, payload: AttemptUpdated) -> FoldResult:
@@ -468,6 +480,11 @@ def _sequence_requested(state: RolloutState, event: RolloutEvent, payload: SpanS
     next_ids = dict(state.next_sequence_ids)
     reserved = next_ids.get(payload.attempt_id, 1)
     next_ids[payload.attempt_id] = reserved + payload.count
+    if payload.span_count:
+        beat = AttemptHeartbeat(
+            attempt_id=payload.attempt_id, span_count=payload.span_count, max_sequence_id=payload.max_sequence_id
+        )
+        return _heartbeat(state, event, beat, next_ids, reserved)
     return _commit(state, event, state.rollout, list(state.attempts), next_ids, reserved_sequence_id=reserved)
 
 

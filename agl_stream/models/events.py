@@ -158,12 +158,18 @@ class RolloutCancelled(UnionMember):
 
 
 class SpanSequenceRequested(UnionMember):
-    """Reserve ``count`` span sequence ids of an attempt; the reply state names the first."""
+    """Reserve ``count`` span sequence ids of an attempt; the reply state names the first.
+
+    With ``span_count`` > 0 it is also the heartbeat of that many spans about to be written
+    (numbered with these ids, or by the writer up to ``max_sequence_id``), folded as the
+    AttemptHeartbeat with those fields would be."""
 
     avro_name: ClassVar[str] = "agl.SpanSequenceRequested"
 
     attempt_id: str
     count: int = Field(default=1, ge=1)
+    span_count: int = Field(default=0, ge=0)
+    max_sequence_id: int | None = None
 
 
 class WatchdogFired(UnionMember):

@@ -465,12 +465,18 @@ class AglStore(StoreReads):
         spans = await self.add_many_spans([span])
         return spans[0] if spans else None
 
-    async def add_many_spans(self, spans: Sequence[Span]) -> Sequence[Span]:
+    def unstored_spans(self, spans: Sequence[Span]) -> list[Span]:
+        """``spans`` less the duplicates ``add_many_spans`` would leave out (same objects)."""
+        return self._writes.new_spans(spans)
+
+    async def add_many_spans(self, spans: Sequence[Span], *, counted: bool = False) -> Sequence[Span]:
         """Write spans to agl.spans; their arrival is one heartbeat per attempt. Returns the
         spans stored: duplicates (the same rollout, attempt and span id as a span this client
         stored among its last 20,000, or earlier in ``spans``) are left out and not written
         again. The read side keeps one row per span id anyway, so a duplicate from another
         client or from before a restart is stored once too; it is only answered as stored.
+        ``counted``: their heartbeat was folded already, with their reservation
+        (``reserve_span_sequence_ids(..., spans=...)``): only the spans are written.
 
         The contract wants a ValueError for spans of an unknown rollout or attempt. An attempt
         this client has seen in an answer (it claimed or started it, or updated it) exists, so
@@ -482,12 +488,13 @@ class AglStore(StoreReads):
         fresh = self._writes.new_spans(spans)
         if not fresh:
             return []
-        beats = heartbeats(fresh)
-        if self._writes.known((rid, beat.attempt_id) for rid, beat in beats):
+        if counted:
+            await self._writes.send(self._writes.spans(fresh))
+        elif self._writes.known((rid, aid) for rid, aid in {(s.rollout_id, s.attempt_id) for s in fresh}):
             await self.export_spans(fresh)
         else:
             # The verdict first: spans of an attempt no store knows are refused, not stored.
-            await self._acknowledged(beats)
+            await self._acknowledged(heartbeats(fresh))
             await self._writes.send(self._writes.spans(fresh))
         self._writes.stored(fresh)
         return fresh
@@ -543,15 +550,23 @@ class AglStore(StoreReads):
         across clients and restarts). ValueError for an unknown rollout or attempt."""
         return await self.reserve_span_sequence_ids(rollout_id, attempt_id, 1)
 
-    async def reserve_span_sequence_ids(self, rollout_id: str, attempt_id: str, count: int) -> int:
+    async def reserve_span_sequence_ids(
+        self, rollout_id: str, attempt_id: str, count: int, *, spans: int = 0, max_sequence_id: int | None = None
+    ) -> int:
         """Reserve ``count`` consecutive sequence ids of an attempt; returns the first.
 
         Writers that number spans themselves (the runner's tracer, the LLM proxy) reserve a block
-        once and number within it, so ids from different writers never collide.
+        once and number within it, so ids from different writers never collide. ``spans``: that
+        many spans of the attempt are about to be written, numbered with these ids (or by the
+        writer, up to ``max_sequence_id``): the reservation is their heartbeat too, so write them
+        with ``add_many_spans(..., counted=True)``, which sends none.
         """
         if count < 1:
             raise ValueError("reserve at least one sequence id")
-        state = await self._request(rollout_id, SpanSequenceRequested(attempt_id=attempt_id, count=count))
+        payload = SpanSequenceRequested(
+            attempt_id=attempt_id, count=count, span_count=spans, max_sequence_id=max_sequence_id
+        )
+        state = await self._request(rollout_id, payload)
         assert state.reserved_sequence_id is not None
         return state.reserved_sequence_id
 

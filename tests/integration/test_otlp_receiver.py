@@ -31,9 +31,11 @@ from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import end_offsets
 from agl_stream.local import stack
-from agl_stream.models import Span
+from agl_stream.models import RolloutEvent, RolloutState, Span, SpanSequenceRequested
 from agl_stream.trace_ingest import MAX_ATTEMPTS_PER_EXPORT
+from agl_stream.wire.codec import Codec
 from agl_stream.wire.otlp import PROTOBUF
+from tests.integration.helpers import read_to_end
 
 pytestmark = pytest.mark.integration
 
@@ -144,6 +146,22 @@ async def test_sdk_exporter_spans_arrive_once_numbered_typed_and_as_heartbeats(
         what="the attempt running after its spans arrived",
     )
     assert attempt is not None and attempt.last_heartbeat_time is not None
+
+    # Each export was one event about the attempt: the reservation of its spans' ids, which
+    # was their heartbeat too (no heartbeat of its own).
+    codec = Codec.default()
+    events = [
+        codec.decode(r.value, RolloutEvent).payload
+        for r in await read_to_end(store.settings, store.settings.topic("rollouts"))
+        if r.key == rid.encode()
+    ]
+    assert [type(e).__name__ for e in events] == ["RolloutEnqueued", "SpanSequenceRequested", "SpanSequenceRequested"]
+    assert [(e.count, e.span_count) for e in events[1:] if isinstance(e, SpanSequenceRequested)] == [(3, 3), (1, 1)]
+    # The count the triplet builder waits for, in the rollout's newest state.
+    states = [
+        r for r in await read_to_end(store.settings, store.settings.topic("rollout-state")) if r.key == rid.encode()
+    ]
+    assert codec.decode(states[-1].value, RolloutState).span_counts == {aid: 4}
 
 
 async def test_json_bodies_with_own_and_assigned_sequence_ids(store: AglStore, traces_url: str) -> None:

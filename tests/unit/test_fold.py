@@ -507,6 +507,34 @@ def test_heartbeats_add_up_span_counts_per_attempt_and_other_events_keep_them() 
     assert state.span_counts == {aid(2): 7, aid(1): 2}
 
 
+def test_a_reservation_with_a_span_count_is_also_the_heartbeat_of_those_spans() -> None:
+    state = make_state("preparing", ("preparing",))
+    before = state.version
+    payload = SpanSequenceRequested(attempt_id=aid(1), count=3, span_count=5, max_sequence_id=40)
+    result = run(state, payload, time=T0 + 7)
+    assert result.outcome == "applied" and result.state is not None
+    state = result.state
+    assert state.version == before + 1  # one event, one new state
+    assert state.reserved_sequence_id == 1  # ids 1-3 for the spans without their own
+    assert state.next_sequence_ids[aid(1)] == 41  # past the highest id a span brought itself
+    assert state.span_counts == {aid(1): 5}
+    [attempt] = state.attempts
+    assert (attempt.status, attempt.last_heartbeat_time, state.rollout.status) == ("running", T0 + 7, "running")
+    # The same as a reservation followed by the heartbeat, bar the version and the reservation.
+    reserved = applied(make_state("preparing", ("preparing",)), SpanSequenceRequested(attempt_id=aid(1), count=3))
+    beat = run(reserved, AttemptHeartbeat(attempt_id=aid(1), span_count=5, max_sequence_id=40), time=T0 + 7).state
+    assert beat is not None
+    assert (beat.attempts, beat.rollout, beat.span_counts, beat.next_sequence_ids) == (
+        state.attempts,
+        state.rollout,
+        state.span_counts,
+        state.next_sequence_ids,
+    )
+    # A plain reservation is no heartbeat.
+    plain = applied(make_state("preparing", ("preparing",)), SpanSequenceRequested(attempt_id=aid(1), count=3))
+    assert plain.attempts[0].status == "preparing" and plain.span_counts == {}
+
+
 def test_heartbeat_max_sequence_id_zero_or_first() -> None:
     state = make_state("running", ("running",))
     state = applied(state, AttemptHeartbeat(attempt_id=aid(1), max_sequence_id=0))
