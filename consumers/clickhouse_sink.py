@@ -700,7 +700,7 @@ class SinkGroup:
 
 
 class SinkThread:
-    """A :class:`SinkGroup` on an event loop of its own, in a thread of its own, for a process
+    """``group`` on an event loop of its own, in a thread of its own, for a process
     whose main loop serves requests (the gateway). A slow request there cannot delay the sinks'
     fetches, INSERTs or group heartbeats (a member that misses its session timeout loses its
     partitions and reads them again), and the sinks' work on a batch never holds up a request.
@@ -712,18 +712,11 @@ class SinkThread:
     sinks' thread, so it must be safe there (a read of a counter is).
     """
 
-    def __init__(
-        self,
-        settings: Settings,
-        specs: Sequence[SinkSpec] = SPECS,
-        *,
-        on_applied: OnApplied | None = None,
-        wanted: Wanted | None = None,
-        options: Mapping[str, Mapping[str, Any]] | None = None,
-    ) -> None:
-        self._on_applied = on_applied
-        handed = self._hand_over if on_applied is not None else None
-        self.group = SinkGroup(settings, specs, on_applied=handed, wanted=wanted, options=options)
+    def __init__(self, group: SinkGroup) -> None:
+        self.group = group
+        self._on_applied = group.on_applied
+        if group.on_applied is not None:  # its sinks are made when it runs: they get the hand-over
+            group.on_applied = self._hand_over
         self._owner: asyncio.AbstractEventLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the sinks' loop while it runs
         self._lock = threading.Lock()  # guards _loop and _stopped between the two threads

@@ -82,7 +82,7 @@ from agl_stream.logs import get_logger
 from agl_stream.store.readside import DEFAULT_TIMEOUT, GATEWAY_FILE, Fence, QueryResult, fence_behind
 from agl_stream.trace_ingest import TraceIngest, TracesUnavailableError, TracesWriteError
 from agl_stream.wire import otlp
-from consumers.clickhouse_sink import SinkThread
+from consumers.clickhouse_sink import SinkGroup, SinkThread
 from consumers.dashboard import DASHBOARD_PAGES, Backlog, serve_dashboard
 from consumers.gateway_agl import serve_agl
 from consumers.gateway_sql import (
@@ -412,7 +412,9 @@ class Gateway:
         self.topics = frozenset(settings.topic(spec.topic) for spec in self.specs)
         self.applied = AppliedOffsets()
         self.sinks = SinkThread(
-            settings, self.specs, on_applied=self.applied.update, wanted=self.applied.wanted, options=sink_options
+            SinkGroup(
+                settings, self.specs, on_applied=self.applied.update, wanted=self.applied.wanted, options=sink_options
+            )
         )
         self.applied.on_wait = self.sinks.wake
         self.queries = QueryRunner(settings, size=query_clients, time_limit_s=query_time_limit_s)
