@@ -95,7 +95,7 @@ Wanted = Callable[[str], bool]
 Asked on the sinks' loop after a fetch or a wake; the supplier wakes the sinks (``SinkGroup.wake``)
 when a reader starts waiting, so a lingering sink need not poll it."""
 
-_IDLE_POLL_MS = 500  # how long an idle sink waits for a first record (also bounds stop latency)
+_IDLE_POLL_MS = 500  # how long an idle sink waits for a first record
 # One INSERT must make one part for the "data" resume policy. The engine squashes what a view
 # writes into blocks of min_insert_block_size_rows (~1M) or _bytes (256 MB in memory), and
 # writes a part per block: exploded span batches pass the byte threshold (measured: 100k spans
@@ -535,9 +535,9 @@ class _SinkSet:
         self.sinks = {sink.topic: sink for sink in sinks}
         if len(self.sinks) != len(sinks):
             raise ValueError("two sinks of one topic cannot share a consumer")
-        # Set when a reader starts waiting: the skeleton's fetch returns and tick looks at
-        # ``wanted`` (only sinks that have one can be woken).
-        self.woken = asyncio.Event() if any(sink.wanted is not None for sink in sinks) else None
+        # Set when a reader starts waiting or the sinks stop: the skeleton's fetch returns and
+        # tick looks at ``wanted`` and the stop (a lingering batch waits no longer).
+        self.woken = asyncio.Event()
 
     def _split(self, partitions: Iterable[TopicPartition]) -> dict[TableSink, set[TopicPartition]]:
         split: dict[TableSink, set[TopicPartition]] = {}
@@ -645,12 +645,12 @@ class SinkGroup:
         self._stop.set()
         for sink in self.sinks:
             sink.stop()
+        self.wake()  # a fetch waiting out a linger returns now
 
     def wake(self) -> None:
         """A reader started waiting: every lane's fetch returns and its sinks look at ``wanted``."""
         for lane in self._lanes:
-            if lane.woken is not None:
-                lane.woken.set()
+            lane.woken.set()
 
     async def run(self) -> dict[str, SinkStats]:
         clients = [await asyncio.to_thread(get_client, self.settings) for _ in self.specs]

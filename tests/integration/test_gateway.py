@@ -486,3 +486,21 @@ async def test_a_main_loop_that_stands_still_stops_no_sink_nor_its_group_members
         stop_role(process)
         process.stdin.close()
         process.stdout.close()
+
+
+async def test_a_clean_stop_with_a_batch_lingering_exits_cleanly_and_loses_nothing(settings: Settings) -> None:
+    await admin.apply(settings)
+    settings = settings.model_copy(update={"gateway_port": 0, "sink_linger_ms": 600_000})
+    with gateway_process(settings, "lingering") as (process, url):
+        async with reader(url) as reads:  # the sinks run: a fenced read was answered
+            first = await produce(settings, [("rollout-state", "ro-1", rollout_state("ro-1", 1, "queuing"))])
+            await reads.query(*_q(Q.rollouts()), fence=fence_of(first), timeout=120)
+        # Nobody reads this one: it lingers (ten minutes), until the stop.
+        second = await produce(settings, [("rollout-state", "ro-2", rollout_state("ro-2", 1, "queuing"))])
+        # SIGTERM: the stop wakes the sinks, which write what lingers; the process exits cleanly
+        # rather than waiting out the linger until stop_role kills it.
+        assert stop_role(process, timeout=60) == 0
+    with gateway_process(settings, "lingering-again") as (_, url):
+        async with reader(url) as reads:
+            rows = (await reads.query(*_q(Q.rollouts()), fence=fence_of(second), timeout=120)).dicts()
+    assert {r["rollout_id"] for r in rows} >= {"ro-1", "ro-2"}
