@@ -17,10 +17,8 @@ batch the handler lingers on) also has ``woken``, an event set in the loop's thr
 progress then returns at once, and ``tick`` runs. A broker error in ``handle`` or
 ``tick`` makes the handler start over as after a rebalance (its partitions rebuilt from what is
 durable, the records read again from the committed offsets), with backoff (retry.RESTART). Commits are coalesced
-(every ``commit_interval_s``, 1 s by default, on revocation and at stop): a crash re-delivers
-at most that much, and handlers are idempotent (at-least-once). At a light load a commit per
-0.2 s was most of a member's requests after its fetches (2.6 per rollout of the processor's,
-through the seed's client). ``handler.tick`` runs after every fetch, also an
+(every ``commit_interval_s``, on revocation and at stop): a crash re-delivers at most that much,
+and handlers are idempotent (at-least-once). ``handler.tick`` runs after every fetch, also an
 empty one, for timers; ``handler.poll_timeout`` says how long a fetch may wait for records.
 
 Every member reports the same metrics (agl_stream/metrics.py), labelled with its group: records
@@ -339,7 +337,7 @@ async def run_processor(
     stop: asyncio.Event,
     ready_as: str | None = None,
     max_records: int = 5000,
-    commit_interval_s: float = 1.0,
+    commit_interval_s: float = 0.2,
     on_start: Callable[[AIOKafkaConsumer], None] | None = None,
     retry_on: tuple[type[BaseException], ...] = (KafkaError, TimeoutError),
     group_id: str | None = None,
