@@ -70,19 +70,10 @@ def stack_settings(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactor
 
     Store tests isolate themselves by the rollouts they create, so one stack serves them all.
     """
-    from agl_stream.local import stack
+    from tests.integration.helpers import local_stack
 
-    settings = Settings(
-        kafka_bootstrap=kafka_bootstrap,
-        data_dir=tmp_path_factory.mktemp("stack"),
-        topic_prefix=f"s{uuid4().hex[:10]}",
-        gateway_port=0,
-    )
-    stack.up(settings)
-    try:
-        yield stack.local_stack_settings(settings)
-    finally:
-        stack.down(settings)
+    with local_stack(kafka_bootstrap, tmp_path_factory.mktemp("stack")) as settings:
+        yield settings
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from clickhouse_connect.driver.client import Client
@@ -16,7 +17,7 @@ from clickhouse_connect.driver.client import Client
 from agl_stream.clickhouse.client import get_client
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
-from agl_stream.local import processes
+from agl_stream.local import processes, stack
 from agl_stream.local.processes import stop_role
 from agl_stream.models import DlqRecord
 from agl_stream.wire.codec import Codec
@@ -46,6 +47,24 @@ INNER JOIN (
 ) AS t ON t.RolloutId = r.rollout_id
 GROUP BY r.mode ORDER BY r.mode
 """
+
+
+@contextmanager
+def local_stack(kafka_bootstrap: str, data_dir: Path, **overrides: Any) -> Iterator[Settings]:
+    """A local stack of its own (processor, gateway, ingress) on the session's broker, on topics
+    of its own; yields the settings its clients use and stops it after. ``overrides``: settings."""
+    settings = Settings(
+        kafka_bootstrap=kafka_bootstrap,
+        data_dir=data_dir,
+        topic_prefix=f"s{uuid4().hex[:10]}",
+        gateway_port=0,
+        **overrides,
+    )
+    stack.up(settings)
+    try:
+        yield stack.local_stack_settings(settings)
+    finally:
+        stack.down(settings)
 
 
 def start_role(settings: Settings, *args: str, log_name: str = "role") -> subprocess.Popen[bytes]:

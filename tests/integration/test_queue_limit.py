@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
-from uuid import uuid4
 
 import pytest
 
@@ -16,6 +14,7 @@ from agl_stream.config import Settings
 from agl_stream.domain.queue import QUEUE_FULL
 from agl_stream.local import stack
 from agl_stream.store.replies import QueueFullError, RejectedError
+from tests.integration.helpers import local_stack
 
 pytestmark = pytest.mark.integration
 
@@ -24,18 +23,8 @@ LIMIT = 2
 
 @pytest.fixture(scope="module")
 def limited_stack(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    settings = Settings(
-        kafka_bootstrap=kafka_bootstrap,
-        data_dir=Path(tmp_path_factory.mktemp("limited")),
-        topic_prefix=f"q{uuid4().hex[:10]}",
-        gateway_port=0,
-        max_queued_per_partition=LIMIT,
-    )
-    stack.up(settings)
-    try:
-        yield stack.local_stack_settings(settings)
-    finally:
-        stack.down(settings)
+    with local_stack(kafka_bootstrap, tmp_path_factory.mktemp("limited"), max_queued_per_partition=LIMIT) as settings:
+        yield settings
 
 
 async def _fill(store: AglStore, partitions: int) -> tuple[list[str], QueueFullError]:

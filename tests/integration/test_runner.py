@@ -12,16 +12,14 @@ import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from uuid import uuid4
 
 import pytest
 
 from agl_stream import AglStore, connect
 from agl_stream.config import Settings
 from agl_stream.kafka.offsets import fence_at_end
-from agl_stream.local import stack
 from agl_stream.models import RolloutConfig
-from tests.integration.helpers import start_role, stop_role
+from tests.integration.helpers import local_stack, start_role, stop_role
 
 pytestmark = pytest.mark.integration
 
@@ -32,18 +30,8 @@ AGENT = "tests.integration.agents:scripted"
 def own_stack(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     # One stack for the module (~30 s each to start): every test enqueues its own rollouts,
     # waits for them, and stops the runners it started.
-    settings = Settings(
-        kafka_bootstrap=kafka_bootstrap,
-        data_dir=tmp_path_factory.mktemp("runner-stack"),
-        topic_prefix=f"r{uuid4().hex[:10]}",
-        gateway_port=0,
-        watchdog_interval_s=0.2,
-    )
-    stack.up(settings)
-    try:
-        yield stack.local_stack_settings(settings)
-    finally:
-        stack.down(settings)
+    with local_stack(kafka_bootstrap, tmp_path_factory.mktemp("runner-stack"), watchdog_interval_s=0.2) as settings:
+        yield settings
 
 
 def _runner(settings: Settings, *args: str, name: str) -> subprocess.Popen[bytes]:

@@ -5,32 +5,22 @@ for (and so flushes) only what this client wrote about that worker, not every ro
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from uuid import uuid4
 
 import pytest
 
 from agl_stream import AglStore, connect
 from agl_stream.config import Settings
-from agl_stream.local import stack
+from tests.integration.helpers import local_stack
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def lingering_stack(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    settings = Settings(
-        kafka_bootstrap=kafka_bootstrap,
-        data_dir=Path(tmp_path_factory.mktemp("lingering")),
-        topic_prefix=f"l{uuid4().hex[:10]}",
-        gateway_port=0,
-        sink_linger_ms=600_000,  # only a waiting reader (or a full batch) makes a sink insert
-    )
-    stack.up(settings)
-    try:
-        yield stack.local_stack_settings(settings)
-    finally:
-        stack.down(settings)
+    # A linger far longer than any test: only a waiting reader (or a full batch) makes a sink insert.
+    with local_stack(kafka_bootstrap, tmp_path_factory.mktemp("lingering"), sink_linger_ms=600_000) as settings:
+        yield settings
 
 
 async def _rows_in_table(store: AglStore, rollout_id: str) -> int:

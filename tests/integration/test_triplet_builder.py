@@ -9,7 +9,6 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from uuid import uuid4
 
 import pytest
 from aiokafka import AIOKafkaConsumer
@@ -20,13 +19,12 @@ from agl_stream.domain.fold import fold
 from agl_stream.kafka import admin
 from agl_stream.kafka.io import make_producer
 from agl_stream.kafka.offsets import committed_offsets, end_offsets
-from agl_stream.local import stack
 from agl_stream.local.processes import start_budget
 from agl_stream.models import DlqRecord, RolloutState, TripletRecord
 from agl_stream.wire.codec import Codec
 from agl_stream.wire.span_records import SPAN_BATCH
 from processors.triplets import TripletBuilder
-from tests.integration.helpers import read_topic, start_role, stop_role
+from tests.integration.helpers import local_stack, read_topic, start_role, stop_role
 from tests.replay_history import AttemptHistory, attempt_history, rollout_id_of, span_values
 
 pytestmark = pytest.mark.integration
@@ -34,14 +32,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def own_stack(kafka_bootstrap: str, tmp_path: Path) -> Iterator[Settings]:
-    settings = Settings(
-        kafka_bootstrap=kafka_bootstrap, data_dir=tmp_path, topic_prefix=f"x{uuid4().hex[:10]}", gateway_port=0
-    )
-    stack.up(settings)
-    try:
-        yield stack.local_stack_settings(settings)
-    finally:
-        stack.down(settings)
+    with local_stack(kafka_bootstrap, tmp_path) as settings:
+        yield settings
 
 
 def _builder(settings: Settings) -> subprocess.Popen[bytes]:
