@@ -228,6 +228,7 @@ class TableSink:
         self.buffer_from: dict[TopicPartition, int] = {}
         self.buffer_next: dict[TopicPartition, int] = {}
         self.deadline: float | None = None  # set by a batch's first record: it lingers until then
+        self.lane: _SinkSet | None = None  # the handler it runs in, set by that handler
         # Per partition, the offset up to which rows are known to be in the table. Records
         # below it are never inserted again, however the consumer's position came back to
         # them (a rebalance resets positions to the committed offsets, which can lag).
@@ -240,6 +241,8 @@ class TableSink:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self.lane is not None:
+            self.lane.woken.set()  # a fetch waiting out the linger returns now, and tick flushes
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -535,9 +538,11 @@ class _SinkSet:
         self.sinks = {sink.topic: sink for sink in sinks}
         if len(self.sinks) != len(sinks):
             raise ValueError("two sinks of one topic cannot share a consumer")
-        # Set when a reader starts waiting or the sinks stop: the skeleton's fetch returns and
+        # Set when a reader starts waiting or a sink stops: the skeleton's fetch returns and
         # tick looks at ``wanted`` and the stop (a lingering batch waits no longer).
         self.woken = asyncio.Event()
+        for sink in sinks:
+            sink.lane = self
 
     def _split(self, partitions: Iterable[TopicPartition]) -> dict[TableSink, set[TopicPartition]]:
         split: dict[TableSink, set[TopicPartition]] = {}
@@ -644,8 +649,7 @@ class SinkGroup:
         self._stop_requested = True
         self._stop.set()
         for sink in self.sinks:
-            sink.stop()
-        self.wake()  # a fetch waiting out a linger returns now
+            sink.stop()  # each wakes its lane
 
     def wake(self) -> None:
         """A reader started waiting: every lane's fetch returns and its sinks look at ``wanted``."""

@@ -490,7 +490,7 @@ class AglStore(StoreReads):
             return []
         if counted:
             await self._writes.send(self._writes.spans(fresh))
-        elif self._writes.known((rid, aid) for rid, aid in {(s.rollout_id, s.attempt_id) for s in fresh}):
+        elif self._writes.known({(s.rollout_id, s.attempt_id) for s in fresh}):
             await self.export_spans(fresh)
         else:
             # The verdict first: spans of an attempt no store knows are refused, not stored.
