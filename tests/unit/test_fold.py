@@ -1071,3 +1071,18 @@ def test_events_that_cannot_queue_a_rollout_are_told_apart() -> None:
     assert not may_queue(RolloutCancelled())
     assert may_queue(AttemptUpdated.of(aid(1), status="failed"))  # a retry
     assert may_queue(RolloutUpdated.of(status="requeuing"))
+
+
+def test_a_reservation_counting_negative_spans_is_refused_when_decoded() -> None:
+    """A hostile writer's event never reaches the fold: it fails to decode (the processor
+    dead-letters such records with the reason)."""
+    from agl_stream.errors import CodecError
+    from agl_stream.wire.codec import Codec
+
+    codec = Codec.default()
+    payload = SpanSequenceRequested.model_construct(attempt_id=aid(1), count=1, span_count=-3, max_sequence_id=None)
+    event = make_event(SpanSequenceRequested(attempt_id=aid(1), span_count=3), T0)
+    written = codec.encode(event.model_copy(update={"payload": payload}))
+    with pytest.raises(CodecError, match="span_count"):
+        codec.decode(written, RolloutEvent)
+    assert codec.decode(codec.encode(event), RolloutEvent) == event
